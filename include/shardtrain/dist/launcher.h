@@ -1,0 +1,60 @@
+// The process launcher behind `shardtrain launch`: starts the ranks of one
+// node, watches them and stops them together.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace shardtrain::dist {
+
+/// What to launch and how. Validated by launch(); a bad value is a ConfigError.
+struct LaunchOptions {
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  /// Empty: 127.0.0.1.
+  std::string master_addr;
+  /// 0: pick a free port on this machine (single node only).
+  int master_port = 0;
+  /// Times the whole group is restarted after a failure.
+  int max_restarts = 0;
+  /// Seconds the other ranks get between SIGTERM and SIGKILL once one failed.
+  double stop_grace_s = 3.0;
+  /// Lines of output kept per rank and shown when that rank fails.
+  int tail_lines = 20;
+  /// Program and its arguments; program is looked up in PATH.
+  std::vector<std::string> command;
+};
+
+/// Starts nproc_per_node ranks with the torchrun variables set (RANK,
+/// LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
+/// MASTER_PORT, SHARDTRAIN_RESTART_COUNT), prefixes each line they print with
+/// "[rank k] ", forwards SIGINT and SIGTERM to all of them, and returns the
+/// exit code for the launcher: 0 when every rank succeeded; otherwise the code
+/// of the first rank that failed (128 + signal for a rank killed by a signal),
+/// after stopping the rest and printing that rank's last lines to stderr.
+/// Restarts the whole group up to max_restarts times after a failure, with
+/// SHARDTRAIN_RESTART_COUNT incremented and the same master port.
+///
+/// Conventions:
+///   - "k" in the prefix is the global rank; stdout lines go to stdout, stderr
+///     lines to stderr; an unterminated last line is flushed at EOF.
+///   - Each rank runs in its own process group with stdin on /dev/null (a
+///     background group reading the terminal would be stopped) and dies with
+///     the launcher (PR_SET_PDEATHSIG). Other launchers' rank variables
+///     (SLURM_PROCID, OMPI_COMM_WORLD_*, PMI_*, ...) are removed from its
+///     environment: they describe the launcher's slot, not the rank's.
+///   - A program that cannot be found exits 127 (126: cannot be executed),
+///     reported like any other failure.
+///   - SIGINT/SIGTERM to the launcher: forwarded to every rank's process
+///     group, SIGKILL after stop_grace_s (or at once on a second signal); the
+///     result is 128 + signal, or the code of a rank that had already failed.
+///     A stop by signal never restarts.
+///   - With nnodes > 1, master_addr and master_port are required and
+///     max_restarts must be 0: restarts cannot be coordinated across nodes.
+int launch(const LaunchOptions& options);
+
+/// A TCP port that was free on this machine a moment ago.
+int find_free_port();
+
+}  // namespace shardtrain::dist

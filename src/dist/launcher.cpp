@@ -1,0 +1,535 @@
+#include "shardtrain/dist/launcher.h"
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <deque>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "shardtrain/core/error.h"
+
+extern char** environ;
+
+namespace shardtrain::dist {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Longest line kept in memory; a rank that prints more without a newline has
+// it written out in pieces rather than growing the buffer without bound.
+constexpr size_t kMaxLineBytes = 64 * 1024;
+// How long output of exited ranks is still read when something (a grandchild
+// that inherited the pipe) keeps it open.
+constexpr double kDrainSeconds = 1.0;
+
+// Variables the launcher sets, plus other launchers' rank variables: those
+// describe the launcher's own slot, so a rank must not see them.
+const std::set<std::string> kReplacedVars = {
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+    "MASTER_PORT", "SHARDTRAIN_RESTART_COUNT", "SLURM_PROCID", "SLURM_LOCALID",
+    "SLURM_NODEID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE",
+    "MPI_LOCALRANKID", "MPI_LOCALNRANKS"};
+
+// ---- signals: a self-pipe the handlers write the signal number into --------
+
+int g_signal_pipe[2] = {-1, -1};
+
+void on_signal(int sig) {
+  const int saved = errno;
+  const unsigned char byte = static_cast<unsigned char>(sig);
+  // A full pipe only drops a wake-up that is already pending.
+  ssize_t ignored = ::write(g_signal_pipe[1], &byte, 1);
+  (void)ignored;
+  errno = saved;
+}
+
+// Installs the handlers for the duration of launch() and restores the old ones.
+class SignalGuard {
+ public:
+  SignalGuard() {
+    ST_ASSERT(g_signal_pipe[0] < 0, "launch() is already running in this process");
+    ST_CHECK(::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) == 0, Error,
+             "cannot create a pipe: ", std::strerror(errno));
+    struct sigaction sa {};
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_NOCLDSTOP;
+    for (int i = 0; i < 3; ++i) ::sigaction(kHandled[i], &sa, &old_[i]);
+    // A closed stdout must not kill the launcher and orphan the ranks.
+    struct sigaction ign {};
+    ign.sa_handler = SIG_IGN;
+    ::sigaction(SIGPIPE, &ign, &old_[3]);
+  }
+  ~SignalGuard() {
+    for (int i = 0; i < 3; ++i) ::sigaction(kHandled[i], &old_[i], nullptr);
+    ::sigaction(SIGPIPE, &old_[3], nullptr);
+    ::close(g_signal_pipe[0]);
+    ::close(g_signal_pipe[1]);
+    g_signal_pipe[0] = g_signal_pipe[1] = -1;
+  }
+  SignalGuard(const SignalGuard&) = delete;
+  SignalGuard& operator=(const SignalGuard&) = delete;
+
+  static constexpr int kHandled[3] = {SIGINT, SIGTERM, SIGCHLD};
+
+ private:
+  struct sigaction old_[4];
+};
+
+constexpr int SignalGuard::kHandled[3];
+
+// ---- output ------------------------------------------------------------------
+
+void write_all(int fd, const std::string& text) {
+  const char* p = text.data();
+  size_t left = text.size();
+  while (left > 0) {
+    const ssize_t n = ::write(fd, p, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;  // our own stdout is gone; keep running the ranks
+    p += n;
+    left -= static_cast<size_t>(n);
+  }
+}
+
+void say(const std::string& text) { write_all(STDERR_FILENO, "shardtrain launch: " + text + "\n"); }
+
+std::string describe_code(int code) {
+  if (code > 128 && code < 128 + 65) {
+    const char* name = ::strsignal(code - 128);
+    return ::shardtrain::detail::str_cat("exit code ", code, ", killed by signal ", code - 128,
+                                         name ? std::string(" (") + name + ")" : std::string());
+  }
+  if (code == 127) return "exit code 127, program not found";
+  if (code == 126) return "exit code 126, program not executable";
+  return ::shardtrain::detail::str_cat("exit code ", code);
+}
+
+// One of a rank's output pipes and the line it is in the middle of.
+struct Stream {
+  int fd = -1;
+  int target = STDOUT_FILENO;
+  std::string partial;
+};
+
+struct Rank {
+  int rank = 0;
+  pid_t pid = -1;
+  bool running = false;
+  int code = 0;
+  Stream out, err;
+  std::deque<std::string> tail;
+};
+
+class Group {
+ public:
+  Group(const LaunchOptions& options, int port, int restart)
+      : options_(options), port_(port), restart_(restart) {}
+
+  // Whatever happens (an exception included), no rank outlives the group.
+  ~Group() {
+    for (auto& r : ranks_) {
+      if (r.running) {
+        ::kill(-r.pid, SIGKILL);
+        ::waitpid(r.pid, nullptr, 0);
+      }
+      close_stream(r.out);
+      close_stream(r.err);
+    }
+  }
+  Group(const Group&) = delete;
+  Group& operator=(const Group&) = delete;
+
+  /// Runs the ranks to the end. Returns 0, the first failure's code, or
+  /// 128 + signal when the launcher was told to stop.
+  int run();
+
+  /// The rank whose failure decided run()'s result, -1 for none.
+  int failed_rank() const { return failed_ < 0 ? -1 : ranks_[failed_].rank; }
+  bool interrupted() const { return signal_ != 0; }
+
+ private:
+  void start_all();
+  void start(Rank& r, int local_rank);
+  std::vector<std::string> child_env(int local_rank) const;
+  void read_stream(Rank& r, Stream& s);
+  void emit(Rank& r, Stream& s, const std::string& line);
+  void close_stream(Stream& s);
+  void reap();
+  void stop_all(int sig);
+  void report_failure() const;
+
+  const LaunchOptions& options_;
+  const int port_;
+  const int restart_;
+  std::vector<Rank> ranks_;
+  int failed_ = -1;          // index into ranks_
+  int signal_ = 0;           // SIGINT / SIGTERM received by the launcher
+  bool stopping_ = false;
+  bool killed_ = false;
+  Clock::time_point kill_deadline_;
+};
+
+std::vector<std::string> Group::child_env(int local_rank) const {
+  std::vector<std::string> env;
+  for (char** e = environ; e && *e; ++e) {
+    const char* eq = std::strchr(*e, '=');
+    if (eq && kReplacedVars.count(std::string(*e, static_cast<size_t>(eq - *e)))) continue;
+    env.emplace_back(*e);
+  }
+  const int rank = options_.node_rank * options_.nproc_per_node + local_rank;
+  auto set = [&](const char* key, const std::string& value) {
+    env.push_back(std::string(key) + "=" + value);
+  };
+  set("RANK", std::to_string(rank));
+  set("LOCAL_RANK", std::to_string(local_rank));
+  set("WORLD_SIZE", std::to_string(options_.nnodes * options_.nproc_per_node));
+  set("LOCAL_WORLD_SIZE", std::to_string(options_.nproc_per_node));
+  set("GROUP_RANK", std::to_string(options_.node_rank));
+  set("MASTER_ADDR", options_.master_addr.empty() ? "127.0.0.1" : options_.master_addr);
+  set("MASTER_PORT", std::to_string(port_));
+  set("SHARDTRAIN_RESTART_COUNT", std::to_string(restart_));
+  return env;
+}
+
+void Group::start(Rank& r, int local_rank) {
+  // Everything the child needs is built before fork(): between fork and exec
+  // only async-signal-safe calls are allowed (the caller may have threads).
+  std::vector<std::string> env_strings = child_env(local_rank);
+  std::vector<char*> envp;
+  for (auto& s : env_strings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> args = options_.command;
+  std::vector<char*> argv;
+  for (auto& s : args) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  const std::string exec_error = "shardtrain launch: cannot run '" + args[0] + "': ";
+
+  int out[2], err[2];
+  ST_CHECK(::pipe2(out, O_CLOEXEC) == 0, Error, "cannot create a pipe: ", std::strerror(errno));
+  if (::pipe2(err, O_CLOEXEC) != 0) {
+    const int e = errno;
+    ::close(out[0]);
+    ::close(out[1]);
+    ST_CHECK(false, Error, "cannot create a pipe: ", std::strerror(e));
+  }
+  const int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  const pid_t parent = ::getpid();
+
+  // Blocked across fork so that our handlers never run in the child.
+  sigset_t all, old;
+  sigfillset(&all);
+  ::sigprocmask(SIG_BLOCK, &all, &old);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    // Own process group: a terminal's Ctrl-C reaches the launcher only, which
+    // forwards it, and stop_all() can signal a rank's own children too.
+    ::setpgid(0, 0);
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(128 + SIGKILL);  // the launcher died before prctl
+    struct sigaction dfl {};
+    dfl.sa_handler = SIG_DFL;
+    for (int sig : {SIGINT, SIGTERM, SIGCHLD, SIGPIPE}) ::sigaction(sig, &dfl, nullptr);
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    // stdin is /dev/null: a rank in a background process group that read the
+    // terminal would be stopped by SIGTTIN.
+    if (devnull >= 0) ::dup2(devnull, STDIN_FILENO);
+    ::dup2(out[1], STDOUT_FILENO);
+    ::dup2(err[1], STDERR_FILENO);
+    ::execvpe(argv[0], argv.data(), envp.data());
+    const int e = errno;
+    ssize_t ignored = ::write(STDERR_FILENO, exec_error.data(), exec_error.size());
+    const char* why = ::strerror(e);
+    ignored = ::write(STDERR_FILENO, why, std::strlen(why));
+    ignored = ::write(STDERR_FILENO, "\n", 1);
+    (void)ignored;
+    ::_exit(e == ENOENT ? 127 : 126);  // the shell's codes for "not found" / "cannot run"
+  }
+  const int fork_errno = errno;
+  ::sigprocmask(SIG_SETMASK, &old, nullptr);
+  if (devnull >= 0) ::close(devnull);
+  ::close(out[1]);
+  ::close(err[1]);
+  if (pid < 0) {
+    ::close(out[0]);
+    ::close(err[0]);
+    ST_CHECK(false, Error, "cannot start rank ", r.rank, ": fork failed: ",
+             std::strerror(fork_errno), "; check the process limit (ulimit -u)");
+  }
+  ::setpgid(pid, pid);  // also here, so a signal sent right away finds the group
+  ::fcntl(out[0], F_SETFL, O_NONBLOCK);
+  ::fcntl(err[0], F_SETFL, O_NONBLOCK);
+  r.pid = pid;
+  r.running = true;
+  r.out.fd = out[0];
+  r.out.target = STDOUT_FILENO;
+  r.err.fd = err[0];
+  r.err.target = STDERR_FILENO;
+}
+
+void Group::start_all() {
+  ranks_.resize(static_cast<size_t>(options_.nproc_per_node));
+  for (int i = 0; i < options_.nproc_per_node; ++i) {
+    ranks_[i].rank = options_.node_rank * options_.nproc_per_node + i;
+    start(ranks_[i], i);
+  }
+}
+
+void Group::emit(Rank& r, Stream& s, const std::string& line) {
+  write_all(s.target, "[rank " + std::to_string(r.rank) + "] " + line + "\n");
+  if (options_.tail_lines <= 0) return;
+  r.tail.push_back(line);
+  while (r.tail.size() > static_cast<size_t>(options_.tail_lines)) r.tail.pop_front();
+}
+
+void Group::close_stream(Stream& s) {
+  if (s.fd >= 0) ::close(s.fd);
+  s.fd = -1;
+}
+
+void Group::read_stream(Rank& r, Stream& s) {
+  char buf[16384];
+  const ssize_t n = ::read(s.fd, buf, sizeof buf);
+  if (n < 0 && (errno == EINTR || errno == EAGAIN)) return;
+  if (n <= 0) {  // EOF (or a broken pipe): flush the unterminated last line
+    if (!s.partial.empty()) emit(r, s, s.partial);
+    s.partial.clear();
+    close_stream(s);
+    return;
+  }
+  s.partial.append(buf, static_cast<size_t>(n));
+  size_t begin = 0;
+  for (size_t nl; (nl = s.partial.find('\n', begin)) != std::string::npos; begin = nl + 1) {
+    emit(r, s, s.partial.substr(begin, nl - begin));
+  }
+  s.partial.erase(0, begin);
+  if (s.partial.size() > kMaxLineBytes) {
+    emit(r, s, s.partial);
+    s.partial.clear();
+  }
+}
+
+void Group::stop_all(int sig) {
+  for (auto& r : ranks_) {
+    if (r.running) ::kill(-r.pid, sig);
+  }
+}
+
+void Group::reap() {
+  for (size_t i = 0; i < ranks_.size(); ++i) {
+    Rank& r = ranks_[i];
+    if (!r.running) continue;
+    int status = 0;
+    const pid_t got = ::waitpid(r.pid, &status, WNOHANG);
+    if (got != r.pid) continue;
+    r.running = false;
+    r.code = WIFEXITED(status) ? WEXITSTATUS(status)
+                               : WIFSIGNALED(status) ? 128 + WTERMSIG(status) : 1;
+    // Exits after we began stopping the group are consequences, not causes.
+    if (r.code == 0 || stopping_) continue;
+    failed_ = static_cast<int>(i);
+    int others = 0;
+    for (auto& o : ranks_) others += o.running ? 1 : 0;
+    say(::shardtrain::detail::str_cat("rank ", r.rank, " failed with ", describe_code(r.code),
+                                      others ? "; stopping the other ranks" : ""));
+    stopping_ = true;
+    kill_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                        std::chrono::duration<double>(options_.stop_grace_s));
+    stop_all(SIGTERM);
+  }
+}
+
+int Group::run() {
+  start_all();
+  bool draining = false;
+  Clock::time_point drain_deadline;
+  std::vector<pollfd> fds;
+  std::vector<std::pair<Rank*, Stream*>> owners;
+  for (;;) {
+    bool any_running = false, any_open = false;
+    for (auto& r : ranks_) {
+      any_running = any_running || r.running;
+      any_open = any_open || r.out.fd >= 0 || r.err.fd >= 0;
+    }
+    const auto now = Clock::now();
+    if (!any_running) {
+      if (!any_open) break;
+      if (!draining) {
+        draining = true;
+        drain_deadline = now + std::chrono::duration_cast<Clock::duration>(
+                                   std::chrono::duration<double>(kDrainSeconds));
+      } else if (now >= drain_deadline) {
+        break;  // a grandchild holds the pipe open; don't wait for it
+      }
+    }
+    if (any_running && stopping_ && !killed_ && now >= kill_deadline_) {
+      say(::shardtrain::detail::str_cat("ranks still running ", options_.stop_grace_s,
+                                        " s after SIGTERM; sending SIGKILL"));
+      stop_all(SIGKILL);
+      killed_ = true;
+    }
+
+    // Wait for output, an exited rank or a signal; nothing else wakes us.
+    fds.assign(1, pollfd{g_signal_pipe[0], POLLIN, 0});
+    owners.assign(1, {nullptr, nullptr});
+    for (auto& r : ranks_) {
+      for (Stream* s : {&r.out, &r.err}) {
+        if (s->fd < 0) continue;
+        fds.push_back(pollfd{s->fd, POLLIN, 0});
+        owners.emplace_back(&r, s);
+      }
+    }
+    int timeout_ms = -1;
+    auto ms_until = [&](Clock::time_point t) {
+      const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(t - now).count();
+      return static_cast<int>(std::max<long long>(0, std::min<long long>(ms + 1, 60000)));
+    };
+    if (!any_running) timeout_ms = ms_until(drain_deadline);
+    else if (stopping_ && !killed_) timeout_ms = ms_until(kill_deadline_);
+    const int ready = ::poll(fds.data(), fds.size(), timeout_ms);
+    if (ready < 0 && errno != EINTR) {
+      ST_CHECK(false, Error, "poll failed: ", std::strerror(errno));
+    }
+
+    // Output first, so a failed rank's last lines are in its tail.
+    for (size_t i = 1; ready > 0 && i < fds.size(); ++i) {
+      if (fds[i].revents) read_stream(*owners[i].first, *owners[i].second);
+    }
+    unsigned char sigs[64];
+    ssize_t n;
+    while ((n = ::read(g_signal_pipe[0], sigs, sizeof sigs)) > 0) {
+      for (ssize_t i = 0; i < n; ++i) {
+        const int sig = sigs[i];
+        if (sig != SIGINT && sig != SIGTERM) continue;  // SIGCHLD: reaped below
+        if (signal_ == 0) {
+          signal_ = sig;
+          say(::shardtrain::detail::str_cat("got ", ::strsignal(sig),
+                                            "; forwarding it to the ranks"));
+          stop_all(sig);
+          if (!stopping_) {
+            stopping_ = true;
+            kill_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                std::chrono::duration<double>(options_.stop_grace_s));
+          }
+        } else if (!killed_) {
+          // A second Ctrl-C means "now": don't wait out the grace period.
+          say("got a second signal; sending SIGKILL to the ranks");
+          stop_all(SIGKILL);
+          killed_ = true;
+        }
+      }
+    }
+    reap();
+  }
+  if (failed_ >= 0) {
+    report_failure();
+    return ranks_[failed_].code;
+  }
+  if (signal_ != 0) return 128 + signal_;
+  return 0;
+}
+
+void Group::report_failure() const {
+  const Rank& r = ranks_[failed_];
+  std::string text;
+  if (r.tail.empty()) {
+    text = ::shardtrain::detail::str_cat("rank ", r.rank, " printed nothing before it failed with ",
+                                         describe_code(r.code));
+  } else {
+    text = ::shardtrain::detail::str_cat("last ", r.tail.size(), " line",
+                                         r.tail.size() == 1 ? "" : "s", " of rank ", r.rank,
+                                         ", which failed with ", describe_code(r.code), ":");
+    for (const auto& line : r.tail) text += "\n  [rank " + std::to_string(r.rank) + "] " + line;
+  }
+  say(text);
+}
+
+void validate(const LaunchOptions& o) {
+  ST_CHECK(o.nproc_per_node >= 1, ConfigError, "nproc_per_node=", o.nproc_per_node,
+           " must be >= 1");
+  ST_CHECK(o.nnodes >= 1, ConfigError, "nnodes=", o.nnodes, " must be >= 1");
+  ST_CHECK(o.nproc_per_node <= 1'000'000 / o.nnodes, ConfigError,
+           "nnodes * nproc_per_node is too large (", o.nnodes, " * ", o.nproc_per_node, ")");
+  ST_CHECK(o.node_rank >= 0 && o.node_rank < o.nnodes, ConfigError, "node_rank=", o.node_rank,
+           " must be in 0..", o.nnodes - 1, " (nnodes=", o.nnodes, ")");
+  ST_CHECK(o.master_port >= 0 && o.master_port <= 65535, ConfigError, "master_port=",
+           o.master_port, " must be 1..65535, or 0 to pick a free port");
+  ST_CHECK(o.nnodes == 1 || o.master_port != 0, ConfigError, "with nnodes=", o.nnodes,
+           " the master port must be given (every node must use the same one); "
+           "pass --master-port, e.g. 29500");
+  ST_CHECK(o.nnodes == 1 || !o.master_addr.empty(), ConfigError, "with nnodes=", o.nnodes,
+           " the master address must be given (the host of node 0); pass --master-addr");
+  ST_CHECK(o.max_restarts >= 0, ConfigError, "max_restarts=", o.max_restarts, " must be >= 0");
+  // Restarts would need every node's launcher to restart together, which
+  // needs a rendezvous between launchers that does not exist yet.
+  ST_CHECK(o.nnodes == 1 || o.max_restarts == 0, ConfigError, "max_restarts=", o.max_restarts,
+           " is not supported with nnodes=", o.nnodes,
+           ": a restart cannot be coordinated across nodes yet; use 0 and let the scheduler "
+           "restart the job");
+  ST_CHECK(std::isfinite(o.stop_grace_s) && o.stop_grace_s >= 0, ConfigError,
+           "stop_grace_s=", o.stop_grace_s, " must be a number of seconds >= 0");
+  ST_CHECK(o.tail_lines >= 0, ConfigError, "tail_lines=", o.tail_lines, " must be >= 0");
+  ST_CHECK(!o.command.empty() && !o.command[0].empty(), ConfigError,
+           "no program to launch; give it after '--', e.g. shardtrain launch "
+           "--nproc-per-node 2 -- ./train");
+}
+
+}  // namespace
+
+int find_free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ST_CHECK(fd >= 0, Error, "cannot create a socket to find a free port: ",
+           std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = 0;  // the kernel picks a free one
+  socklen_t len = sizeof addr;
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  const int e = errno;
+  ::close(fd);
+  ST_CHECK(ok, Error, "cannot find a free TCP port: ", std::strerror(e),
+           "; pass a master port explicitly");
+  return ntohs(addr.sin_port);
+}
+
+int launch(const LaunchOptions& options) {
+  validate(options);
+  // One port for every attempt: a restarted group meets where the first did.
+  const int port = options.master_port != 0 ? options.master_port : find_free_port();
+  SignalGuard signals;
+  for (int restart = 0;; ++restart) {
+    Group group(options, port, restart);
+    const int code = group.run();
+    if (code == 0 || group.interrupted() || group.failed_rank() < 0) return code;
+    if (restart >= options.max_restarts) {
+      if (options.max_restarts > 0) {
+        say(::shardtrain::detail::str_cat("giving up after ", options.max_restarts,
+                                          " restart", options.max_restarts == 1 ? "" : "s"));
+      }
+      return code;
+    }
+    say(::shardtrain::detail::str_cat("restarting all ", options.nproc_per_node,
+                                      " ranks (restart ", restart + 1, " of ",
+                                      options.max_restarts, ")"));
+  }
+}
+
+}  // namespace shardtrain::dist

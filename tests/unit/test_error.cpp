@@ -1,0 +1,37 @@
+#include <gtest/gtest.h>
+
+#include "shardtrain/core/error.h"
+
+using namespace shardtrain;
+
+TEST(Errors, HierarchyLetsCallersCatchByKind) {
+  EXPECT_THROW(throw TimeoutError("t"), CommError);
+  EXPECT_THROW(throw CommError("c"), Error);
+  EXPECT_THROW(throw ConfigError("c"), Error);
+  EXPECT_THROW(throw CheckpointError("c"), Error);
+  EXPECT_THROW(throw InvalidArgument("c"), Error);
+}
+
+TEST(Errors, CheckNamesTheValueAndTheCheckSite) {
+  const int world = 3;
+  try {
+    ST_CHECK(world % 2 == 0, ConfigError, "world size ", world, " is odd");
+    FAIL() << "ST_CHECK did not throw";
+  } catch (const ConfigError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("world size 3 is odd"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("[test_error.cpp:"), std::string::npos) << msg;
+  }
+}
+
+TEST(Errors, AssertIsAnInternalErrorWithFileAndLine) {
+  try {
+    ST_ASSERT(1 + 1 == 3, "arithmetic");
+    FAIL() << "ST_ASSERT did not throw";
+  } catch (const InternalError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("test_error.cpp"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("1 + 1 == 3"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("arithmetic"), std::string::npos) << msg;
+  }
+}

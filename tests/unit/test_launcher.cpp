@@ -1,0 +1,383 @@
+// Runs the real `shardtrain launch` as a subprocess with launch_probe as its
+// rank program, and checks exit codes, prefixed output, restarts and signals.
+#include <gtest/gtest.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#ifndef SHARDTRAIN_CLI_PATH
+#error "SHARDTRAIN_CLI_PATH must be the absolute path of the shardtrain binary"
+#endif
+#ifndef LAUNCH_PROBE_PATH
+#error "LAUNCH_PROBE_PATH must be the absolute path of launch_probe"
+#endif
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Result {
+  int code = -1;  // exit code, 128 + signal if killed, -1 if it had to be killed on timeout
+  std::string out, err;
+  double seconds = 0;
+};
+
+// `shardtrain ARGS...` with its stdout and stderr captured separately.
+class Cli {
+ public:
+  explicit Cli(const std::vector<std::string>& args,
+               const std::vector<std::string>& extra_env = {}) {
+    int out[2], err[2];
+    EXPECT_EQ(::pipe2(out, O_CLOEXEC), 0);
+    EXPECT_EQ(::pipe2(err, O_CLOEXEC), 0);
+    std::vector<std::string> argv_s = {SHARDTRAIN_CLI_PATH};
+    argv_s.insert(argv_s.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (auto& a : argv_s) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    start_ = Clock::now();
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      for (const auto& kv : extra_env) ::putenv(const_cast<char*>(kv.c_str()));
+      ::dup2(out[1], 1);
+      ::dup2(err[1], 2);
+      ::execv(argv[0], argv.data());
+      ::_exit(99);
+    }
+    ::close(out[1]);
+    ::close(err[1]);
+    fds_[0] = out[0];
+    fds_[1] = err[0];
+  }
+  ~Cli() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+    for (int fd : fds_) {
+      if (fd >= 0) ::close(fd);
+    }
+  }
+
+  /// Reads output until `done(stdout)` holds or `timeout_s` passes.
+  bool wait_for(const std::function<bool(const std::string&)>& done, double timeout_s) {
+    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                             std::chrono::duration<double>(timeout_s));
+    while (!done(result_.out)) {
+      if (Clock::now() >= deadline || !pump(deadline)) return done(result_.out);
+    }
+    return true;
+  }
+
+  void signal(int sig) { ::kill(pid_, sig); }
+
+  /// Reads to EOF and reaps the launcher; kills it after `timeout_s`.
+  Result finish(double timeout_s = 15) {
+    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                             std::chrono::duration<double>(timeout_s));
+    while (pump(deadline)) {
+    }
+    if (Clock::now() >= deadline) {
+      ADD_FAILURE() << "launcher still running after " << timeout_s << " s";
+      ::kill(pid_, SIGKILL);
+    }
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+    pid_ = -1;
+    result_.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    result_.seconds = std::chrono::duration<double>(Clock::now() - start_).count();
+    return result_;
+  }
+
+  pid_t pid() const { return pid_; }
+
+ private:
+  // One poll round; false once both pipes hit EOF or the deadline passed.
+  bool pump(Clock::time_point deadline) {
+    pollfd p[2];
+    int n = 0;
+    std::string* sinks[2];
+    for (int i = 0; i < 2; ++i) {
+      if (fds_[i] < 0) continue;
+      p[n] = pollfd{fds_[i], POLLIN, 0};
+      sinks[n++] = i == 0 ? &result_.out : &result_.err;
+    }
+    if (n == 0) return false;
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                          deadline - Clock::now()).count();
+    if (left <= 0) return false;
+    if (::poll(p, n, static_cast<int>(left)) <= 0) return Clock::now() < deadline;
+    for (int i = 0; i < n; ++i) {
+      if (!p[i].revents) continue;
+      char buf[4096];
+      const ssize_t got = ::read(p[i].fd, buf, sizeof buf);
+      if (got > 0) {
+        sinks[i]->append(buf, static_cast<size_t>(got));
+      } else {
+        for (int& fd : fds_) {
+          if (fd == p[i].fd) {
+            ::close(fd);
+            fd = -1;
+          }
+        }
+      }
+    }
+    return true;
+  }
+
+  pid_t pid_ = -1;
+  int fds_[2] = {-1, -1};
+  Clock::time_point start_;
+  Result result_;
+};
+
+Result run(const std::vector<std::string>& args, const std::vector<std::string>& env = {}) {
+  Cli cli(args, env);
+  return cli.finish();
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+int count_of(const std::string& haystack, const std::string& needle) {
+  int n = 0;
+  for (size_t at = haystack.find(needle); at != std::string::npos;
+       at = haystack.find(needle, at + 1)) {
+    ++n;
+  }
+  return n;
+}
+
+const std::string kProbe = LAUNCH_PROBE_PATH;
+
+TEST(Launcher, AllRanksSucceedAndEveryLineIsPrefixed) {
+  const Result r = run({"launch", "--nproc-per-node", "3", "--", kProbe, "lines", "2"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  for (const auto& line : lines_of(r.out)) {
+    EXPECT_EQ(line.rfind("[rank ", 0), 0u) << line;
+  }
+  for (int k = 0; k < 3; ++k) {
+    const std::string p = "[rank " + std::to_string(k) + "] ";
+    EXPECT_TRUE(contains(r.out, p + "out " + std::to_string(k) + ".0\n")) << r.out;
+    EXPECT_TRUE(contains(r.out, p + "out " + std::to_string(k) + ".1\n")) << r.out;
+    // The unterminated last line is flushed at EOF, as a line of its own.
+    EXPECT_TRUE(contains(r.out, p + "partial " + std::to_string(k) + "\n")) << r.out;
+    EXPECT_TRUE(contains(r.err, p + "err " + std::to_string(k) + "\n")) << r.err;
+  }
+  EXPECT_EQ(lines_of(r.out).size(), 9u) << r.out;
+  EXPECT_FALSE(contains(r.out, "err ")) << "stderr lines must stay on stderr";
+}
+
+TEST(Launcher, RanksGetTheTorchrunVariables) {
+  const Result r = run({"launch", "--nproc-per-node=2", "--", kProbe, "print-env"},
+                       {"SLURM_PROCID=5", "PROBE_KEEP=yes", "RANK=9"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  std::set<std::string> ports;
+  for (int k = 0; k < 2; ++k) {
+    const std::string p = "[rank " + std::to_string(k) + "] ";
+    EXPECT_TRUE(contains(r.out, p + "RANK=" + std::to_string(k) + "\n")) << r.out;
+    EXPECT_TRUE(contains(r.out, p + "LOCAL_RANK=" + std::to_string(k) + "\n"));
+    EXPECT_TRUE(contains(r.out, p + "WORLD_SIZE=2\n"));
+    EXPECT_TRUE(contains(r.out, p + "LOCAL_WORLD_SIZE=2\n"));
+    EXPECT_TRUE(contains(r.out, p + "GROUP_RANK=0\n"));
+    EXPECT_TRUE(contains(r.out, p + "MASTER_ADDR=127.0.0.1\n"));
+    EXPECT_TRUE(contains(r.out, p + "SHARDTRAIN_RESTART_COUNT=0\n"));
+    // Another launcher's rank variables describe the launcher, not the rank.
+    EXPECT_TRUE(contains(r.out, p + "SLURM_PROCID=<unset>\n"));
+    EXPECT_TRUE(contains(r.out, p + "PROBE_KEEP=yes\n"));
+  }
+  for (const auto& line : lines_of(r.out)) {
+    const size_t at = line.find("MASTER_PORT=");
+    if (at != std::string::npos) ports.insert(line.substr(at + 12));
+  }
+  ASSERT_EQ(ports.size(), 1u) << "every rank must see the same port:\n" << r.out;
+  const int port = std::stoi(*ports.begin());
+  EXPECT_GT(port, 0);
+  EXPECT_LE(port, 65535);
+}
+
+TEST(Launcher, SecondNodeGetsGlobalRanks) {
+  const Result r = run({"launch", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1",
+                        "--master-addr", "10.1.2.3", "--master-port", "1234", "--", kProbe,
+                        "print-env"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  for (int k : {2, 3}) {
+    const std::string p = "[rank " + std::to_string(k) + "] ";
+    EXPECT_TRUE(contains(r.out, p + "RANK=" + std::to_string(k) + "\n")) << r.out;
+    EXPECT_TRUE(contains(r.out, p + "LOCAL_RANK=" + std::to_string(k - 2) + "\n"));
+    EXPECT_TRUE(contains(r.out, p + "WORLD_SIZE=4\n"));
+    EXPECT_TRUE(contains(r.out, p + "GROUP_RANK=1\n"));
+    EXPECT_TRUE(contains(r.out, p + "MASTER_ADDR=10.1.2.3\n"));
+    EXPECT_TRUE(contains(r.out, p + "MASTER_PORT=1234\n"));
+  }
+}
+
+TEST(Launcher, OneFailingRankStopsTheOthers) {
+  const Result r = run({"launch", "--nproc-per-node", "3", "--", kProbe, "fail-rank", "1", "7"});
+  EXPECT_EQ(r.code, 7) << r.err;
+  EXPECT_LT(r.seconds, 8.0) << "the sleeping ranks were not stopped promptly";
+  EXPECT_TRUE(contains(r.err, "rank 1 failed with exit code 7")) << r.err;
+  // The report repeats rank 1's last lines, from both of its streams.
+  const size_t report = r.err.find("last 3 lines of rank 1, which failed with exit code 7:");
+  ASSERT_NE(report, std::string::npos) << r.err;
+  EXPECT_TRUE(contains(r.err.substr(report), "[rank 1] rank 1 working")) << r.err;
+  EXPECT_TRUE(contains(r.err.substr(report), "[rank 1] rank 1 failing")) << r.err;
+  EXPECT_FALSE(contains(r.err, "rank 0 failed")) << r.err;
+  EXPECT_FALSE(contains(r.err, "rank 2 failed")) << r.err;
+}
+
+TEST(Launcher, RanksThatIgnoreSigtermAreKilledAfterTheGrace) {
+  const Result r = run({"launch", "--nproc-per-node", "2", "--stop-grace", "0.5", "--", kProbe,
+                        "fail-rank", "0", "5", "stubborn"});
+  EXPECT_EQ(r.code, 5) << r.err;
+  EXPECT_TRUE(contains(r.err, "sending SIGKILL")) << r.err;
+  EXPECT_LT(r.seconds, 5.0);
+}
+
+TEST(Launcher, RankKilledBySignalGives128PlusSignal) {
+  const Result r = run({"launch", "--nproc-per-node", "2", "--", kProbe, "kill-self", "9"});
+  EXPECT_EQ(r.code, 128 + 9) << r.err;
+  EXPECT_TRUE(contains(r.err, "killed by signal 9")) << r.err;
+}
+
+TEST(Launcher, RestartsUntilTheGroupSucceeds) {
+  const Result r = run({"launch", "--nproc-per-node", "2", "--max-restarts", "2", "--", kProbe,
+                        "fail-until-restart", "2"});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(count_of(r.err, "restarting all 2 ranks"), 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "(restart 2 of 2)")) << r.err;
+  EXPECT_TRUE(contains(r.out, "[rank 0] restart count 2\n")) << r.out;
+  EXPECT_TRUE(contains(r.out, "[rank 1] restart count 2\n")) << r.out;
+}
+
+TEST(Launcher, ExhaustedRestartsReturnTheFailure) {
+  const Result r = run({"launch", "--nproc-per-node", "2", "--max-restarts=1", "--", kProbe,
+                        "fail-until-restart", "5"});
+  EXPECT_EQ(r.code, 3) << r.err;
+  EXPECT_EQ(count_of(r.err, "restarting all 2 ranks"), 1) << r.err;
+  EXPECT_TRUE(contains(r.err, "giving up after 1 restart")) << r.err;
+  EXPECT_TRUE(contains(r.out, "restart count 1\n")) << r.out;
+  EXPECT_FALSE(contains(r.out, "restart count 2\n")) << r.out;
+}
+
+class LauncherSignal : public testing::TestWithParam<int> {};
+
+TEST_P(LauncherSignal, ReachesEveryRank) {
+  const int sig = GetParam();
+  Cli cli({"launch", "--nproc-per-node", "3", "--", kProbe, "wait-signal"});
+  ASSERT_TRUE(cli.wait_for([](const std::string& out) { return count_of(out, "ready") == 3; },
+                           8))
+      << "the ranks never became ready";
+  cli.signal(sig);
+  const Result r = cli.finish();
+  EXPECT_EQ(r.code, 128 + sig) << r.err;
+  for (int k = 0; k < 3; ++k) {
+    const std::string got = "[rank " + std::to_string(k) + "] rank " + std::to_string(k) +
+                            " got signal " + std::to_string(sig) + "\n";
+    EXPECT_TRUE(contains(r.out, got)) << r.out << r.err;
+  }
+  EXPECT_LT(r.seconds, 8.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(IntAndTerm, LauncherSignal, testing::Values(SIGINT, SIGTERM));
+
+// State of /proc/PID/stat, or 0 when the process is gone.
+char process_state(int pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text;
+  std::getline(stat, text);
+  const size_t paren = text.rfind(')');
+  return paren == std::string::npos || paren + 2 >= text.size() ? 0 : text[paren + 2];
+}
+
+TEST(Launcher, RanksDieWithAKilledLauncher) {
+  Cli cli({"launch", "--nproc-per-node", "2", "--", kProbe, "wait-signal"});
+  std::string out;
+  ASSERT_TRUE(cli.wait_for(
+      [&](const std::string& o) {
+        out = o;
+        return count_of(o, "ready pid") == 2;
+      },
+      8));
+  std::vector<int> pids;
+  for (const auto& line : lines_of(out)) {
+    const size_t at = line.find("ready pid ");
+    if (at != std::string::npos) pids.push_back(std::stoi(line.substr(at + 10)));
+  }
+  ASSERT_EQ(pids.size(), 2u);
+  cli.signal(SIGKILL);
+  cli.finish();
+  for (int pid : pids) {
+    const auto deadline = Clock::now() + std::chrono::seconds(5);
+    char state = process_state(pid);
+    while (state != 0 && state != 'Z' && Clock::now() < deadline) {
+      ::usleep(20 * 1000);
+      state = process_state(pid);
+    }
+    EXPECT_TRUE(state == 0 || state == 'Z') << "rank pid " << pid << " outlived the launcher";
+  }
+}
+
+TEST(Launcher, MissingProgramExits127) {
+  const Result r = run({"launch", "--nproc-per-node", "2", "--", "/nonexistent/shardtrain-xyz"});
+  EXPECT_EQ(r.code, 127) << r.err;
+  EXPECT_TRUE(contains(r.err, "cannot run '/nonexistent/shardtrain-xyz'")) << r.err;
+  EXPECT_TRUE(contains(r.err, "program not found")) << r.err;
+  const Result path = run({"launch", "--", "shardtrain-no-such-program-xyz"});
+  EXPECT_EQ(path.code, 127) << path.err;
+}
+
+TEST(Launcher, BadFlagsExit2WithAMessage) {
+  struct Case {
+    std::vector<std::string> args;
+    const char* expected;
+  };
+  const std::vector<Case> cases = {
+      {{"launch", "--nproc-per-node", "zero", "--", kProbe}, "--nproc-per-node"},
+      {{"launch", "--nproc-per-node=0", "--", kProbe}, "'0'"},
+      {{"launch", "--nproc-per-node"}, "needs a value"},
+      {{"launch", "--bogus", "--", kProbe}, "unknown option '--bogus'"},
+      {{"launch", "--nproc-per-node", "2"}, "no program"},
+      {{"launch", "--nnodes", "2", "--master-addr", "h", "--", kProbe}, "--master-port"},
+      {{"launch", "--nnodes", "2", "--node-rank", "2", "--master-port", "5", "--", kProbe},
+       "--node-rank"},
+      {{"launch", "--master-port", "70000", "--", kProbe}, "--master-port"},
+      {{"launch", "--max-restarts", "-1", "--", kProbe}, "--max-restarts"},
+  };
+  for (const auto& c : cases) {
+    const Result r = run(c.args);
+    EXPECT_EQ(r.code, 2) << c.expected << "\n" << r.err;
+    EXPECT_TRUE(contains(r.err, c.expected)) << r.err;
+  }
+}
+
+TEST(Launcher, HelpAndAuto) {
+  const Result help = run({"launch", "--help"});
+  EXPECT_EQ(help.code, 0);
+  EXPECT_TRUE(contains(help.out, "usage: shardtrain launch")) << help.out;
+  const Result a = run({"launch", "--nproc-per-node", "auto", kProbe, "lines", "0"});
+  ASSERT_EQ(a.code, 0) << a.err;
+  const long cpus = ::sysconf(_SC_NPROCESSORS_ONLN);
+  EXPECT_EQ(count_of(a.out, "partial"), cpus) << a.out;
+}
+
+}  // namespace

@@ -1,0 +1,52 @@
+// `shardtrain SUBCOMMAND ...`: dispatches to one file per subcommand and turns
+// shardtrain's typed errors into a one-line message and a non-zero exit code.
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "commands.h"
+#include "shardtrain/core/error.h"
+
+namespace {
+
+struct Command {
+  const char* name;
+  int (*run)(int, char**);
+  const char* summary;
+};
+
+const Command kCommands[] = {
+    {"launch", shardtrain::cli::launch_main, "start the ranks of a job on this node"},
+    {"bench-comm", shardtrain::cli::bench_comm_main, "measure a collective's bandwidth"},
+};
+
+void usage(FILE* out) {
+  std::fprintf(out, "usage: shardtrain COMMAND [ARGS...]\n\ncommands:\n");
+  for (const auto& c : kCommands) std::fprintf(out, "  %-12s %s\n", c.name, c.summary);
+  std::fprintf(out, "\nRun 'shardtrain COMMAND --help' for a command's options.\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
+    usage(argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  for (const auto& c : kCommands) {
+    if (std::strcmp(argv[1], c.name) != 0) continue;
+    try {
+      return c.run(argc - 1, argv + 1);
+    } catch (const shardtrain::ConfigError& e) {
+      std::fprintf(stderr, "shardtrain %s: configuration error: %s\n", c.name, e.what());
+      return 2;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "shardtrain %s: error: %s\n", c.name, e.what());
+      return 1;
+    }
+  }
+  std::fprintf(stderr, "shardtrain: unknown command '%s'\n\n", argv[1]);
+  usage(stderr);
+  return 2;
+}
