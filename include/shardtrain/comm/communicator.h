@@ -1,0 +1,198 @@
+// Collective communication between the ranks of a job.
+//
+// A Communicator is a fixed group of ranks. Every collective takes flat,
+// contiguous CPU tensors and a per-op options struct, and returns a Work.
+// Collectives must be called by every rank of the group in the same order
+// (they run in that order on one communication thread per communicator, so
+// they overlap the caller's compute). Point-to-point send/recv involve only
+// the two ranks and may be issued in any order.
+//
+// Algorithms (bandwidth-optimal, each in its own file under src/comm/):
+//   reduce_scatter  ring, each rank sends (n-1)/n of the buffer
+//   all_gather      ring, each rank sends (n-1)/n of the buffer
+//   all_reduce      ring reduce-scatter then ring all-gather, 2(n-1)/n
+//   broadcast       pipelined chain from the root
+// Large transfers are cut into segments (CommOptions::segment_bytes) so that
+// the reduction of one segment overlaps the transfer of the next.
+//
+// Dtypes: float32, float64, bfloat16, float16, int32 and int64.
+// Low-precision accumulation: bfloat16 and float16 sums are computed in
+// float32 at each ring hop and rounded back to the tensor's dtype once per
+// hop, so a reduction over n ranks rounds n-1 times (as NCCL does). Avg
+// divides the float32 value by n before the final rounding. Reduce in
+// float32 (a reduce_dtype upstream) when that rounding matters.
+//
+// Errors: a collective that times out or loses a peer throws CommError (a
+// TimeoutError for deadlines) from Work::wait(), naming the op, its sequence
+// number, the group, this rank and the peer. After such an error the
+// communicator is broken: every later call throws at once. World size 1 is a
+// real communicator whose collectives are local copies.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardtrain/core/options.h"
+
+namespace at {
+class Tensor;
+}
+
+namespace shardtrain::comm {
+
+namespace detail {
+class WorkState;
+class Group;
+}  // namespace detail
+
+/// Reduction applied by all_reduce and reduce_scatter.
+enum class ReduceOp { Sum, Avg, Max, Min };
+const char* to_string(ReduceOp op);
+
+/// 0 means "the communicator's default timeout".
+using Timeout = std::chrono::milliseconds;
+
+/// The slice of a flat buffer of `numel` elements that one rank owns when it
+/// is split across `world_size` ranks: as even as possible, with the first
+/// numel % world_size ranks holding one element more. reduce_scatter and
+/// all_gather use exactly this split.
+struct ShardRange {
+  int64_t offset = 0;
+  int64_t count = 0;
+};
+ShardRange shard_range(int64_t numel, int world_size, int rank);
+
+struct AllReduceOptions {
+  ST_ARG(ReduceOp, op) = ReduceOp::Sum;
+  ST_ARG(Timeout, timeout) = Timeout(0);
+  /// false: the call returns once the result is in place.
+  ST_ARG(bool, async) = false;
+};
+
+struct ReduceScatterOptions {
+  ST_ARG(ReduceOp, op) = ReduceOp::Sum;
+  ST_ARG(Timeout, timeout) = Timeout(0);
+  ST_ARG(bool, async) = false;
+};
+
+struct AllGatherOptions {
+  ST_ARG(Timeout, timeout) = Timeout(0);
+  ST_ARG(bool, async) = false;
+};
+
+struct BroadcastOptions {
+  ST_ARG(int, root) = 0;
+  ST_ARG(Timeout, timeout) = Timeout(0);
+  ST_ARG(bool, async) = false;
+};
+
+struct BarrierOptions {
+  ST_ARG(Timeout, timeout) = Timeout(0);
+};
+
+struct P2POptions {
+  /// Matches a send with a recv between the same two ranks; 0 .. 2^32-1.
+  ST_ARG(uint32_t, tag) = 0;
+  ST_ARG(Timeout, timeout) = Timeout(0);
+};
+
+/// Handle to an issued operation. Copyable; all copies share one state.
+class Work {
+ public:
+  Work() = default;
+  explicit Work(std::shared_ptr<detail::WorkState> state);
+
+  /// Blocks until the operation finished; rethrows its error (CommError).
+  void wait() const;
+  /// True once the operation finished, successfully or not. Never blocks.
+  bool is_completed() const;
+  /// The stored error of a finished operation, or null.
+  std::exception_ptr exception() const;
+
+ private:
+  std::shared_ptr<detail::WorkState> state_;
+};
+
+/// How to create a communicator. Defaults come from the environment
+/// (ClusterEnv::detect(), SHARDTRAIN_TIMEOUT_S, SHARDTRAIN_INIT_METHOD).
+struct CommOptions {
+  /// Options filled from the process environment (torchrun, SLURM, OpenMPI
+  /// variables; SHARDTRAIN_TIMEOUT_S, SHARDTRAIN_INIT_METHOD,
+  /// SHARDTRAIN_SEGMENT_BYTES). Throws ConfigError on bad values.
+  static CommOptions from_env();
+
+  /// Only "gloo" in this build.
+  ST_ARG(std::string, backend) = "gloo";
+  /// "env://" (TCP store at master_addr:master_port hosted by rank 0), or
+  /// "file:///path/to/store" (a file every rank can reach).
+  ST_ARG(std::string, init_method) = "env://";
+  ST_ARG(int, rank) = 0;
+  ST_ARG(int, world_size) = 1;
+  ST_ARG(std::string, master_addr) = "127.0.0.1";
+  ST_ARG(int, master_port) = 29500;
+  /// Default deadline of every op and of the rendezvous (30 minutes).
+  ST_ARG(Timeout, timeout) = std::chrono::minutes(30);
+  /// Largest message of a ring step; smaller values exercise the
+  /// multi-segment paths in tests.
+  ST_ARG(int64_t, segment_bytes) = int64_t{1} << 20;
+};
+
+class Communicator : public std::enable_shared_from_this<Communicator> {
+ public:
+  /// Joins the group: every rank of the world calls this with matching options.
+  /// Throws TimeoutError when the other ranks do not arrive within the timeout,
+  /// ConfigError for bad options.
+  static std::shared_ptr<Communicator> create(const CommOptions& options);
+
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  /// This rank within the group, 0 .. size()-1.
+  int rank() const;
+  int size() const;
+  /// "world", or "group1[0,2]" for sub-groups; used in error messages.
+  const std::string& name() const;
+  /// Global (world) rank of each member, indexed by group rank.
+  const std::vector<int>& global_ranks() const;
+  /// Collectives issued so far on this communicator.
+  uint64_t sequence_number() const;
+
+  /// In place: every rank ends with the reduction of all ranks' tensors.
+  Work all_reduce(const at::Tensor& tensor, const AllReduceOptions& options = {});
+  /// `input` has N elements on every rank; `output` receives the reduction of
+  /// this rank's shard_range(N, size(), rank()), so it has that many elements.
+  /// `input` is left unchanged.
+  Work reduce_scatter(const at::Tensor& input, const at::Tensor& output,
+                      const ReduceScatterOptions& options = {});
+  /// `input` holds this rank's shard_range(N, size(), rank()) of `output`
+  /// (N elements on every rank); every rank ends with all shards in `output`.
+  /// `input` may alias its slice of `output`.
+  Work all_gather(const at::Tensor& input, const at::Tensor& output,
+                  const AllGatherOptions& options = {});
+  /// In place: every rank ends with the root's tensor.
+  Work broadcast(const at::Tensor& tensor, const BroadcastOptions& options = {});
+  /// Returns once every rank has entered the barrier.
+  void barrier(const BarrierOptions& options = {});
+
+  /// Sends `tensor` to group rank `dst`. The tensor must stay alive and
+  /// unchanged until the returned Work completes.
+  Work send(const at::Tensor& tensor, int dst, const P2POptions& options = {});
+  /// Receives into `tensor` from group rank `src` (same numel and dtype).
+  Work recv(const at::Tensor& tensor, int src, const P2POptions& options = {});
+
+  /// A communicator over the listed group ranks (sorted, unique). Every rank
+  /// of this communicator must call it, in the same order relative to other
+  /// new_group calls; ranks not listed get nullptr.
+  std::shared_ptr<Communicator> new_group(std::vector<int> ranks);
+
+ private:
+  explicit Communicator(std::unique_ptr<detail::Group> group);
+  std::unique_ptr<detail::Group> group_;
+};
+
+}  // namespace shardtrain::comm

@@ -1,0 +1,629 @@
+// The Communicator: rendezvous, one communication thread per group, argument
+// checks, and dispatch to the algorithm files (ring_*.cpp, chain_*.cpp).
+#include "shardtrain/comm/communicator.h"
+
+#include <ATen/core/Tensor.h>
+#include <gloo/common/error.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/prefix_store.h>
+#include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "comm/detail.h"
+#include "comm/store.h"
+#include "shardtrain/core/error.h"
+#include "shardtrain/dist/env.h"
+
+namespace shardtrain::comm {
+
+using ::shardtrain::detail::str_cat;
+
+const char* to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return "sum";
+    case ReduceOp::Avg: return "avg";
+    case ReduceOp::Max: return "max";
+    case ReduceOp::Min: return "min";
+  }
+  return "?";
+}
+
+ShardRange shard_range(int64_t numel, int world_size, int rank) {
+  ST_ASSERT(world_size > 0 && rank >= 0 && rank < world_size && numel >= 0);
+  const int64_t base = numel / world_size;
+  const int64_t extra = numel % world_size;
+  ShardRange range;
+  range.count = base + (rank < extra ? 1 : 0);
+  range.offset = rank * base + std::min<int64_t>(rank, extra);
+  return range;
+}
+
+namespace detail {
+
+// ---- Work ----------------------------------------------------------------------
+
+// The shared state behind a Work: finished once, by the thread that ran it.
+class WorkState {
+ public:
+  void finish(std::exception_ptr error) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      error_ = std::move(error);
+      done_ = true;
+    }
+    cv_.notify_all();
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [this] { return done_; });
+    if (error_) std::rethrow_exception(error_);
+  }
+  bool is_completed() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return done_;
+  }
+  std::exception_ptr exception() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return error_;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+// ---- the communication thread ----------------------------------------------------
+
+// Runs tasks one at a time, in the order they were queued. Every rank queues
+// a group's collectives in the same order, so they meet in the same order.
+class Worker {
+ public:
+  Worker() : thread_([this] { loop(); }) {}
+  ~Worker() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void push(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push_back(std::move(task));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stop requested and nothing left to run
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      task();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts after the members it uses exist
+};
+
+// ---- the group -------------------------------------------------------------------
+
+class Group {
+ public:
+  int rank = 0;
+  int size = 1;
+  std::string name = "world";
+  std::vector<int> global_ranks{0};
+  Timeout timeout{std::chrono::minutes(30)};
+  int64_t segment_bytes = int64_t{1} << 20;
+  // Rendezvous state kept for new_group(); null for a world of one.
+  std::shared_ptr<gloo::rendezvous::Store> store;
+  std::shared_ptr<gloo::transport::Device> device;
+  std::string store_prefix;
+  std::shared_ptr<gloo::rendezvous::Context> ctx;
+  uint64_t groups_created = 0;
+  ScratchArena scratch;
+  std::atomic<uint64_t> seq{0};
+  uint64_t p2p_seq = 0;  // only used to name p2p ops in errors
+  // Set by the first failed op; every later op fails fast with it.
+  std::mutex broken_mutex;
+  std::string broken;
+  // Declared last: destroyed first, so queued ops finish while the rest lives.
+  std::unique_ptr<Worker> p2p_worker;
+  std::unique_ptr<Worker> worker;
+
+  std::string broken_reason() {
+    std::lock_guard<std::mutex> lock(broken_mutex);
+    return broken;
+  }
+  void mark_broken(const std::string& why) {
+    std::lock_guard<std::mutex> lock(broken_mutex);
+    if (broken.empty()) broken = why;
+  }
+
+  OpContext op_context(const char* op, uint64_t seq_no, Timeout op_timeout) {
+    OpContext oc;
+    oc.ctx = ctx.get();
+    oc.rank = rank;
+    oc.size = size;
+    oc.op = op;
+    oc.seq = seq_no;
+    oc.group_name = &name;
+    oc.global_ranks = &global_ranks;
+    oc.deadline = Clock::now() + (op_timeout.count() > 0 ? op_timeout : timeout);
+    oc.segment_bytes = segment_bytes;
+    oc.scratch = &scratch;
+    return oc;
+  }
+};
+
+// ---- OpContext -----------------------------------------------------------------
+
+std::string OpContext::describe(int peer) const {
+  std::string text = str_cat(op, " #", seq, " on group '", *group_name, "' failed on rank ", rank,
+                             " (global ", (*global_ranks)[rank], ")");
+  if (peer >= 0) text += str_cat(" with peer rank ", peer, " (global ", (*global_ranks)[peer], ")");
+  return text;
+}
+
+namespace {
+
+// Runs one transport call of an op and turns Gloo's exceptions into ours:
+// TimeoutError when the deadline passed, CommError when the peer went away.
+template <typename F>
+void translated(const OpContext& oc, int peer, const char* what, F&& call) {
+  try {
+    if (!call()) throw CommError(oc.describe(peer) + str_cat(": the ", what, " was aborted"));
+  } catch (const gloo::IoException& e) {
+    const std::string msg = e.what();
+    if (msg.find("Timed out") != std::string::npos || msg.find("timed out") != std::string::npos) {
+      throw TimeoutError(str_cat(
+          oc.describe(peer), ": timed out waiting to ", what,
+          ". Hint: the peer may have died, hung, or issued collectives in another order; raise "
+          "SHARDTRAIN_TIMEOUT_S if steps are legitimately this slow. (gloo: ",
+          msg, ")"));
+    }
+    throw CommError(str_cat(oc.describe(peer), ": ", what, " failed: ", msg,
+                            ". Hint: the peer probably exited; see its own output for why."));
+  } catch (const gloo::Exception& e) {
+    throw CommError(str_cat(oc.describe(peer), ": ", what, " failed: ", e.what()));
+  }
+}
+
+std::chrono::milliseconds time_left(const OpContext& oc) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(oc.deadline - Clock::now());
+  return std::max(left, std::chrono::milliseconds(1));
+}
+
+}  // namespace
+
+void OpContext::send(gloo::transport::UnboundBuffer& buf, int peer, uint64_t slot, size_t offset,
+                     size_t nbytes) const {
+  translated(*this, peer, "send", [&] {
+    buf.send(peer, slot, offset, nbytes);
+    return true;
+  });
+}
+
+void OpContext::recv(gloo::transport::UnboundBuffer& buf, int peer, uint64_t slot, size_t offset,
+                     size_t nbytes) const {
+  translated(*this, peer, "receive", [&] {
+    buf.recv(peer, slot, offset, nbytes);
+    return true;
+  });
+}
+
+void OpContext::wait_recv(gloo::transport::UnboundBuffer& buf, int peer) const {
+  translated(*this, peer, "receive", [&] { return buf.waitRecv(nullptr, time_left(*this)); });
+}
+
+void OpContext::wait_send(gloo::transport::UnboundBuffer& buf, int peer) const {
+  translated(*this, peer, "send", [&] { return buf.waitSend(nullptr, time_left(*this)); });
+}
+
+namespace {
+
+DType dtype_of(const at::Tensor& t, const char* op, const char* arg) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::Float32;
+    case at::kDouble: return DType::Float64;
+    case at::kBFloat16: return DType::BFloat16;
+    case at::kHalf: return DType::Float16;
+    case at::kInt: return DType::Int32;
+    case at::kLong: return DType::Int64;
+    default: break;
+  }
+  ST_CHECK(false, InvalidArgument, op, ": ", arg, " has dtype ", t.scalar_type(),
+           "; supported: float32, float64, bfloat16, float16, int32, int64");
+  return DType::Float32;
+}
+
+DType check_tensor(const at::Tensor& t, const char* op, const char* arg) {
+  ST_CHECK(t.defined(), InvalidArgument, op, ": ", arg, " is an undefined tensor");
+  ST_CHECK(t.device().is_cpu(), InvalidArgument, op, ": ", arg, " is on ", t.device(),
+           "; the gloo backend moves CPU tensors only");
+  ST_CHECK(t.is_contiguous(), InvalidArgument, op, ": ", arg,
+           " is not contiguous; pass a flat contiguous buffer (call .contiguous())");
+  return dtype_of(t, op, arg);
+}
+
+void check_op(ReduceOp op, DType dtype, const char* name) {
+  ST_CHECK(op != ReduceOp::Avg || dtype == DType::Float32 || dtype == DType::Float64 ||
+               dtype == DType::BFloat16 || dtype == DType::Float16,
+           InvalidArgument, name, ": avg is defined for floating-point tensors only; got ",
+           to_string(dtype), ". Use sum and divide.");
+}
+
+char* bytes(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
+
+std::chrono::milliseconds env_timeout(std::chrono::milliseconds fallback) {
+  const char* raw = std::getenv("SHARDTRAIN_TIMEOUT_S");
+  if (raw == nullptr || *raw == '\0') return fallback;
+  char* end = nullptr;
+  const double seconds = std::strtod(raw, &end);
+  ST_CHECK(end != raw && *end == '\0' && seconds > 0, ConfigError, "SHARDTRAIN_TIMEOUT_S='", raw,
+           "' is not a positive number of seconds");
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
+}
+
+// The address other ranks reach this one at: an interface named by
+// SHARDTRAIN_SOCKET_IFNAME (or GLOO_SOCKET_IFNAME); loopback when the master
+// is local; otherwise this machine's host name.
+std::shared_ptr<gloo::transport::Device> make_device(const std::string& master_addr) {
+  gloo::transport::tcp::attr attr;
+  const char* iface = std::getenv("SHARDTRAIN_SOCKET_IFNAME");
+  if (iface == nullptr || *iface == '\0') iface = std::getenv("GLOO_SOCKET_IFNAME");
+  if (iface != nullptr && *iface != '\0') {
+    attr.iface = iface;
+  } else if (master_addr == "localhost" || master_addr.rfind("127.", 0) == 0 ||
+             master_addr == "::1") {
+    attr.hostname = "127.0.0.1";
+  } else {
+    char host[256] = {0};
+    ST_CHECK(gethostname(host, sizeof(host) - 1) == 0, CommError,
+             "cannot read this machine's host name; set SHARDTRAIN_SOCKET_IFNAME");
+    attr.hostname = host;
+  }
+  try {
+    return gloo::transport::tcp::CreateDevice(attr);
+  } catch (const std::exception& e) {
+    throw CommError(str_cat("cannot open a TCP device on ",
+                            attr.iface.empty() ? attr.hostname : attr.iface, ": ", e.what(),
+                            ". Hint: set SHARDTRAIN_SOCKET_IFNAME to the interface the ranks "
+                            "share."));
+  }
+}
+
+// Connects `rank` of `size` over the store under `prefix`.
+std::shared_ptr<gloo::rendezvous::Context> connect(gloo::rendezvous::Store& store,
+                                                   const std::string& prefix,
+                                                   std::shared_ptr<gloo::transport::Device>& device,
+                                                   int rank, int size, Timeout timeout,
+                                                   const std::string& group_name) {
+  auto ctx = std::make_shared<gloo::rendezvous::Context>(rank, size);
+  ctx->setTimeout(timeout);
+  gloo::rendezvous::PrefixStore prefixed(prefix, store);
+  try {
+    ctx->connectFullMesh(prefixed, device);
+  } catch (const CommError&) {
+    throw;  // the store already named what is missing
+  } catch (const std::exception& e) {
+    const std::string msg = e.what();
+    const std::string text = str_cat("connecting group '", group_name, "' failed on rank ", rank,
+                                     " of ", size, ": ", msg.substr(0, msg.find('\n')),
+                                     ". Hint: check that every rank started and can reach the "
+                                     "others (SHARDTRAIN_SOCKET_IFNAME).");
+    if (msg.find("imed out") != std::string::npos || msg.find("imeout") != std::string::npos)
+      throw TimeoutError(text);
+    throw CommError(text);
+  }
+  return ctx;
+}
+
+}  // namespace
+}  // namespace detail
+
+// ---- Work ------------------------------------------------------------------------
+
+Work::Work(std::shared_ptr<detail::WorkState> state) : state_(std::move(state)) {}
+
+void Work::wait() const {
+  ST_CHECK(state_ != nullptr, InvalidArgument, "wait() on an empty Work");
+  state_->wait();
+}
+
+bool Work::is_completed() const { return state_ == nullptr || state_->is_completed(); }
+
+std::exception_ptr Work::exception() const {
+  return state_ == nullptr ? nullptr : state_->exception();
+}
+
+// ---- options -----------------------------------------------------------------------
+
+CommOptions CommOptions::from_env() {
+  const dist::ClusterEnv env = dist::ClusterEnv::detect();
+  CommOptions options;
+  options.rank(env.rank).world_size(env.world_size).master_addr(env.master_addr)
+      .master_port(env.master_port);
+  options.timeout(detail::env_timeout(options.timeout()));
+  if (const char* init = std::getenv("SHARDTRAIN_INIT_METHOD"); init != nullptr && *init != '\0')
+    options.init_method(init);
+  if (const char* seg = std::getenv("SHARDTRAIN_SEGMENT_BYTES"); seg != nullptr && *seg != '\0') {
+    char* end = nullptr;
+    const long long value = std::strtoll(seg, &end, 10);
+    ST_CHECK(end != seg && *end == '\0' && value > 0, ConfigError, "SHARDTRAIN_SEGMENT_BYTES='",
+             seg, "' is not a positive byte count");
+    options.segment_bytes(value);
+  }
+  return options;
+}
+
+// ---- Communicator ------------------------------------------------------------------
+
+std::shared_ptr<Communicator> Communicator::create(const CommOptions& options) {
+  ST_CHECK(options.backend() == "gloo", ConfigError, "communication backend '", options.backend(),
+           "' is not built into this shardtrain; available: gloo");
+  ST_CHECK(options.world_size() >= 1, ConfigError, "world size ", options.world_size(),
+           " must be at least 1");
+  ST_CHECK(options.rank() >= 0 && options.rank() < options.world_size(), ConfigError, "rank ",
+           options.rank(), " is outside 0..", options.world_size() - 1);
+  ST_CHECK(options.timeout().count() > 0, ConfigError, "timeout must be positive");
+  ST_CHECK(options.segment_bytes() > 0, ConfigError, "segment_bytes must be positive");
+
+  auto group = std::make_unique<detail::Group>();
+  group->rank = options.rank();
+  group->size = options.world_size();
+  group->global_ranks.resize(options.world_size());
+  for (int i = 0; i < options.world_size(); ++i) group->global_ranks[i] = i;
+  group->timeout = options.timeout();
+  group->segment_bytes = options.segment_bytes();
+  if (group->size > 1) {
+    group->store = detail::open_store(options.init_method(), options.master_addr(),
+                                      options.master_port(), options.rank(),
+                                      options.world_size(), options.timeout());
+    group->device = detail::make_device(options.master_addr());
+    group->store_prefix = "shardtrain/world";
+    group->ctx = detail::connect(*group->store, group->store_prefix, group->device, group->rank,
+                                 group->size, group->timeout, group->name);
+    group->worker = std::make_unique<detail::Worker>();
+  }
+  return std::shared_ptr<Communicator>(new Communicator(std::move(group)));
+}
+
+Communicator::Communicator(std::unique_ptr<detail::Group> group) : group_(std::move(group)) {}
+Communicator::~Communicator() = default;
+
+int Communicator::rank() const { return group_->rank; }
+int Communicator::size() const { return group_->size; }
+const std::string& Communicator::name() const { return group_->name; }
+const std::vector<int>& Communicator::global_ranks() const { return group_->global_ranks; }
+uint64_t Communicator::sequence_number() const { return group_->seq.load(); }
+
+namespace {
+
+// Runs one collective: inline for a world of one, else on the group's
+// communication thread. The first failure breaks the group for good: a ring
+// that lost a message cannot be trusted to line up again.
+Work run_collective(detail::Group& g, const char* op, Timeout timeout, bool async,
+                    std::function<void(const detail::OpContext&)> body) {
+  const uint64_t seq = g.seq.fetch_add(1);
+  auto state = std::make_shared<detail::WorkState>();
+  auto task = [&g, op, seq, timeout, state, body = std::move(body)] {
+    std::exception_ptr error;
+    const std::string broken = g.broken_reason();
+    if (!broken.empty()) {
+      error = std::make_exception_ptr(CommError(str_cat(
+          op, " #", seq, " on group '", g.name, "' was not run: the group failed earlier (",
+          broken, "). Hint: restart the job; a failed collective leaves peers out of step.")));
+    } else {
+      try {
+        body(g.op_context(op, seq, timeout));
+      } catch (const std::exception& e) {
+        g.mark_broken(e.what());
+        error = std::current_exception();
+      }
+    }
+    state->finish(error);
+  };
+  if (g.size == 1) {
+    task();
+  } else {
+    g.worker->push(std::move(task));
+  }
+  Work work(state);
+  if (!async) work.wait();
+  return work;
+}
+
+}  // namespace
+
+Work Communicator::all_reduce(const at::Tensor& tensor, const AllReduceOptions& options) {
+  const detail::DType dtype = detail::check_tensor(tensor, "all_reduce", "tensor");
+  detail::check_op(options.op(), dtype, "all_reduce");
+  const ReduceOp op = options.op();
+  return run_collective(*group_, "all_reduce", options.timeout(), options.async(),
+                        [tensor, dtype, op](const detail::OpContext& oc) {
+    const int64_t n = tensor.numel();
+    char* buf = detail::bytes(tensor);
+    if (oc.size == 1) return;  // x op nothing = x, and avg over one rank divides by 1
+    const ShardRange mine = shard_range(n, oc.size, oc.rank);
+    char* mine_ptr = buf + mine.offset * detail::element_size(dtype);
+    detail::ring_reduce_scatter(oc, buf, mine_ptr, n, dtype, op);
+    detail::ring_all_gather(oc, buf, n, dtype);
+  });
+}
+
+Work Communicator::reduce_scatter(const at::Tensor& input, const at::Tensor& output,
+                                  const ReduceScatterOptions& options) {
+  const detail::DType dtype = detail::check_tensor(input, "reduce_scatter", "input");
+  ST_CHECK(detail::check_tensor(output, "reduce_scatter", "output") == dtype, InvalidArgument,
+           "reduce_scatter: output dtype ", output.scalar_type(), " differs from input dtype ",
+           input.scalar_type());
+  detail::check_op(options.op(), dtype, "reduce_scatter");
+  const ShardRange mine = shard_range(input.numel(), size(), rank());
+  ST_CHECK(output.numel() == mine.count, InvalidArgument, "reduce_scatter: output has ",
+           output.numel(), " elements but rank ", rank(), "'s shard of ", input.numel(),
+           " elements over ", size(), " ranks has ", mine.count, " (see shard_range)");
+  const ReduceOp op = options.op();
+  return run_collective(*group_, "reduce_scatter", options.timeout(), options.async(),
+                        [input, output, dtype, op](const detail::OpContext& oc) {
+    const int64_t n = input.numel();
+    if (oc.size == 1) {
+      if (n > 0) std::memcpy(detail::bytes(output), detail::bytes(input), n * detail::element_size(dtype));
+      return;
+    }
+    detail::ring_reduce_scatter(oc, detail::bytes(input), detail::bytes(output), n, dtype, op);
+  });
+}
+
+Work Communicator::all_gather(const at::Tensor& input, const at::Tensor& output,
+                              const AllGatherOptions& options) {
+  const detail::DType dtype = detail::check_tensor(output, "all_gather", "output");
+  ST_CHECK(detail::check_tensor(input, "all_gather", "input") == dtype, InvalidArgument,
+           "all_gather: input dtype ", input.scalar_type(), " differs from output dtype ",
+           output.scalar_type());
+  const ShardRange mine = shard_range(output.numel(), size(), rank());
+  ST_CHECK(input.numel() == mine.count, InvalidArgument, "all_gather: input has ", input.numel(),
+           " elements but rank ", rank(), "'s shard of ", output.numel(), " elements over ",
+           size(), " ranks has ", mine.count, " (see shard_range)");
+  return run_collective(*group_, "all_gather", options.timeout(), options.async(),
+                        [input, output, dtype, mine](const detail::OpContext& oc) {
+    const size_t es = detail::element_size(dtype);
+    char* own = detail::bytes(output) + mine.offset * es;
+    if (mine.count > 0 && own != detail::bytes(input))
+      std::memcpy(own, detail::bytes(input), mine.count * es);
+    if (oc.size > 1) detail::ring_all_gather(oc, detail::bytes(output), output.numel(), dtype);
+  });
+}
+
+Work Communicator::broadcast(const at::Tensor& tensor, const BroadcastOptions& options) {
+  const detail::DType dtype = detail::check_tensor(tensor, "broadcast", "tensor");
+  const int root = options.root();
+  ST_CHECK(root >= 0 && root < size(), InvalidArgument, "broadcast: root ", root,
+           " is outside 0..", size() - 1);
+  return run_collective(*group_, "broadcast", options.timeout(), options.async(),
+                        [tensor, dtype, root](const detail::OpContext& oc) {
+    if (oc.size > 1) detail::chain_broadcast(oc, detail::bytes(tensor), tensor.numel(), dtype, root);
+  });
+}
+
+void Communicator::barrier(const BarrierOptions& options) {
+  // A one-element all-reduce: returns on a rank only after every rank's
+  // contribution arrived, which is what a barrier promises.
+  auto token = std::make_shared<float>(0.0f);
+  run_collective(*group_, "barrier", options.timeout(), false,
+                 [token](const detail::OpContext& oc) {
+    if (oc.size == 1) return;
+    detail::ring_reduce_scatter(oc, token.get(), oc.rank == 0 ? token.get() : nullptr, 1,
+                                detail::DType::Float32, ReduceOp::Sum);
+    detail::ring_all_gather(oc, token.get(), 1, detail::DType::Float32);
+  }).wait();
+}
+
+namespace {
+
+// Point-to-point ops are posted on the caller's thread at once (Gloo matches
+// a send with its recv by tag), and a second thread waits for completion, so
+// a rank may post a send before the matching recv without deadlocking.
+Work run_p2p(detail::Group& g, const char* op, const at::Tensor& tensor, int peer,
+             const P2POptions& options, bool is_send) {
+  ST_CHECK(g.size > 1, InvalidArgument, op, " needs a group of at least two ranks");
+  ST_CHECK(peer >= 0 && peer < g.size && peer != g.rank, InvalidArgument, op, ": peer ", peer,
+           " must be another rank in 0..", g.size - 1);
+  const std::string broken = g.broken_reason();
+  ST_CHECK(broken.empty(), CommError, op, " on group '", g.name,
+           "' refused: the group failed earlier (", broken, ")");
+  const size_t nbytes = tensor.numel() * detail::element_size(detail::check_tensor(tensor, op, "tensor"));
+  // High bit set: p2p slots never collide with collective slots.
+  const uint64_t slot = (uint64_t{1} << 63) | options.tag();
+  std::shared_ptr<gloo::transport::UnboundBuffer> ub =
+      g.ctx->createUnboundBuffer(detail::bytes(tensor), std::max<size_t>(1, nbytes));
+  const detail::OpContext oc = g.op_context(op, g.p2p_seq++, options.timeout());
+  if (nbytes > 0) {
+    if (is_send) oc.send(*ub, peer, slot, 0, nbytes); else oc.recv(*ub, peer, slot, 0, nbytes);
+  }
+  if (!g.p2p_worker) g.p2p_worker = std::make_unique<detail::Worker>();
+  auto state = std::make_shared<detail::WorkState>();
+  g.p2p_worker->push([&g, oc, peer, nbytes, is_send, tensor, ub, state] {
+    std::exception_ptr error;
+    try {
+      if (nbytes > 0) {
+        if (is_send) oc.wait_send(*ub, peer); else oc.wait_recv(*ub, peer);
+      }
+    } catch (const std::exception& e) {
+      g.mark_broken(e.what());
+      error = std::current_exception();
+    }
+    state->finish(error);
+  });
+  return Work(state);
+}
+
+}  // namespace
+
+Work Communicator::send(const at::Tensor& tensor, int dst, const P2POptions& options) {
+  return run_p2p(*group_, "send", tensor, dst, options, true);
+}
+
+Work Communicator::recv(const at::Tensor& tensor, int src, const P2POptions& options) {
+  return run_p2p(*group_, "recv", tensor, src, options, false);
+}
+
+std::shared_ptr<Communicator> Communicator::new_group(std::vector<int> ranks) {
+  std::sort(ranks.begin(), ranks.end());
+  ST_CHECK(!ranks.empty() && std::adjacent_find(ranks.begin(), ranks.end()) == ranks.end() &&
+               ranks.front() >= 0 && ranks.back() < size(),
+           InvalidArgument, "new_group: ranks must be distinct members of 0..", size() - 1);
+  detail::Group& parent = *group_;
+  const uint64_t id = ++parent.groups_created;
+  const auto it = std::find(ranks.begin(), ranks.end(), parent.rank);
+  if (it == ranks.end()) return nullptr;
+
+  auto group = std::make_unique<detail::Group>();
+  group->rank = static_cast<int>(it - ranks.begin());
+  group->size = static_cast<int>(ranks.size());
+  group->global_ranks.clear();
+  std::string list;
+  for (int r : ranks) {
+    group->global_ranks.push_back(parent.global_ranks[r]);
+    list += (list.empty() ? "" : ",") + std::to_string(parent.global_ranks[r]);
+  }
+  group->name = str_cat(parent.name == "world" ? "" : parent.name + "/", "group", id, "[", list, "]");
+  group->timeout = parent.timeout;
+  group->segment_bytes = parent.segment_bytes;
+  if (group->size > 1) {
+    group->store = parent.store;
+    group->device = parent.device;
+    group->store_prefix = str_cat(parent.store_prefix, "/group", id);
+    group->ctx = detail::connect(*group->store, group->store_prefix, group->device, group->rank,
+                                 group->size, group->timeout, group->name);
+    group->worker = std::make_unique<detail::Worker>();
+  }
+  return std::shared_ptr<Communicator>(new Communicator(std::move(group)));
+}
+
+}  // namespace shardtrain::comm

@@ -1,0 +1,109 @@
+// Internals shared by the communicator and its algorithms. Not installed.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardtrain/comm/communicator.h"
+
+namespace gloo {
+class Context;
+namespace transport {
+class UnboundBuffer;
+}
+}  // namespace gloo
+
+namespace shardtrain::comm::detail {
+
+/// Element types the algorithms move and reduce.
+enum class DType { Float32, Float64, BFloat16, Float16, Int32, Int64 };
+const char* to_string(DType dtype);
+size_t element_size(DType dtype);
+
+using Clock = std::chrono::steady_clock;
+
+/// Scratch memory a group's collectives reuse from call to call, so the hot
+/// path neither allocates nor page-faults fresh memory. Grows to the largest
+/// request and stays; only the communication thread touches it.
+class ScratchArena {
+ public:
+  /// Buffer number `index`, at least `bytes` long, valid until the next call.
+  char* get(int index, size_t bytes) {
+    if (index >= static_cast<int>(slots_.size())) slots_.resize(index + 1);
+    Slot& slot = slots_[index];
+    if (slot.size < bytes) {
+      slot.data.reset(new char[bytes]);  // uninitialised: every byte is received first
+      slot.size = bytes;
+    }
+    return slot.data.get();
+  }
+
+ private:
+  struct Slot {
+    std::unique_ptr<char[]> data;
+    size_t size = 0;
+  };
+  std::vector<Slot> slots_;
+};
+
+/// Everything one running collective needs to move bytes and, when it fails,
+/// to say exactly what failed.
+struct OpContext {
+  gloo::Context* ctx = nullptr;
+  int rank = 0;
+  int size = 1;
+  const char* op = "";
+  uint64_t seq = 0;
+  const std::string* group_name = nullptr;
+  const std::vector<int>* global_ranks = nullptr;
+  Clock::time_point deadline;
+  int64_t segment_bytes = int64_t{1} << 20;
+  ScratchArena* scratch = nullptr;
+
+  /// Slot for step `step` of this op; distinct per op, so a late message
+  /// from a failed op can never match a later one.
+  uint64_t slot(uint32_t step) const { return (seq << 20) | step; }
+
+  /// Posts a send of `nbytes` at byte `offset` of `buf` to group rank `peer`
+  /// on `slot` (and a receive from it); failures become CommError.
+  void send(gloo::transport::UnboundBuffer& buf, int peer, uint64_t slot, size_t offset,
+            size_t nbytes) const;
+  void recv(gloo::transport::UnboundBuffer& buf, int peer, uint64_t slot, size_t offset,
+            size_t nbytes) const;
+
+  /// Waits for one receive (send) completion on `buf`, expected from (to)
+  /// group rank `peer`; turns gloo's errors and the deadline into
+  /// CommError / TimeoutError naming op, seq, group, rank and peer.
+  void wait_recv(gloo::transport::UnboundBuffer& buf, int peer) const;
+  void wait_send(gloo::transport::UnboundBuffer& buf, int peer) const;
+
+  /// The message of a CommError raised by this op, without the cause.
+  std::string describe(int peer) const;
+};
+
+/// dst[i] = a[i] (op) b[i] for n elements. Low-precision types are combined
+/// in float32 and rounded once. With `avg_divisor` > 0 (the final hop of an
+/// Avg reduction) the combined value is divided by it before rounding; Avg
+/// otherwise combines as Sum.
+void reduce(void* dst, const void* a, const void* b, int64_t n, DType dtype,
+            ReduceOp op, int avg_divisor);
+
+/// dst[i] = a[i] / divisor, rounded once: Avg on a single rank.
+void divide(void* dst, const void* a, int64_t n, DType dtype, int divisor);
+
+/// Ring reduce-scatter: `out` (count of this rank's shard) receives the
+/// reduction of every rank's shard_range of `in` (numel elements).
+void ring_reduce_scatter(const OpContext& oc, const void* in, void* out, int64_t numel,
+                         DType dtype, ReduceOp op);
+
+/// Ring all-gather in place: `buf` (numel elements) holds this rank's shard at
+/// its shard_range; on return it holds every rank's shard.
+void ring_all_gather(const OpContext& oc, void* buf, int64_t numel, DType dtype);
+
+/// Pipelined chain broadcast from group rank `root` along root, root+1, ...
+void chain_broadcast(const OpContext& oc, void* buf, int64_t numel, DType dtype, int root);
+
+}  // namespace shardtrain::comm::detail

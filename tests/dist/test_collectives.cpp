@@ -1,0 +1,328 @@
+// Collective correctness, run by every rank under `shardtrain launch`.
+//
+// Each rank fills its buffers from (rank, index) so every rank can compute
+// the expected result locally, and checks it after the collective. Sizes 0,
+// 1, 7, one not divisible by the world size, and about 4 M elements are in
+// every matrix.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <thread>
+
+#include "shardtrain/comm/communicator.h"
+#include "shardtrain/core/error.h"
+
+using namespace shardtrain;
+using namespace shardtrain::comm;
+
+namespace {
+
+std::shared_ptr<Communicator> g_world;
+
+Communicator& world() { return *g_world; }
+
+const std::vector<at::ScalarType> kDtypes = {at::kFloat, at::kDouble, at::kBFloat16,
+                                             at::kHalf, at::kInt, at::kLong};
+const std::vector<ReduceOp> kOps = {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min};
+
+bool is_float(at::ScalarType t) { return at::isFloatingType(t); }
+
+std::vector<int64_t> sizes() {
+  const int64_t n = world().size();
+  return {0, 1, 7, 5 * n + 1, (int64_t{4} << 20) + 3};
+}
+
+// Rank r's contribution: small integers, exact in every dtype and in sums.
+at::Tensor contribution(int64_t numel, int rank, at::ScalarType dtype) {
+  auto idx = at::arange(numel, at::kLong);
+  return ((idx * 7 + rank * 3) % 13 + rank + 1).to(dtype);
+}
+
+at::Tensor expected_reduction(int64_t numel, at::ScalarType dtype, ReduceOp op) {
+  const int n = world().size();
+  auto acc = contribution(numel, 0, at::kDouble);
+  for (int r = 1; r < n; ++r) {
+    auto c = contribution(numel, r, at::kDouble);
+    switch (op) {
+      case ReduceOp::Sum:
+      case ReduceOp::Avg: acc = acc + c; break;
+      case ReduceOp::Max: acc = at::maximum(acc, c); break;
+      case ReduceOp::Min: acc = at::minimum(acc, c); break;
+    }
+  }
+  if (op == ReduceOp::Avg) acc = acc / n;
+  return acc;
+}
+
+// Sums, maxima and minima of the small integers are exact in every dtype;
+// only Avg rounds, once, so the tolerance is a few units of the dtype's
+// epsilon (float32 2^-23, bfloat16 2^-8, float16 2^-11).
+void expect_close(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
+  ASSERT_EQ(got.numel(), want.numel()) << what;
+  if (got.numel() == 0) return;
+  const double tol = got.scalar_type() == at::kBFloat16 ? 1e-2
+                     : got.scalar_type() == at::kHalf  ? 1e-3
+                     : got.scalar_type() == at::kFloat ? 1e-6
+                                                       : 1e-12;
+  const double err = (got.to(at::kDouble) - want).abs().max().item<double>();
+  const double scale = want.abs().max().item<double>() + 1.0;
+  EXPECT_LE(err, tol * scale) << what;
+}
+
+std::string label(at::ScalarType dtype, int64_t numel, ReduceOp op) {
+  return std::string(c10::toString(dtype)) + " n=" + std::to_string(numel) + " op=" + to_string(op);
+}
+
+bool large(int64_t numel) { return numel > (int64_t{1} << 20); }
+
+}  // namespace
+
+TEST(ShardRange, CoversTheBufferWithoutGaps) {
+  for (int64_t numel : {0, 1, 7, 13, 1000003}) {
+    for (int n = 1; n <= 5; ++n) {
+      int64_t next = 0;
+      for (int r = 0; r < n; ++r) {
+        const ShardRange s = shard_range(numel, n, r);
+        EXPECT_EQ(s.offset, next);
+        EXPECT_GE(s.count, numel / n);
+        EXPECT_LE(s.count, numel / n + 1);
+        next += s.count;
+      }
+      EXPECT_EQ(next, numel);
+    }
+  }
+}
+
+TEST(Collectives, AllReduce) {
+  for (auto dtype : kDtypes) {
+    for (int64_t numel : sizes()) {
+      for (auto op : kOps) {
+        if (op == ReduceOp::Avg && !is_float(dtype)) continue;
+        if (large(numel) && op != ReduceOp::Sum && dtype != at::kFloat) continue;
+        auto t = contribution(numel, world().rank(), dtype);
+        world().all_reduce(t, AllReduceOptions().op(op));
+        expect_close(t, expected_reduction(numel, dtype, op), "all_reduce " + label(dtype, numel, op));
+      }
+    }
+  }
+}
+
+TEST(Collectives, ReduceScatter) {
+  for (auto dtype : kDtypes) {
+    for (int64_t numel : sizes()) {
+      for (auto op : kOps) {
+        if (op == ReduceOp::Avg && !is_float(dtype)) continue;
+        if (large(numel) && op != ReduceOp::Sum && dtype != at::kFloat) continue;
+        auto in = contribution(numel, world().rank(), dtype);
+        auto in_copy = in.clone();
+        const ShardRange mine = shard_range(numel, world().size(), world().rank());
+        auto out = at::full({mine.count}, -1, dtype);
+        world().reduce_scatter(in, out, ReduceScatterOptions().op(op));
+        auto want = expected_reduction(numel, dtype, op).narrow(0, mine.offset, mine.count);
+        expect_close(out, want, "reduce_scatter " + label(dtype, numel, op));
+        EXPECT_TRUE(at::equal(in, in_copy)) << "reduce_scatter changed its input";
+      }
+    }
+  }
+}
+
+TEST(Collectives, AllGather) {
+  for (auto dtype : kDtypes) {
+    for (int64_t numel : sizes()) {
+      const ShardRange mine = shard_range(numel, world().size(), world().rank());
+      // Rank r contributes its own slice of the reference, so the result is it.
+      auto want = contribution(numel, 0, dtype);
+      auto out = at::full({numel}, -1, dtype);
+      world().all_gather(want.narrow(0, mine.offset, mine.count).clone(), out);
+      EXPECT_TRUE(at::equal(out, want)) << "all_gather " << label(dtype, numel, ReduceOp::Sum);
+      // In place: the input is this rank's slice of the output itself.
+      auto inplace = at::full({numel}, -1, dtype);
+      inplace.narrow(0, mine.offset, mine.count).copy_(want.narrow(0, mine.offset, mine.count));
+      world().all_gather(inplace.narrow(0, mine.offset, mine.count), inplace);
+      EXPECT_TRUE(at::equal(inplace, want)) << "in-place all_gather " << numel;
+    }
+  }
+}
+
+TEST(Collectives, Broadcast) {
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kLong}) {
+    for (int64_t numel : sizes()) {
+      for (int root = 0; root < world().size(); ++root) {
+        if (large(numel) && root > 1) continue;
+        auto t = contribution(numel, world().rank(), dtype);
+        world().broadcast(t, BroadcastOptions().root(root));
+        EXPECT_TRUE(at::equal(t, contribution(numel, root, dtype)))
+            << "broadcast root " << root << " " << label(dtype, numel, ReduceOp::Sum);
+      }
+    }
+  }
+}
+
+TEST(Collectives, BarrierWaitsForTheLastRank) {
+  const auto start = std::chrono::steady_clock::now();
+  if (world().rank() == world().size() - 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  world().barrier();
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_GE(waited, 0.25) << "rank " << world().rank() << " left the barrier before the last rank entered";
+}
+
+TEST(Collectives, SeveralInFlightAtOnce) {
+  const int64_t numel = 100003;
+  auto a = contribution(numel, world().rank(), at::kFloat);
+  auto b_in = contribution(numel, world().rank(), at::kBFloat16);
+  const ShardRange mine = shard_range(numel, world().size(), world().rank());
+  auto b_out = at::empty({mine.count}, at::kBFloat16);
+  auto c = contribution(numel, world().rank(), at::kDouble);
+  Work wa = world().all_reduce(a, AllReduceOptions().async(true));
+  Work wb = world().reduce_scatter(b_in, b_out, ReduceScatterOptions().async(true).op(ReduceOp::Max));
+  Work wc = world().all_reduce(c, AllReduceOptions().async(true).op(ReduceOp::Avg));
+  wc.wait();
+  wb.wait();
+  wa.wait();
+  EXPECT_TRUE(wa.is_completed() && wb.is_completed() && wc.is_completed());
+  EXPECT_EQ(wa.exception(), nullptr);
+  expect_close(a, expected_reduction(numel, at::kFloat, ReduceOp::Sum), "async all_reduce");
+  expect_close(b_out, expected_reduction(numel, at::kBFloat16, ReduceOp::Max).narrow(0, mine.offset, mine.count),
+               "async reduce_scatter");
+  expect_close(c, expected_reduction(numel, at::kDouble, ReduceOp::Avg), "async avg");
+}
+
+TEST(Collectives, SequenceNumbersCountCollectives) {
+  const uint64_t before = world().sequence_number();
+  auto t = at::ones({3});
+  world().all_reduce(t);
+  world().broadcast(t);
+  EXPECT_EQ(world().sequence_number(), before + 2);
+}
+
+TEST(PointToPoint, RingExchangeWithoutDeadlock) {
+  if (world().size() < 2) GTEST_SKIP() << "needs two ranks";
+  const int n = world().size(), r = world().rank();
+  for (int64_t numel : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{1} << 21}) {
+    auto out = contribution(numel, r, at::kFloat);
+    auto in = at::full({numel}, -1.0f);
+    // Both sides post their send before their recv: must not deadlock.
+    Work s = world().send(out, (r + 1) % n, P2POptions().tag(5));
+    Work q = world().recv(in, (r + n - 1) % n, P2POptions().tag(5));
+    s.wait();
+    q.wait();
+    EXPECT_TRUE(at::equal(in, contribution(numel, (r + n - 1) % n, at::kFloat))) << numel;
+  }
+}
+
+TEST(PointToPoint, TagsKeepMessagesApart) {
+  if (world().size() < 2) GTEST_SKIP() << "needs two ranks";
+  if (world().rank() == 0) {
+    auto a = at::full({4}, 1.0f), b = at::full({4}, 2.0f);
+    Work wa = world().send(a, 1, P2POptions().tag(1));
+    Work wb = world().send(b, 1, P2POptions().tag(2));
+    wa.wait();
+    wb.wait();
+  } else if (world().rank() == 1) {
+    auto b = at::zeros({4}), a = at::zeros({4});
+    world().recv(b, 0, P2POptions().tag(2)).wait();  // received in the other order
+    world().recv(a, 0, P2POptions().tag(1)).wait();
+    EXPECT_TRUE(at::equal(a, at::full({4}, 1.0f)));
+    EXPECT_TRUE(at::equal(b, at::full({4}, 2.0f)));
+  }
+  world().barrier();
+}
+
+TEST(SubGroups, EvenAndOddRanksReduceSeparately) {
+  const int n = world().size(), r = world().rank();
+  std::vector<int> even, odd;
+  for (int i = 0; i < n; ++i) (i % 2 == 0 ? even : odd).push_back(i);
+  auto g_even = world().new_group(even);
+  auto g_odd = odd.empty() ? nullptr : world().new_group(odd);
+  auto mine = r % 2 == 0 ? g_even : g_odd;
+  ASSERT_NE(mine, nullptr);
+  EXPECT_EQ(r % 2 == 0 ? g_odd : g_even, nullptr);
+  const auto& members = r % 2 == 0 ? even : odd;
+  EXPECT_EQ(mine->size(), static_cast<int>(members.size()));
+  EXPECT_EQ(mine->global_ranks(), members);
+
+  for (int64_t numel : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{100001}}) {
+    auto t = contribution(numel, r, at::kFloat);
+    // A world op in flight at the same time as the sub-group op.
+    auto w = contribution(numel, r, at::kFloat);
+    Work ww = world().all_reduce(w, AllReduceOptions().async(true));
+    mine->all_reduce(t);
+    ww.wait();
+    auto want = at::zeros({numel}, at::kDouble);
+    for (int m : members) want += contribution(numel, m, at::kDouble);
+    expect_close(t, want, "sub-group all_reduce n=" + std::to_string(numel));
+    expect_close(w, expected_reduction(numel, at::kFloat, ReduceOp::Sum), "world beside sub-group");
+
+    const ShardRange s = shard_range(numel, mine->size(), mine->rank());
+    auto out = at::empty({s.count});
+    mine->reduce_scatter(contribution(numel, r, at::kFloat), out);
+    expect_close(out, want.narrow(0, s.offset, s.count), "sub-group reduce_scatter");
+  }
+  world().barrier();
+}
+
+TEST(Errors, BadArgumentsAreTypedErrors) {
+  auto t = at::ones({10});
+  EXPECT_THROW(world().all_reduce(t.t().contiguous().unsqueeze(1).expand({10, 2})), InvalidArgument);
+  EXPECT_THROW(world().all_reduce(at::ones({3}, at::kBool)), InvalidArgument);
+  EXPECT_THROW(world().all_reduce(at::ones({3}, at::kInt), AllReduceOptions().op(ReduceOp::Avg)),
+               InvalidArgument);
+  auto wrong = at::empty({shard_range(10, world().size(), world().rank()).count + 1});
+  EXPECT_THROW(world().reduce_scatter(t, wrong), InvalidArgument);
+  EXPECT_THROW(world().broadcast(t, BroadcastOptions().root(world().size())), InvalidArgument);
+  EXPECT_THROW(world().new_group({world().size()}), InvalidArgument);
+}
+
+// A peer that is alive but never joins the collective: the op fails with a
+// TimeoutError naming the op, its sequence number, the group and both ranks,
+// within the op's timeout; the group is unusable afterwards.
+TEST(Faults, PeerThatNeverJoinsTimesOut) {
+  if (world().size() < 2) GTEST_SKIP() << "needs two ranks";
+  auto pair = world().new_group({0, 1});
+  if (world().rank() == 0) {
+    auto t = at::ones({1000});
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      pair->all_reduce(t, AllReduceOptions().timeout(std::chrono::milliseconds(1500)));
+      ADD_FAILURE() << "all_reduce without its peer returned";
+    } catch (const TimeoutError& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("all_reduce #0"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("[0,1]'"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("on rank 0"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("peer rank 1"), std::string::npos) << msg;
+    }
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_LT(took, 10.0);
+    EXPECT_THROW(pair->all_reduce(t), CommError);  // broken for good
+  }
+  world().barrier();
+}
+
+// A peer that leaves (its side of the connections closes): the op fails with
+// a CommError soon, not at the end of a long timeout.
+TEST(Faults, PeerThatLeavesFailsFast) {
+  if (world().size() < 2) GTEST_SKIP() << "needs two ranks";
+  auto pair = world().new_group({0, 1});
+  if (world().rank() == 1) {
+    pair.reset();  // closes rank 1's connections in this group
+  } else if (world().rank() == 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    auto t = at::ones({1 << 16});
+    const auto start = std::chrono::steady_clock::now();
+    EXPECT_THROW(pair->all_reduce(t, AllReduceOptions().timeout(std::chrono::seconds(60))), CommError);
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_LT(took, 20.0);
+  }
+  world().barrier();
+}
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  g_world = Communicator::create(CommOptions::from_env());
+  const int rc = RUN_ALL_TESTS();
+  g_world->barrier();  // nobody tears down connections a peer still uses
+  g_world.reset();
+  return rc;
+}

@@ -1,0 +1,146 @@
+// `shardtrain bench-comm`: latency and bandwidth of one collective, run under
+// the launcher. Definitions follow nccl-tests: algbw = bytes / time; busbw
+// scales algbw by the fraction of the buffer each rank must move, so it is
+// comparable with link bandwidth: 2(n-1)/n for all_reduce, (n-1)/n for
+// reduce_scatter and all_gather, 1 for broadcast.
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "shardtrain/comm/communicator.h"
+#include "shardtrain/core/error.h"
+
+namespace shardtrain::cli {
+namespace {
+
+struct BenchArgs {
+  std::string op = "all_reduce";
+  int64_t bytes = int64_t{1} << 20;
+  std::string dtype = "float32";
+  int iters = 20;
+  int warmup = 5;
+  std::string json;
+};
+
+void print_help() {
+  std::printf(
+      "usage: shardtrain launch --nproc-per-node N -- shardtrain bench-comm [options]\n"
+      "  --op OP        all_reduce | reduce_scatter | all_gather | broadcast (default all_reduce)\n"
+      "  --bytes B      buffer size in bytes; suffixes K, M, G (default 1M)\n"
+      "  --dtype D      float32 | bfloat16 | float16 (default float32)\n"
+      "  --iters K      timed iterations (default 20), after --warmup W (default 5)\n"
+      "  --json FILE    append the figures as one JSON line (rank 0)\n");
+}
+
+int64_t parse_bytes(const std::string& text) {
+  char* end = nullptr;
+  const double value = std::strtod(text.c_str(), &end);
+  double scale = 1;
+  const std::string suffix = end ? end : "";
+  if (suffix == "K" || suffix == "KB" || suffix == "k") scale = 1 << 10;
+  else if (suffix == "M" || suffix == "MB") scale = 1 << 20;
+  else if (suffix == "G" || suffix == "GB") scale = 1 << 30;
+  else ST_CHECK(suffix.empty(), ConfigError, "--bytes '", text, "' is not a size like 4096, 1K, 64M");
+  ST_CHECK(end != text.c_str() && value >= 0, ConfigError, "--bytes '", text,
+           "' is not a size like 4096, 1K, 64M");
+  return static_cast<int64_t>(value * scale);
+}
+
+BenchArgs parse(int argc, char** argv) {
+  BenchArgs a;
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i];
+    std::string value;
+    const auto eq = flag.find('=');
+    if (eq != std::string::npos) {
+      value = flag.substr(eq + 1);
+      flag = flag.substr(0, eq);
+    } else if (flag != "--help" && flag != "-h") {
+      ST_CHECK(i + 1 < argc, ConfigError, flag, " needs a value");
+      value = argv[++i];
+    }
+    if (flag == "--help" || flag == "-h") { print_help(); std::exit(0); }
+    else if (flag == "--op") a.op = value;
+    else if (flag == "--bytes") a.bytes = parse_bytes(value);
+    else if (flag == "--dtype") a.dtype = value;
+    else if (flag == "--iters") a.iters = std::stoi(value);
+    else if (flag == "--warmup") a.warmup = std::stoi(value);
+    else if (flag == "--json") a.json = value;
+    else ST_CHECK(false, ConfigError, "unknown option '", flag, "'; see --help");
+  }
+  ST_CHECK(a.op == "all_reduce" || a.op == "reduce_scatter" || a.op == "all_gather" ||
+               a.op == "broadcast",
+           ConfigError, "--op '", a.op, "' is not one of all_reduce, reduce_scatter, all_gather, broadcast");
+  ST_CHECK(a.iters > 0 && a.warmup >= 0, ConfigError, "--iters must be positive and --warmup >= 0");
+  return a;
+}
+
+at::ScalarType scalar_type(const std::string& name) {
+  if (name == "float32") return at::kFloat;
+  if (name == "bfloat16") return at::kBFloat16;
+  if (name == "float16") return at::kHalf;
+  ST_CHECK(false, ConfigError, "--dtype '", name, "' is not one of float32, bfloat16, float16");
+  return at::kFloat;
+}
+
+}  // namespace
+
+int bench_comm_main(int argc, char** argv) {
+  const BenchArgs args = parse(argc, argv);
+  auto comm = comm::Communicator::create(comm::CommOptions::from_env());
+  const int n = comm->size();
+  const at::ScalarType dtype = scalar_type(args.dtype);
+  const int64_t numel = std::max<int64_t>(1, args.bytes / static_cast<int64_t>(c10::elementSize(dtype)));
+  const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+  const comm::ShardRange mine = comm::shard_range(numel, n, comm->rank());
+  auto full = at::ones({numel}, dtype);
+  auto shard = at::ones({mine.count}, dtype);
+
+  auto run_once = [&] {
+    if (args.op == "all_reduce") comm->all_reduce(full);
+    else if (args.op == "reduce_scatter") comm->reduce_scatter(full, shard);
+    else if (args.op == "all_gather") comm->all_gather(shard, full);
+    else comm->broadcast(full);
+  };
+  for (int i = 0; i < args.warmup; ++i) run_once();
+  comm->barrier();
+  std::vector<double> times;
+  for (int i = 0; i < args.iters; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    run_once();
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  // The slowest rank defines each iteration's time.
+  auto t = at::from_blob(times.data(), {static_cast<int64_t>(times.size())}, at::kDouble).clone();
+  comm->all_reduce(t, comm::AllReduceOptions().op(comm::ReduceOp::Max));
+  const double avg_s = t.mean().item<double>();
+  const double algbw = bytes / avg_s / 1e9;
+  const double factor = args.op == "all_reduce" ? 2.0 * (n - 1) / n
+                        : args.op == "broadcast" ? 1.0
+                                                 : static_cast<double>(n - 1) / n;
+  const double busbw = algbw * factor;
+  if (comm->rank() == 0) {
+    std::printf("%-15s %-9s %12lld bytes  %2d ranks  %10.1f us  algbw %8.3f GB/s  busbw %8.3f GB/s\n",
+                args.op.c_str(), args.dtype.c_str(), static_cast<long long>(bytes), n, avg_s * 1e6,
+                algbw, busbw);
+    if (!args.json.empty()) {
+      std::ofstream out(args.json, std::ios::app);
+      ST_CHECK(out.good(), ConfigError, "cannot append to --json file '", args.json, "'");
+      out << "{\"impl\":\"shardtrain\",\"op\":\"" << args.op << "\",\"dtype\":\"" << args.dtype
+          << "\",\"bytes\":" << bytes << ",\"world_size\":" << n << ",\"iters\":" << args.iters
+          << ",\"time_us\":" << avg_s * 1e6 << ",\"algbw_gbps\":" << algbw
+          << ",\"busbw_gbps\":" << busbw << "}\n";
+    }
+  }
+  comm->barrier();
+  return 0;
+}
+
+}  // namespace shardtrain::cli
