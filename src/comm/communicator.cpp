@@ -473,7 +473,9 @@ Work Communicator::all_reduce(const at::Tensor& tensor, const AllReduceOptions& 
     const ShardRange mine = shard_range(n, oc.size, oc.rank);
     char* mine_ptr = buf + mine.offset * detail::element_size(dtype);
     detail::ring_reduce_scatter(oc, buf, mine_ptr, n, dtype, op);
-    detail::ring_all_gather(oc, buf, n, dtype);
+    detail::OpContext gather = oc;
+    gather.phase = 1;
+    detail::ring_all_gather(gather, buf, n, dtype);
   });
 }
 
@@ -540,7 +542,9 @@ void Communicator::barrier(const BarrierOptions& options) {
     if (oc.size == 1) return;
     detail::ring_reduce_scatter(oc, token.get(), oc.rank == 0 ? token.get() : nullptr, 1,
                                 detail::DType::Float32, ReduceOp::Sum);
-    detail::ring_all_gather(oc, token.get(), 1, detail::DType::Float32);
+    detail::OpContext gather = oc;
+    gather.phase = 1;
+    detail::ring_all_gather(gather, token.get(), 1, detail::DType::Float32);
   }).wait();
 }
 

@@ -63,9 +63,14 @@ struct OpContext {
   int64_t segment_bytes = int64_t{1} << 20;
   ScratchArena* scratch = nullptr;
 
-  /// Slot for step `step` of this op; distinct per op, so a late message
-  /// from a failed op can never match a later one.
-  uint64_t slot(uint32_t step) const { return (seq << 20) | step; }
+  /// Phase of a multi-phase op (all_reduce: 0 reduce-scatter, 1 all-gather).
+  uint32_t phase = 0;
+
+  /// Slot for step `step` of this op's current phase; distinct per op and
+  /// phase, so a message can only ever match the receive it was meant for.
+  uint64_t slot(uint32_t step) const {
+    return (seq << 24) | (uint64_t{phase} << 20) | (step & 0xFFFFF);
+  }
 
   /// Posts a send of `nbytes` at byte `offset` of `buf` to group rank `peer`
   /// on `slot` (and a receive from it); failures become CommError.

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Communication benchmark: shardtrain's collectives against PyTorch Gloo and a
+# single-thread memcpy, all on this machine, in one run. Writes the table into
+# BENCHMARKS.md between <!-- comm:begin --> and <!-- comm:end -->.
+#
+#   make bench-comm        (builds, installs python3-torch, then runs this)
+#   bash bench/comm.sh     (when the build and python3-torch are already there)
+#
+# Environment: BUILD_DIR (default build), OUT_DIR (default $BUILD_DIR/bench-comm),
+# SIZES, WORLD_SIZES (space-separated) to narrow a run by hand; the defaults
+# are what BENCHMARKS.md reports.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+BUILD_DIR=${BUILD_DIR:-build}
+OUT_DIR=${OUT_DIR:-$BUILD_DIR/bench-comm}
+SIZES=${SIZES:-"1024 1048576 67108864"}
+WORLD_SIZES=${WORLD_SIZES:-"2 4"}
+OPS="all_reduce reduce_scatter all_gather"
+TORCH_PY=/usr/bin/python3          # Debian's python3-torch; the python3 on PATH may lack torch
+LAUNCH_TIMEOUT=600                 # seconds; a hung collective fails the run instead of stalling it
+
+die() { echo "bench/comm.sh: $*" >&2; exit 1; }
+
+SHARDTRAIN=$BUILD_DIR/shardtrain
+[ -x "$SHARDTRAIN" ] || die "$SHARDTRAIN is missing; run 'make build' (or 'make bench-comm')"
+[ -x "$TORCH_PY" ] || die "$TORCH_PY is missing; 'make bench-comm' installs python3-torch"
+TORCH_VERSION=$("$TORCH_PY" -c 'import torch, torch.distributed as d; assert d.is_available(); print(torch.__version__)') \
+  || die "$TORCH_PY cannot import torch.distributed; 'make bench-comm' installs python3-torch"
+
+# memcpy reference, rebuilt only when missing or older than its source.
+MEMCPY=$BUILD_DIR/bench_memcpy
+if [ ! -x "$MEMCPY" ] || [ bench/memcpy_bw.cpp -nt "$MEMCPY" ]; then
+  echo "+ g++ -O2 -o $MEMCPY bench/memcpy_bw.cpp"
+  g++ -O2 -o "$MEMCPY" bench/memcpy_bw.cpp
+fi
+
+# Iterations per size: enough to be stable, small enough for ~5 minutes on 2 cores.
+iters_for() { case $1 in 1024) echo 200 ;; 1048576) echo 20 ;; *) echo 5 ;; esac; }
+warmup_for() { case $1 in 1024) echo 20 ;; 1048576) echo 5 ;; *) echo 3 ;; esac; }
+
+mkdir -p "$OUT_DIR"
+RESULTS=$OUT_DIR/results.jsonl
+: > "$RESULTS"
+
+COMMAND="make bench-comm   # runs: bash bench/comm.sh"
+DATE=$(date -u '+%Y-%m-%d %H:%M UTC')
+NPROC=$(nproc)
+CPU=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n1)
+CPU=${CPU:-unknown}
+echo "date:    $DATE"
+echo "nproc:   $NPROC  ($CPU)"
+echo "command: $COMMAND"
+echo "torch:   $TORCH_VERSION ($TORCH_PY)"
+echo "results: $RESULTS"
+LOAD_START=$(cut -d' ' -f1 /proc/loadavg)
+echo "load:    $LOAD_START (1-min load average before the run; others share this machine)"
+START=$SECONDS
+
+run() {  # echo the command, then run it with a time limit; any failure stops the script
+  printf '+'; printf ' %q' "$@"; echo
+  timeout "$LAUNCH_TIMEOUT" "$@"
+}
+
+for n in $WORLD_SIZES; do
+  for bytes in $SIZES; do
+    it=$(iters_for "$bytes"); wu=$(warmup_for "$bytes")
+    for op in $OPS; do
+      run "$SHARDTRAIN" launch --nproc-per-node "$n" -- "$SHARDTRAIN" bench-comm \
+        --op "$op" --bytes "$bytes" --dtype float32 --iters "$it" --warmup "$wu" --json "$RESULTS"
+    done
+    run "$SHARDTRAIN" launch --nproc-per-node "$n" -- "$TORCH_PY" bench/torch_collectives.py \
+      --op all_reduce --bytes "$bytes" --dtype float32 --iters "$it" --warmup "$wu" --json "$RESULTS"
+  done
+  # PyTorch 1.13 Gloo has no flat reduce_scatter / all_gather: one probe each
+  # records that (as a "status":"unsupported" line) instead of a number.
+  for op in reduce_scatter all_gather; do
+    run "$SHARDTRAIN" launch --nproc-per-node "$n" -- "$TORCH_PY" bench/torch_collectives.py \
+      --op "$op" --bytes 1024 --dtype float32 --json "$RESULTS"
+  done
+done
+
+run "$MEMCPY" --json "$RESULTS"
+
+# Every launch above appends exactly one line (rank 0); fewer means a rank failed quietly.
+n_ws=$(wc -w <<< "$WORLD_SIZES"); n_sizes=$(wc -w <<< "$SIZES")
+expected=$(( n_ws * n_sizes * 4 + n_ws * 2 + 3 ))
+got=$(wc -l < "$RESULTS")
+[ "$got" -eq "$expected" ] || die "$RESULTS has $got lines, expected $expected"
+
+ELAPSED=$((SECONDS - START))
+LOAD_END=$(cut -d' ' -f1 /proc/loadavg)
+echo "measured in $ELAPSED s; load average $LOAD_START before, $LOAD_END after"
+run "$TORCH_PY" bench/render_comm.py --results "$RESULTS" --out BENCHMARKS.md \
+  --date "$DATE" --nproc "$NPROC" --cpu "$CPU" --torch "$TORCH_VERSION" --command "$COMMAND" \
+  --context "measured in $ELAPSED s; 1-min load average $LOAD_START before, $LOAD_END after"

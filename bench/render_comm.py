@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""Renders bench/comm.sh's JSON lines into BENCHMARKS.md (stdlib only).
+
+Replaces the text between <!-- comm:begin --> and <!-- comm:end --> in --out,
+appends the section when the markers are missing, and creates the file (with a
+short header) when it does not exist. Text outside the markers is kept.
+"""
+import argparse
+import json
+import os
+import sys
+
+BEGIN, END = "<!-- comm:begin -->", "<!-- comm:end -->"
+SUP = "¹²³⁴⁵"
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+
+HEADER = """# Benchmarks
+
+Every figure here comes from the command shown with its section, run on the
+machine described there. These are shared 2-core build machines, so absolute
+numbers move from run to run; the ratios within one run (shardtrain against
+PyTorch, against memcpy) are what to read.
+"""
+
+
+def human_bytes(b):
+    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if b >= scale and b % scale == 0:
+            return f"{b // scale} {unit}"
+    return f"{b} B"
+
+
+def gbps(x):
+    if x >= 10:
+        return f"{x:.1f}"
+    if x >= 1:
+        return f"{x:.2f}"
+    return f"{x:.3f}" if x >= 0.01 else f"{x:.2g}"
+
+
+def usec(x):
+    return f"{x:,.1f}" if x < 1000 else f"{x:,.0f}"
+
+
+def load(path):
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                sys.exit(f"render_comm.py: {path}:{i}: not JSON: {e}")
+    return rows
+
+
+def render(rows, a):
+    st = {(r["op"], r["bytes"], r["world_size"]): r for r in rows if r.get("impl") == "shardtrain"}
+    pt = {(r["op"], r["bytes"], r["world_size"]): r for r in rows
+          if r.get("impl") == "pytorch-gloo" and r.get("status") != "unsupported"}
+    unsupported = {}
+    for r in rows:
+        if r.get("impl") == "pytorch-gloo" and r.get("status") == "unsupported":
+            unsupported.setdefault(r["op"], r.get("reason", "not supported"))
+    memcpy = sorted((r for r in rows if r.get("impl") == "memcpy"), key=lambda r: r["bytes"])
+    if not st:
+        sys.exit("render_comm.py: no shardtrain results to render")
+
+    dtypes = sorted({r["dtype"] for r in st.values()})
+    iters = {}
+    for r in st.values():
+        iters.setdefault(r["bytes"], r["iters"])
+    world_sizes = sorted({k[2] for k in st})
+
+    out = [BEGIN, "", "## Collective communication (CPU, loopback)", ""]
+    out.append(f"- Run: {a.date}; `nproc` = {a.nproc} ({a.cpu}); PyTorch {a.torch} (Debian, Gloo backend).")
+    out.append(f"- Command: `{a.command}`" + (f" ({a.context})" if a.context else ""))
+    out.append(
+        "- Method: " + ", ".join(dtypes) + "; each figure is one launch of the ranks on this machine, "
+        + "; ".join(f"{human_bytes(b)}: {n} timed iterations" for b, n in sorted(iters.items()))
+        + " after a warm-up. Time = mean over iterations of the slowest rank's time; "
+        "busbw = bytes/time × 2(n−1)/n for all_reduce, × (n−1)/n for reduce_scatter and all_gather "
+        "(nccl-tests definitions). Ratio = shardtrain busbw / PyTorch busbw (above 1: shardtrain faster).")
+    over = [n for n in world_sizes if a.nproc and n > a.nproc]
+    if over:
+        out.append(f"- World size {', '.join(map(str, over))} oversubscribes the {a.nproc} cores: "
+                   "ranks time-share the CPUs with each other.")
+    out.append("")
+    out.append("| op | bytes | ranks | shardtrain busbw GB/s | shardtrain time µs "
+               "| PyTorch Gloo busbw GB/s | PyTorch time µs | shardtrain / PyTorch |")
+    out.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+    notes = []
+    for key in sorted(st, key=lambda k: (OPS.index(k[0]) if k[0] in OPS else 99, k[1], k[2])):
+        op, b, n = key
+        s = st[key]
+        p = pt.get(key)
+        if p:
+            cols = [gbps(p["busbw_gbps"]), usec(p["time_us"]), f"{s['busbw_gbps'] / p['busbw_gbps']:.2f}×"]
+        else:
+            mark = ""
+            if op in unsupported:
+                if op not in notes:
+                    notes.append(op)
+                mark = SUP[notes.index(op)]
+            cols = ["n/a" + mark, "—", "—"]
+        out.append(f"| {op} | {human_bytes(b)} | {n} | {gbps(s['busbw_gbps'])} | {usec(s['time_us'])} | "
+                   + " | ".join(cols) + " |")
+    out.append("")
+    if memcpy:
+        out.append("**Loopback ceiling** — single-thread `memcpy` (bench/memcpy_bw.cpp, median of 5 trials): "
+                   + ", ".join(f"{human_bytes(r['bytes'])}: {gbps(r['gbps'])} GB/s" for r in memcpy)
+                   + ". The 1 KB and 1 MB figures are cache-resident; 64 MB is the DRAM figure, the one "
+                   "to compare with large collectives (loopback TCP copies every byte at least twice).")
+        out.append("")
+    for i, op in enumerate(notes):
+        extra = (" Its all_gather into a list of separate tensors works but is a different "
+                 "operation (n outputs plus copies), so it is not used as a peer."
+                 if op == "all_gather" else "")
+        out.append(f"{SUP[i]} PyTorch {a.torch}'s Gloo process group does not implement {op} "
+                   f"(probe: “{unsupported[op]}”).{extra}")
+    if notes:
+        out.append("")
+    out.append(END)
+    return "\n".join(out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--results", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--date", required=True)
+    ap.add_argument("--nproc", type=int, required=True)
+    ap.add_argument("--cpu", default="unknown CPU")
+    ap.add_argument("--torch", default="?")
+    ap.add_argument("--command", required=True)
+    ap.add_argument("--context", default="", help="free text shown after the command (timing, load)")
+    a = ap.parse_args()
+
+    section = render(load(a.results), a)
+    text = open(a.out).read() if os.path.exists(a.out) else HEADER
+    b, e = text.find(BEGIN), text.find(END)
+    if b != -1 and e > b:
+        text = text[:b] + section + text[e + len(END):]
+    elif b == -1 and e == -1:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    else:
+        sys.exit(f"render_comm.py: {a.out} has one comm marker without the other; fix it by hand")
+    with open(a.out + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(a.out + ".tmp", a.out)
+    print(section)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+// A GPT-2-architecture decoder for the LibTorch C++ frontend.
+//
+// Learned position embeddings, pre-LayerNorm blocks, causal self-attention
+// with a fused qkv projection, GELU (tanh approximation), biases everywhere,
+// LayerNorm eps 1e-5, and the output projection tied to the token embedding.
+// Parameter names follow Hugging Face GPT-2 (wte.weight, wpe.weight,
+// h.0.ln_1.weight, h.0.attn.c_attn.weight, h.0.attn.c_proj.bias,
+// h.0.ln_2.*, h.0.mlp.c_fc.*, h.0.mlp.c_proj.*, ln_f.*), but weights keep
+// LibTorch's Linear layout [out, in]; HF's Conv1D stores [in, out].
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+
+namespace shardtrain::models {
+
+struct GPTConfig {
+  int64_t n_layer = 4;
+  int64_t n_head = 4;
+  int64_t n_embd = 128;
+  int64_t block_size = 128;
+  int64_t vocab_size = 256;
+  /// Recompute each block's forward during backward (see train/ for where
+  /// it is honoured); false keeps every activation.
+  bool activation_checkpointing = false;
+
+  /// Throws ConfigError naming the field when a value is impossible
+  /// (non-positive sizes, n_embd not divisible by n_head).
+  void validate() const;
+  /// Number of parameters of the model this config builds (tied weights once).
+  int64_t num_parameters() const;
+};
+
+/// Causal self-attention with one fused qkv projection (c_attn) and an output
+/// projection (c_proj).
+class CausalSelfAttentionImpl : public torch::nn::Module {
+ public:
+  explicit CausalSelfAttentionImpl(const GPTConfig& config);
+  /// x: [B, T, C] -> [B, T, C].
+  torch::Tensor forward(const torch::Tensor& x);
+
+  torch::nn::Linear c_attn{nullptr};
+  torch::nn::Linear c_proj{nullptr};
+
+ private:
+  int64_t n_head_;
+};
+TORCH_MODULE(CausalSelfAttention);
+
+/// The position-wise MLP: c_fc (C -> 4C), GELU (tanh), c_proj (4C -> C).
+class MLPBlockImpl : public torch::nn::Module {
+ public:
+  explicit MLPBlockImpl(const GPTConfig& config);
+  torch::Tensor forward(const torch::Tensor& x);
+
+  torch::nn::Linear c_fc{nullptr};
+  torch::nn::Linear c_proj{nullptr};
+};
+TORCH_MODULE(MLPBlock);
+
+/// One pre-LayerNorm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x)).
+class BlockImpl : public torch::nn::Module {
+ public:
+  explicit BlockImpl(const GPTConfig& config);
+  torch::Tensor forward(const torch::Tensor& x);
+
+  torch::nn::LayerNorm ln_1{nullptr};
+  CausalSelfAttention attn{nullptr};
+  torch::nn::LayerNorm ln_2{nullptr};
+  MLPBlock mlp{nullptr};
+};
+TORCH_MODULE(Block);
+
+class GPTImpl : public torch::nn::Module {
+ public:
+  explicit GPTImpl(const GPTConfig& config);
+
+  /// idx: [B, T] int64 token ids with T <= block_size -> logits [B, T, vocab].
+  torch::Tensor forward(const torch::Tensor& idx);
+
+  /// Appends `max_new_tokens` sampled tokens to idx [B, T] and returns
+  /// [B, T + max_new_tokens]. temperature > 0; top_k <= 0 means no cut-off.
+  /// Runs without grad; crops the context to block_size.
+  torch::Tensor generate(torch::Tensor idx, int64_t max_new_tokens, double temperature = 1.0,
+                         int64_t top_k = 0, uint64_t seed = 0);
+
+  const GPTConfig& config() const { return config_; }
+
+  torch::nn::Embedding wte{nullptr};
+  torch::nn::Embedding wpe{nullptr};
+  torch::nn::ModuleList h{nullptr};
+  torch::nn::LayerNorm ln_f{nullptr};
+
+ private:
+  GPTConfig config_;
+};
+TORCH_MODULE(GPT);
+
+}  // namespace shardtrain::models
