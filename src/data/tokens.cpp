@@ -1,0 +1,327 @@
+// Byte tokenizer, token sources (text or memory-mapped token files) and the
+// window sampler.
+#include "shardtrain/data/tokens.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <random>
+
+#include "shardtrain/core/error.h"
+
+namespace shardtrain::data {
+
+namespace {
+
+constexpr int64_t kHeaderWords = 256;
+constexpr int64_t kHeaderBytes = kHeaderWords * static_cast<int64_t>(sizeof(int32_t));
+
+// Closes a file descriptor on every path out of open().
+struct FdGuard {
+  int fd;
+  ~FdGuard() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// Reads exactly `n` bytes at `offset`; false on a short read.
+bool read_exact(int fd, void* buf, size_t n, off_t offset) {
+  auto* p = static_cast<char*>(buf);
+  while (n > 0) {
+    const ssize_t got = ::pread(fd, p, n, offset);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return false;
+    p += got;
+    n -= static_cast<size_t>(got);
+    offset += got;
+  }
+  return true;
+}
+
+// splitmix64: turns (seed, epoch) into a well-mixed 64-bit seed.
+uint64_t mix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// Uniform integer in [0, bound) by rejection; unlike
+// std::uniform_int_distribution, the result is the same on every standard
+// library (mt19937_64's output sequence is fixed by the standard).
+uint64_t uniform_below(std::mt19937_64& rng, uint64_t bound) {
+  const uint64_t threshold = (0 - bound) % bound;  // 2^64 mod bound
+  for (;;) {
+    const uint64_t r = rng();
+    if (r >= threshold) return r % bound;
+  }
+}
+
+}  // namespace
+
+// ---- tokenizer --------------------------------------------------------------------------
+
+std::vector<int64_t> ByteTokenizer::encode(const std::string& text) {
+  std::vector<int64_t> ids(text.size());
+  for (size_t i = 0; i < text.size(); ++i) ids[i] = static_cast<unsigned char>(text[i]);
+  return ids;
+}
+
+std::string ByteTokenizer::decode(const std::vector<int64_t>& ids) {
+  std::string text(ids.size(), '\0');
+  for (size_t i = 0; i < ids.size(); ++i) {
+    ST_CHECK(ids[i] >= 0 && ids[i] < kVocabSize, ConfigError, "ByteTokenizer::decode: id ", ids[i],
+             " at position ", i, " is outside the byte vocabulary 0..255",
+             "; hint: the model's vocab_size must be 256 to use the byte tokenizer");
+    text[i] = static_cast<char>(static_cast<unsigned char>(ids[i]));
+  }
+  return text;
+}
+
+// ---- token files ---------------------------------------------------------------------------
+
+void write_token_file(const std::string& path, const std::vector<uint16_t>& tokens) {
+  ST_CHECK(tokens.size() <= static_cast<size_t>(INT32_MAX), ConfigError, "cannot write ",
+           tokens.size(), " tokens to '", path,
+           "': the token-file header holds an int32 count; hint: split the data into shards");
+  std::vector<int32_t> header(kHeaderWords, 0);
+  header[0] = kTokenFileMagic;
+  header[1] = kTokenFileVersion;
+  header[2] = static_cast<int32_t>(tokens.size());
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  ST_CHECK(out.good(), ConfigError, "cannot create token file '", path, "': ", std::strerror(errno),
+           "; hint: check that the directory exists and is writable");
+  out.write(reinterpret_cast<const char*>(header.data()), kHeaderBytes);
+  out.write(reinterpret_cast<const char*>(tokens.data()),
+            static_cast<std::streamsize>(tokens.size() * sizeof(uint16_t)));
+  out.close();
+  ST_CHECK(!out.fail(), ConfigError, "writing token file '", path, "' failed",
+           "; hint: check free disk space");
+}
+
+// ---- token sources ---------------------------------------------------------------------------
+
+// The tokens behind one or more TokenSources: bytes (text), uint16 words
+// (tokens given in memory, or a mapped token file). Immutable once built.
+struct TokenSource::Storage {
+  const uint8_t* bytes = nullptr;    // text: one token per byte
+  const uint16_t* words = nullptr;   // token files / from_tokens
+  int64_t size = 0;
+
+  std::string text;                  // owner of `bytes`
+  std::vector<uint16_t> owned;       // owner of `words` for from_tokens
+  void* map = nullptr;               // owner of `words` for mapped files
+  size_t map_length = 0;
+
+  Storage() = default;
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+  ~Storage() {
+    if (map != nullptr) ::munmap(map, map_length);
+  }
+
+  int64_t at(int64_t i) const { return bytes != nullptr ? bytes[i] : words[i]; }
+};
+
+TokenSource::TokenSource(std::shared_ptr<const Storage> storage, int64_t begin, int64_t end,
+                         std::string origin)
+    : storage_(std::move(storage)), begin_(begin), end_(end), origin_(std::move(origin)) {}
+
+TokenSource TokenSource::from_text(const std::string& text) {
+  auto storage = std::make_shared<Storage>();
+  storage->text = text;
+  storage->bytes = reinterpret_cast<const uint8_t*>(storage->text.data());
+  storage->size = static_cast<int64_t>(storage->text.size());
+  const int64_t n = storage->size;
+  return TokenSource(std::move(storage), 0, n, "<text>");
+}
+
+TokenSource TokenSource::from_tokens(std::vector<uint16_t> tokens) {
+  auto storage = std::make_shared<Storage>();
+  storage->owned = std::move(tokens);
+  storage->words = storage->owned.data();
+  storage->size = static_cast<int64_t>(storage->owned.size());
+  const int64_t n = storage->size;
+  return TokenSource(std::move(storage), 0, n, "<tokens>");
+}
+
+// Rules beyond the header's: a token file whose header says 0 tokens is a
+// ConfigError like an empty text file (write_token_file may still write one);
+// a file is taken as text only if it holds no NUL byte, so binary data in
+// another layout (a header-less nanoGPT .bin) is an error, not 256-way noise.
+TokenSource TokenSource::open(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  ST_CHECK(fd >= 0, ConfigError, "cannot open token source '", path, "': ", std::strerror(errno),
+           "; hint: check data.train (a UTF-8 text file or a token file with magic ",
+           kTokenFileMagic, ")");
+  FdGuard guard{fd};
+  struct stat st {};
+  ST_CHECK(::fstat(fd, &st) == 0, ConfigError, "cannot stat token source '", path, "': ",
+           std::strerror(errno), "; hint: check data.train");
+  ST_CHECK(S_ISREG(st.st_mode), ConfigError, "token source '", path,
+           "' is not a regular file; hint: point data.train at a text or token file");
+  const int64_t file_size = static_cast<int64_t>(st.st_size);
+  ST_CHECK(file_size > 0, ConfigError, "token source '", path,
+           "' is empty; hint: point data.train at a non-empty text or token file");
+
+  int32_t magic = 0;
+  if (file_size >= static_cast<int64_t>(sizeof(int32_t))) {
+    ST_CHECK(read_exact(fd, &magic, sizeof(magic), 0), ConfigError, "cannot read '", path, "': ",
+             std::strerror(errno), "; hint: check data.train");
+  }
+
+  if (magic == kTokenFileMagic) {
+    // ---- token file: check the header, then map the whole file.
+    ST_CHECK(file_size >= kHeaderBytes, ConfigError, "token file '", path,
+             "' is truncated: expected at least ", kHeaderBytes, " bytes of header, found ",
+             file_size, " bytes; hint: regenerate the file");
+    std::vector<int32_t> header(kHeaderWords);
+    ST_CHECK(read_exact(fd, header.data(), kHeaderBytes, 0), ConfigError, "cannot read header of '",
+             path, "': ", std::strerror(errno), "; hint: check data.train");
+    ST_CHECK(header[1] == kTokenFileVersion, ConfigError, "token file '", path, "' has version ",
+             header[1], ", expected ", kTokenFileVersion,
+             " (uint16 tokens); hint: regenerate it with a GPT-2-style (uint16) tokenizer");
+    const int64_t count = header[2];
+    ST_CHECK(count > 0, ConfigError, "token file '", path, "' holds ", count,
+             " tokens; hint: a training source needs at least one window of tokens");
+    const int64_t expected = kHeaderBytes + count * static_cast<int64_t>(sizeof(uint16_t));
+    ST_CHECK(file_size == expected, ConfigError, "token file '", path, "' is ",
+             file_size < expected ? "truncated" : "longer than its header says", ": header says ",
+             count, " tokens, so expected ", expected, " bytes, found ", file_size,
+             " bytes; hint: regenerate the file or re-copy it completely");
+
+    void* map = ::mmap(nullptr, static_cast<size_t>(file_size), PROT_READ, MAP_PRIVATE, fd, 0);
+    ST_CHECK(map != MAP_FAILED, ConfigError, "cannot memory-map token file '", path, "': ",
+             std::strerror(errno), "; hint: check free address space and file permissions");
+    auto storage = std::make_shared<Storage>();
+    storage->map = map;
+    storage->map_length = static_cast<size_t>(file_size);
+    const char* base = static_cast<const char*>(map);
+    storage->words = reinterpret_cast<const uint16_t*>(base + kHeaderBytes);
+    storage->size = count;
+    return TokenSource(std::move(storage), 0, count, path);
+  }
+
+  // ---- text: read it whole; each byte is a token.
+  auto storage = std::make_shared<Storage>();
+  storage->text.resize(static_cast<size_t>(file_size));
+  ST_CHECK(read_exact(fd, storage->text.data(), storage->text.size(), 0), ConfigError,
+           "cannot read '", path, "': ", std::strerror(errno), "; hint: check data.train");
+  // Text never holds NUL bytes; a file that does is binary data in some other
+  // layout (a header-less .bin, a token file of another version, a checkpoint).
+  const auto nul = storage->text.find('\0');
+  ST_CHECK(nul == std::string::npos, ConfigError, "'", path,
+           "' is neither text nor a token file: it holds a NUL byte at offset ", nul,
+           " and does not start with the token-file magic ", kTokenFileMagic,
+           "; hint: convert it with write_token_file or point data.train at UTF-8 text");
+  storage->bytes = reinterpret_cast<const uint8_t*>(storage->text.data());
+  storage->size = file_size;
+  return TokenSource(std::move(storage), 0, file_size, path);
+}
+
+TokenSource TokenSource::slice(int64_t begin, int64_t end) const {
+  ST_CHECK(0 <= begin && begin <= end && end <= size(), InvalidArgument, "TokenSource::slice [",
+           begin, ", ", end, ") is outside [0, ", size(), ") of ", origin_);
+  return TokenSource(storage_, begin_ + begin, begin_ + end, origin_);
+}
+
+void TokenSource::copy_to(int64_t start, int64_t count, int64_t* out) const {
+  ST_CHECK(start >= 0 && count >= 0 && start + count <= size(), InvalidArgument,
+           "TokenSource::copy_to [", start, ", ", start + count, ") is outside [0, ", size(),
+           ") of ", origin_);
+  const int64_t first = begin_ + start;
+  if (storage_->bytes != nullptr) {
+    const uint8_t* src = storage_->bytes + first;
+    for (int64_t i = 0; i < count; ++i) out[i] = src[i];
+  } else {
+    const uint16_t* src = storage_->words + first;
+    for (int64_t i = 0; i < count; ++i) out[i] = src[i];
+  }
+}
+
+int64_t TokenSource::max_token() const {
+  int64_t best = -1;
+  for (int64_t i = begin_; i < end_; ++i) best = std::max(best, storage_->at(i));
+  return best;
+}
+
+// ---- window sampler ---------------------------------------------------------------------------
+
+WindowSampler::WindowSampler(TokenSource tokens, int64_t block_size, int64_t global_batch,
+                             uint64_t seed, bool shuffle)
+    : tokens_(std::move(tokens)),
+      block_size_(block_size),
+      global_batch_(global_batch),
+      seed_(seed),
+      shuffle_(shuffle),
+      num_windows_(0) {
+  ST_CHECK(block_size_ > 0, ConfigError, "model.block_size=", block_size_,
+           " must be positive; hint: set model.block_size");
+  ST_CHECK(global_batch_ > 0, ConfigError, "global batch size ", global_batch_,
+           " must be positive; hint: set batch.global");
+  // A window needs block_size + 1 tokens (inputs plus the shifted targets);
+  // windows start at multiples of block_size and overlap by one token.
+  num_windows_ = tokens_.size() >= 1 ? (tokens_.size() - 1) / block_size_ : 0;
+  ST_CHECK(num_windows_ >= global_batch_, ConfigError, "'", tokens_.origin(), "' holds ",
+           tokens_.size(), " tokens = ", num_windows_, " windows of block_size+1=",
+           block_size_ + 1, " tokens, fewer than one global batch (batch.global) of ",
+           global_batch_,
+           " windows; hint: use more data, a smaller global batch or a smaller block_size");
+}
+
+// The permutation is recomputed only when the epoch changes, so one call
+// costs O(1) within an epoch. The cache makes a sampler unsafe to share
+// between threads: give each loader thread its own copy.
+int64_t WindowSampler::window_at(int64_t epoch, int64_t i) const {
+  if (!shuffle_) return i;
+  if (cached_epoch_ != epoch) {
+    // Fisher–Yates over all windows with a generator seeded from (seed, epoch).
+    std::mt19937_64 rng(mix64(seed_ ^ mix64(static_cast<uint64_t>(epoch))));
+    cached_order_.resize(static_cast<size_t>(num_windows_));
+    for (int64_t w = 0; w < num_windows_; ++w) cached_order_[static_cast<size_t>(w)] = w;
+    for (int64_t w = num_windows_ - 1; w > 0; --w) {
+      const auto other = static_cast<int64_t>(uniform_below(rng, static_cast<uint64_t>(w + 1)));
+      std::swap(cached_order_[static_cast<size_t>(w)], cached_order_[static_cast<size_t>(other)]);
+    }
+    cached_epoch_ = epoch;
+  }
+  return cached_order_[static_cast<size_t>(i)];
+}
+
+Batch WindowSampler::micro_batch(int64_t step, int64_t micro_step, int64_t micro_batch, int rank,
+                                 int world_size) const {
+  ST_CHECK(step >= 0, InvalidArgument, "WindowSampler::micro_batch: step ", step,
+           " must be >= 0");
+  ST_CHECK(micro_batch > 0 && world_size > 0 && rank >= 0 && rank < world_size, InvalidArgument,
+           "WindowSampler::micro_batch: micro_batch=", micro_batch, ", rank=", rank,
+           ", world_size=", world_size, " are not a valid split");
+  ST_CHECK(micro_step >= 0 && (micro_step + 1) * world_size * micro_batch <= global_batch_,
+           InvalidArgument, "WindowSampler::micro_batch: micro-step ", micro_step, " of ",
+           micro_batch, " rows on ", world_size, " ranks runs past the global batch of ",
+           global_batch_, "; hint: micro_batch * world_size * accumulation must equal it");
+
+  const int64_t t = block_size_;
+  const int64_t epoch = epoch_of(step);
+  const int64_t first = (step % steps_per_epoch()) * global_batch_ +
+                        (micro_step * world_size + rank) * micro_batch;
+  auto input = torch::empty({micro_batch, t}, torch::kLong);
+  auto target = torch::empty({micro_batch, t}, torch::kLong);
+  int64_t* in = input.data_ptr<int64_t>();
+  int64_t* tg = target.data_ptr<int64_t>();
+  for (int64_t r = 0; r < micro_batch; ++r) {
+    const int64_t start = window_at(epoch, first + r) * t;
+    tokens_.copy_to(start, t, in + r * t);
+    tokens_.copy_to(start + 1, t, tg + r * t);
+  }
+  return Batch{input, target};
+}
+
+}  // namespace shardtrain::data

@@ -1,0 +1,200 @@
+// GPT-2 architecture: embeddings, pre-LayerNorm blocks, tied output projection.
+#include "shardtrain/models/gpt.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "shardtrain/core/error.h"
+
+namespace shardtrain::models {
+
+namespace {
+
+constexpr double kInitStd = 0.02;
+constexpr double kLayerNormEps = 1e-5;
+
+torch::nn::LayerNorm make_layer_norm(int64_t n_embd) {
+  return torch::nn::LayerNorm(
+      torch::nn::LayerNormOptions({n_embd}).eps(kLayerNormEps).elementwise_affine(true));
+}
+
+// GPT-2 / nanoGPT initialisation of one Linear: N(0, std) weight, zero bias.
+void init_linear(torch::nn::Linear& linear, double std) {
+  torch::nn::init::normal_(linear->weight, 0.0, std);
+  if (linear->bias.defined()) torch::nn::init::zeros_(linear->bias);
+}
+
+}  // namespace
+
+// ---- config ------------------------------------------------------------------------
+
+void GPTConfig::validate() const {
+  ST_CHECK(n_layer > 0, ConfigError, "model.n_layer=", n_layer,
+           " must be positive; hint: set model.n_layer to the number of transformer blocks");
+  ST_CHECK(n_head > 0, ConfigError, "model.n_head=", n_head,
+           " must be positive; hint: set model.n_head so that it divides model.n_embd");
+  ST_CHECK(n_embd > 0, ConfigError, "model.n_embd=", n_embd,
+           " must be positive; hint: set model.n_embd to a multiple of model.n_head");
+  ST_CHECK(n_embd % n_head == 0, ConfigError, "model.n_embd=", n_embd,
+           " is not divisible by model.n_head=", n_head,
+           "; hint: choose model.n_embd as a multiple of model.n_head");
+  ST_CHECK(block_size > 0, ConfigError, "model.block_size=", block_size,
+           " must be positive; hint: set model.block_size to the context length in tokens");
+  ST_CHECK(vocab_size > 0, ConfigError, "model.vocab_size=", vocab_size,
+           " must be positive; hint: use 256 for the byte tokenizer");
+}
+
+int64_t GPTConfig::num_parameters() const {
+  const int64_t c = n_embd;
+  const int64_t per_block = 2 * c                  // ln_1
+                            + 3 * c * c + 3 * c    // attn.c_attn
+                            + c * c + c            // attn.c_proj
+                            + 2 * c                // ln_2
+                            + 4 * c * c + 4 * c    // mlp.c_fc
+                            + 4 * c * c + c;       // mlp.c_proj
+  return vocab_size * c          // wte (also the output projection)
+         + block_size * c        // wpe
+         + n_layer * per_block   // h.*
+         + 2 * c;                // ln_f
+}
+
+// ---- attention -----------------------------------------------------------------------
+
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& config) : n_head_(config.n_head) {
+  config.validate();
+  const int64_t c = config.n_embd;
+  c_attn = register_module("c_attn", torch::nn::Linear(torch::nn::LinearOptions(c, 3 * c)));
+  c_proj = register_module("c_proj", torch::nn::Linear(torch::nn::LinearOptions(c, c)));
+}
+
+torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
+  const int64_t batch = x.size(0);
+  const int64_t t = x.size(1);
+  const int64_t c = x.size(2);
+  const int64_t head_size = c / n_head_;
+
+  // [B, T, 3C] -> three [B, nh, T, hs]
+  auto qkv = c_attn(x).split(c, /*dim=*/2);
+  auto heads = [&](const torch::Tensor& y) {
+    return y.view({batch, t, n_head_, head_size}).transpose(1, 2);
+  };
+  const auto q = heads(qkv[0]);
+  const auto k = heads(qkv[1]);
+  const auto v = heads(qkv[2]);
+
+  // The causal mask is built per call (cheap next to the matmuls) rather than
+  // kept as a buffer: no bool buffer for a strategy to broadcast, nothing in
+  // the state dict, and it follows x to whatever device it is on.
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_size));
+  auto att = torch::matmul(q, k.transpose(-2, -1)) * scale;
+  const auto future = torch::ones({t, t}, x.options().dtype(torch::kBool)).triu(/*diagonal=*/1);
+  att = att.masked_fill(future, -std::numeric_limits<double>::infinity());
+  att = torch::softmax(att, /*dim=*/-1);
+  auto y = torch::matmul(att, v);  // [B, nh, T, hs]
+  y = y.transpose(1, 2).contiguous().view({batch, t, c});
+  return c_proj(y);
+}
+
+// ---- MLP and block -------------------------------------------------------------------
+
+MLPBlockImpl::MLPBlockImpl(const GPTConfig& config) {
+  const int64_t c = config.n_embd;
+  c_fc = register_module("c_fc", torch::nn::Linear(torch::nn::LinearOptions(c, 4 * c)));
+  c_proj = register_module("c_proj", torch::nn::Linear(torch::nn::LinearOptions(4 * c, c)));
+}
+
+torch::Tensor MLPBlockImpl::forward(const torch::Tensor& x) {
+  return c_proj(torch::gelu(c_fc(x), "tanh"));
+}
+
+BlockImpl::BlockImpl(const GPTConfig& config) {
+  ln_1 = register_module("ln_1", make_layer_norm(config.n_embd));
+  attn = register_module("attn", CausalSelfAttention(config));
+  ln_2 = register_module("ln_2", make_layer_norm(config.n_embd));
+  mlp = register_module("mlp", MLPBlock(config));
+}
+
+torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
+  auto y = x + attn(ln_1(x));
+  return y + mlp(ln_2(y));
+}
+
+// ---- GPT -------------------------------------------------------------------------------
+
+GPTImpl::GPTImpl(const GPTConfig& config) : config_(config) {
+  config_.validate();
+  wte = register_module("wte", torch::nn::Embedding(config_.vocab_size, config_.n_embd));
+  wpe = register_module("wpe", torch::nn::Embedding(config_.block_size, config_.n_embd));
+  h = register_module("h", torch::nn::ModuleList());
+  for (int64_t i = 0; i < config_.n_layer; ++i) h->push_back(Block(config_));
+  ln_f = register_module("ln_f", make_layer_norm(config_.n_embd));
+
+  // GPT-2 initialisation. The residual projections get a smaller std so the
+  // residual stream's variance does not grow with depth (2 adds per block).
+  torch::NoGradGuard no_grad;
+  const double proj_std = kInitStd / std::sqrt(2.0 * static_cast<double>(config_.n_layer));
+  torch::nn::init::normal_(wte->weight, 0.0, kInitStd);
+  torch::nn::init::normal_(wpe->weight, 0.0, kInitStd);
+  for (const auto& module : *h) {
+    auto block = module->as<BlockImpl>();
+    init_linear(block->attn->c_attn, kInitStd);
+    init_linear(block->attn->c_proj, proj_std);
+    init_linear(block->mlp->c_fc, kInitStd);
+    init_linear(block->mlp->c_proj, proj_std);
+    // LayerNorms keep LibTorch's ones/zeros.
+  }
+}
+
+torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
+  ST_CHECK(idx.dim() == 2, InvalidArgument, "GPT::forward expects idx of shape [B, T], got ",
+           idx.sizes(), "; hint: add a batch dimension with unsqueeze(0)");
+  const int64_t t = idx.size(1);
+  ST_CHECK(t >= 1 && t <= config_.block_size, InvalidArgument, "GPT::forward got T=", t,
+           " tokens but model.block_size=", config_.block_size,
+           "; hint: crop the context to the last block_size tokens");
+
+  const auto pos = torch::arange(t, idx.options().dtype(torch::kLong));
+  auto x = wte(idx) + wpe(pos);  // [B, T, C] + [T, C]
+  for (const auto& module : *h) x = module->as<BlockImpl>()->forward(x);
+  x = ln_f(x);
+  // Tied output projection: logits = x @ wte.weight^T.
+  return torch::nn::functional::linear(x, wte->weight);
+}
+
+torch::Tensor GPTImpl::generate(torch::Tensor idx, int64_t max_new_tokens, double temperature,
+                                int64_t top_k, uint64_t seed) {
+  ST_CHECK(idx.dim() == 2 && idx.size(1) >= 1, InvalidArgument,
+           "GPT::generate expects a non-empty prompt of shape [B, T], got ", idx.sizes(),
+           "; hint: start from at least one token");
+  ST_CHECK(max_new_tokens >= 0, InvalidArgument, "GPT::generate max_new_tokens=", max_new_tokens,
+           " must be >= 0");
+  ST_CHECK(temperature > 0.0, InvalidArgument, "GPT::generate temperature=", temperature,
+           " must be > 0; hint: use a small value such as 1e-3 for near-greedy sampling");
+
+  torch::NoGradGuard no_grad;
+  // Sampling happens on the CPU with a generator of its own: the same seed
+  // gives the same tokens whatever the model's device and whatever else has
+  // drawn from the global generator.
+  auto gen = at::detail::createCPUGenerator(seed);
+  idx = idx.to(torch::kLong);
+  const int64_t block = config_.block_size;
+  for (int64_t i = 0; i < max_new_tokens; ++i) {
+    const auto context = idx.size(1) <= block ? idx : idx.slice(1, idx.size(1) - block);
+    auto logits = forward(context).select(1, -1).to(torch::kFloat) / temperature;  // [B, V]
+    if (top_k > 0 && top_k < logits.size(-1)) {
+      const auto kth = std::get<0>(torch::topk(logits, top_k, -1)).select(-1, top_k - 1);
+      logits = logits.masked_fill(logits < kth.unsqueeze(-1),
+                                  -std::numeric_limits<double>::infinity());
+    }
+    const auto probs = torch::softmax(logits, -1).to(torch::kCPU);
+    const auto next = torch::multinomial(probs, 1, /*replacement=*/false, gen);  // [B, 1]
+    idx = torch::cat({idx, next.to(idx.device())}, 1);
+  }
+  return idx;
+}
+
+}  // namespace shardtrain::models
