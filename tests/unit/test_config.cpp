@@ -1,0 +1,458 @@
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "shardtrain/config/config.h"
+#include "shardtrain/core/error.h"
+
+using shardtrain::ConfigError;
+using shardtrain::config::BatchConfig;
+using shardtrain::config::BatchPlan;
+using shardtrain::config::Config;
+
+namespace {
+
+const std::string kDefaultYaml = std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/default.yaml";
+
+// Every field, so a key that to_yaml() or parse() forgets shows up here.
+void expect_same(const Config& a, const Config& b) {
+  EXPECT_EQ(a.run.dir, b.run.dir);
+  EXPECT_EQ(a.run.seed, b.run.seed);
+  EXPECT_EQ(a.model.type, b.model.type);
+  EXPECT_EQ(a.model.n_layer, b.model.n_layer);
+  EXPECT_EQ(a.model.n_head, b.model.n_head);
+  EXPECT_EQ(a.model.n_embd, b.model.n_embd);
+  EXPECT_EQ(a.model.block_size, b.model.block_size);
+  EXPECT_EQ(a.model.vocab_size, b.model.vocab_size);
+  EXPECT_EQ(a.model.activation_checkpointing, b.model.activation_checkpointing);
+  EXPECT_EQ(a.model.mlp_sizes, b.model.mlp_sizes);
+  EXPECT_EQ(a.data.train, b.data.train);
+  EXPECT_EQ(a.data.val_fraction, b.data.val_fraction);
+  EXPECT_EQ(a.data.shuffle, b.data.shuffle);
+  EXPECT_EQ(a.batch.global, b.batch.global);
+  EXPECT_EQ(a.batch.micro, b.batch.micro);
+  EXPECT_EQ(a.batch.accumulate, b.batch.accumulate);
+  EXPECT_EQ(a.optimizer.name, b.optimizer.name);
+  EXPECT_EQ(a.optimizer.lr, b.optimizer.lr);
+  EXPECT_EQ(a.optimizer.weight_decay, b.optimizer.weight_decay);
+  EXPECT_EQ(a.optimizer.betas, b.optimizer.betas);
+  EXPECT_EQ(a.optimizer.eps, b.optimizer.eps);
+  EXPECT_EQ(a.optimizer.momentum, b.optimizer.momentum);
+  EXPECT_EQ(a.schedule.name, b.schedule.name);
+  EXPECT_EQ(a.schedule.warmup_steps, b.schedule.warmup_steps);
+  EXPECT_EQ(a.schedule.min_lr, b.schedule.min_lr);
+  EXPECT_EQ(a.trainer.max_steps, b.trainer.max_steps);
+  EXPECT_EQ(a.trainer.eval_every, b.trainer.eval_every);
+  EXPECT_EQ(a.trainer.eval_batches, b.trainer.eval_batches);
+  EXPECT_EQ(a.trainer.log_every, b.trainer.log_every);
+  EXPECT_EQ(a.trainer.max_grad_norm, b.trainer.max_grad_norm);
+  EXPECT_EQ(a.trainer.progress, b.trainer.progress);
+  EXPECT_EQ(a.trainer.sample_tokens, b.trainer.sample_tokens);
+  EXPECT_EQ(a.trainer.early_stopping.enabled, b.trainer.early_stopping.enabled);
+  EXPECT_EQ(a.trainer.early_stopping.monitor, b.trainer.early_stopping.monitor);
+  EXPECT_EQ(a.trainer.early_stopping.patience, b.trainer.early_stopping.patience);
+  EXPECT_EQ(a.trainer.early_stopping.min_delta, b.trainer.early_stopping.min_delta);
+  EXPECT_EQ(a.trainer.early_stopping.mode, b.trainer.early_stopping.mode);
+  EXPECT_EQ(a.distributed.strategy, b.distributed.strategy);
+  EXPECT_EQ(a.distributed.nproc_per_node, b.distributed.nproc_per_node);
+  EXPECT_EQ(a.distributed.bucket_cap_mb, b.distributed.bucket_cap_mb);
+  EXPECT_EQ(a.distributed.first_bucket_mb, b.distributed.first_bucket_mb);
+  EXPECT_EQ(a.distributed.find_unused_parameters, b.distributed.find_unused_parameters);
+  EXPECT_EQ(a.distributed.threads_per_rank, b.distributed.threads_per_rank);
+  EXPECT_EQ(a.precision, b.precision);
+  EXPECT_EQ(a.to_yaml(), b.to_yaml());
+}
+
+// The message of the ConfigError that parse() throws; fails the test if none.
+std::string parse_error(const std::string& yaml, const std::vector<std::string>& overrides = {},
+                        const std::string& origin = "test.yaml") {
+  try {
+    Config::parse(yaml, overrides, origin);
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no ConfigError for:\n" << yaml;
+  return "";
+}
+
+std::string batch_error(const BatchConfig& batch, int world) {
+  Config c;
+  c.batch = batch;
+  try {
+    c.resolve_batch(world);
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no ConfigError for world " << world;
+  return "";
+}
+
+#define EXPECT_HAS(msg, part) \
+  EXPECT_NE((msg).find(part), std::string::npos) << "missing \"" << (part) << "\" in: " << (msg)
+
+}  // namespace
+
+// ---- defaults and round trips ---------------------------------------------------------
+
+TEST(Config, EmptyYamlGivesTheStructDefaults) {
+  expect_same(Config::parse(""), Config());
+  expect_same(Config::parse("model: {}\ntrainer:\n"), Config());
+}
+
+TEST(Config, DefaultYamlLoadsAndMatchesTheStructDefaults) {
+  Config loaded = Config::load(kDefaultYaml);
+  // max_steps is tuned in the file to how long a run may take; the rest is the defaults.
+  EXPECT_GT(loaded.trainer.max_steps, 0);
+  loaded.trainer.max_steps = Config().trainer.max_steps;
+  expect_same(loaded, Config());
+  EXPECT_EQ(loaded.distributed.nproc_per_node, 0);  // auto
+}
+
+TEST(Config, DefaultsRoundTripThroughYaml) {
+  const Config c;
+  expect_same(Config::parse(c.to_yaml()), c);
+}
+
+TEST(Config, EveryKeyRoundTrips) {
+  Config c;
+  c.run.dir = "runs/with space: and # chars";
+  c.run.seed = 18446744073709551615ull;
+  c.model.type = "mlp";
+  c.model.n_layer = 7;
+  c.model.n_head = 3;
+  c.model.n_embd = 99;
+  c.model.block_size = 17;
+  c.model.vocab_size = 50257;
+  c.model.activation_checkpointing = true;
+  c.model.mlp_sizes = {5, 1, 9, 2};
+  c.data.train = "null";  // a string YAML would read as null unless quoted
+  c.data.val_fraction = 0.0;
+  c.data.shuffle = false;
+  c.batch = {std::nullopt, 3, 5};
+  c.optimizer.name = "sgd";
+  c.optimizer.lr = 0.1 + 0.2;  // not a short decimal
+  c.optimizer.weight_decay = 0.0;
+  c.optimizer.betas = {0.0, 0.999999999};
+  c.optimizer.eps = 1e-300;
+  c.optimizer.momentum = 0.0;
+  c.schedule.name = "linear";
+  c.schedule.warmup_steps = 0;
+  c.schedule.min_lr = 0.0;
+  c.trainer.max_steps = 3;
+  c.trainer.eval_every = 0;
+  c.trainer.eval_batches = 1;
+  c.trainer.log_every = 9;
+  c.trainer.max_grad_norm = 0.0;
+  c.trainer.progress = "none";
+  c.trainer.sample_tokens = 0;
+  c.trainer.early_stopping.monitor = "train_loss";
+  c.trainer.early_stopping.patience = 11;
+  c.trainer.early_stopping.min_delta = 1e-3;
+  c.trainer.early_stopping.mode = "max";
+  c.distributed.strategy = "single";
+  c.distributed.nproc_per_node = 1;
+  c.distributed.bucket_cap_mb = 0.5;
+  c.distributed.first_bucket_mb = 100.0;
+  c.distributed.find_unused_parameters = true;
+  c.distributed.threads_per_rank = 2;
+  const Config back = Config::parse(c.to_yaml());
+  expect_same(back, c);
+  // Integers-valued doubles are written as floats; auto is written as auto.
+  EXPECT_HAS(c.to_yaml(), "first_bucket_mb: 100.0\n");
+  EXPECT_HAS(Config().to_yaml(), "nproc_per_node: auto\n");
+  EXPECT_HAS(Config().to_yaml(), "accumulate: null\n");
+}
+
+TEST(Config, SectionKeysAreRead) {
+  const Config c = Config::parse(R"(
+run: {dir: out, seed: 7}
+model: {type: gpt, n_layer: 2, n_head: 2, n_embd: 64, block_size: 32, vocab_size: 100,
+        activation_checkpointing: true, mlp_sizes: [2, 3]}
+data: {train: x.bin, val_fraction: 0.5, shuffle: no}
+batch: {global: 64, micro: null, accumulate: 2}
+optimizer: {name: sgd, lr: 1e-2, weight_decay: 0, betas: [0.8, 0.9], eps: 1e-6, momentum: 0.5}
+schedule: {name: constant, warmup_steps: 5, min_lr: 0}
+trainer:
+  max_steps: 10
+  eval_every: 5
+  eval_batches: 2
+  log_every: 3
+  max_grad_norm: 0.5
+  progress: plain
+  sample_tokens: 16
+  early_stopping: {enabled: true, monitor: eval_loss, patience: 2, min_delta: 0.01, mode: min}
+distributed: {strategy: ddp, nproc_per_node: 3, bucket_cap_mb: 4, first_bucket_mb: 0.25,
+              find_unused_parameters: true, threads_per_rank: 1}
+precision: fp32
+)");
+  EXPECT_EQ(c.run.dir, "out");
+  EXPECT_EQ(c.run.seed, 7u);
+  EXPECT_EQ(c.model.n_embd, 64);
+  EXPECT_TRUE(c.model.activation_checkpointing);
+  EXPECT_EQ(c.model.mlp_sizes, (std::vector<int64_t>{2, 3}));
+  EXPECT_FALSE(c.data.shuffle);
+  EXPECT_EQ(c.batch.global, 64);
+  EXPECT_FALSE(c.batch.micro.has_value());
+  EXPECT_EQ(c.batch.accumulate, 2);
+  EXPECT_EQ(c.optimizer.lr, 1e-2);
+  EXPECT_EQ(c.optimizer.weight_decay, 0.0);
+  EXPECT_EQ(c.optimizer.betas, (std::vector<double>{0.8, 0.9}));
+  EXPECT_EQ(c.schedule.name, "constant");
+  EXPECT_EQ(c.trainer.early_stopping.min_delta, 0.01);
+  EXPECT_TRUE(c.trainer.early_stopping.enabled);
+  EXPECT_EQ(c.distributed.nproc_per_node, 3);
+  EXPECT_EQ(c.distributed.first_bucket_mb, 0.25);
+  expect_same(Config::parse(c.to_yaml()), c);
+}
+
+// ---- overrides -------------------------------------------------------------------------
+
+TEST(ConfigOverrides, ScalarListNullAndNested) {
+  const Config c = Config::parse("optimizer: {lr: 1.0e-3}\n",
+                                 {"optimizer.lr=0.01", "optimizer.betas=[0.9,0.99]",
+                                  "batch.accumulate=2", "batch.global=null",
+                                  "trainer.early_stopping.patience=9", "run.dir=runs/x",
+                                  "distributed.nproc_per_node=auto", "model={n_layer: 1}"});
+  EXPECT_EQ(c.optimizer.lr, 0.01);
+  EXPECT_EQ(c.optimizer.betas, (std::vector<double>{0.9, 0.99}));
+  EXPECT_FALSE(c.batch.global.has_value());
+  EXPECT_EQ(c.batch.accumulate, 2);
+  EXPECT_EQ(c.trainer.early_stopping.patience, 9);
+  EXPECT_EQ(c.run.dir, "runs/x");
+  EXPECT_EQ(c.distributed.nproc_per_node, 0);
+  EXPECT_EQ(c.model.n_layer, 1);
+  EXPECT_EQ(c.model.n_embd, Config().model.n_embd);
+}
+
+TEST(ConfigOverrides, LaterOverridesWinAndCreateMissingSections) {
+  const Config c = Config::parse("", {"trainer.max_steps=5", "trainer.max_steps=6"});
+  EXPECT_EQ(c.trainer.max_steps, 6);
+}
+
+TEST(ConfigOverrides, UnknownKeyIsAnErrorWithASuggestion) {
+  const std::string msg = parse_error("", {"optimizer.lrr=0.1"});
+  EXPECT_HAS(msg, "optimizer.lrr");
+  EXPECT_HAS(msg, "did you mean 'lr'?");
+  EXPECT_HAS(msg, "--set 'optimizer.lrr=0.1'");
+  const std::string below = parse_error("", {"optimizer.lr.x=1"});
+  EXPECT_HAS(below, "optimizer.lr is a value, not a section");
+}
+
+TEST(ConfigOverrides, MalformedOverridesShowTheSyntax) {
+  for (const std::string bad : {"optimizer.lr", "=3", "optimizer..lr=3", ".lr=1"}) {
+    const std::string msg = parse_error("", {bad});
+    EXPECT_HAS(msg, "malformed override");
+    EXPECT_HAS(msg, "KEY=VALUE");
+  }
+  const std::string msg = parse_error("", {"optimizer.betas=[0.9,"});
+  EXPECT_HAS(msg, "optimizer.betas");
+  EXPECT_HAS(msg, "not valid YAML");
+}
+
+TEST(ConfigOverrides, BadValueNamesTheOverrideAsOrigin) {
+  const std::string msg = parse_error("", {"optimizer.lr=fast"});
+  EXPECT_HAS(msg, "optimizer.lr");
+  EXPECT_HAS(msg, "'fast'");
+  EXPECT_HAS(msg, "--set 'optimizer.lr=fast' (on test.yaml)");
+}
+
+// ---- errors ----------------------------------------------------------------------------
+
+TEST(ConfigErrors, UnknownTopLevelKey) {
+  const std::string msg = parse_error("modle:\n  n_layer: 2\n");
+  EXPECT_HAS(msg, "test.yaml:1");
+  EXPECT_HAS(msg, "modle");
+  EXPECT_HAS(msg, "unknown key");
+  EXPECT_HAS(msg, "did you mean 'model'?");
+  // A key that belongs in a section points there.
+  EXPECT_HAS(parse_error("lr: 0.1\n"), "did you mean 'optimizer.lr'?");
+}
+
+TEST(ConfigErrors, UnknownNestedKey) {
+  const std::string msg = parse_error("model:\n  n_layer: 2\n  n_embed: 64\n");
+  EXPECT_HAS(msg, "test.yaml:3");
+  EXPECT_HAS(msg, "model.n_embed");
+  EXPECT_HAS(msg, "did you mean 'n_embd'?");
+  const std::string deep = parse_error("trainer:\n  early_stopping:\n    patients: 3\n");
+  EXPECT_HAS(deep, "trainer.early_stopping.patients");
+  EXPECT_HAS(deep, "did you mean 'patience'?");
+  // Nothing close: no suggestion, but the list of keys.
+  const std::string far = parse_error("data:\n  zzzzzzzz: 1\n");
+  EXPECT_HAS(far, "data.zzzzzzzz");
+  EXPECT_EQ(far.find("did you mean"), std::string::npos) << far;
+  EXPECT_HAS(far, "train, val_fraction, shuffle");
+}
+
+TEST(ConfigErrors, WrongTypes) {
+  struct Case {
+    std::string yaml, path, value;
+  };
+  const std::vector<Case> cases = {
+      {"optimizer:\n  lr: fast\n", "optimizer.lr", "'fast'"},
+      {"model:\n  n_layer: 2.5\n", "model.n_layer", "'2.5'"},
+      {"optimizer:\n  betas: 0.9\n", "optimizer.betas", "'0.9'"},
+      {"optimizer:\n  betas: [0.9, x]\n", "optimizer.betas", "[0.9, x]"},
+      {"data:\n  shuffle: maybe\n", "data.shuffle", "'maybe'"},
+      {"run:\n  seed: -1\n", "run.seed", "'-1'"},
+      {"batch:\n  micro: [8]\n", "batch.micro", "[8]"},
+      {"distributed:\n  nproc_per_node: many\n", "distributed.nproc_per_node", "'many'"},
+      {"model: 5\n", "model", "'5'"},
+      {"model:\n  type: {a: 1}\n", "model.type", "{a: 1}"},
+      {"optimizer:\n  lr:\n", "optimizer.lr", "null"},
+  };
+  for (const Case& c : cases) {
+    const std::string msg = parse_error(c.yaml);
+    EXPECT_HAS(msg, c.path + ": got " + c.value);
+    EXPECT_HAS(msg, "expected");
+    EXPECT_HAS(msg, "test.yaml:");
+  }
+}
+
+TEST(ConfigErrors, OutOfRange) {
+  struct Case {
+    std::string yaml, path, expected;
+  };
+  const std::vector<Case> cases = {
+      {"model: {n_layer: -1}", "model.n_layer: got -1", "an integer >= 1"},
+      {"model: {n_head: 3}", "model.n_embd: got 128", "a multiple of model.n_head=3"},
+      {"model: {type: rnn}", "model.type: got 'rnn'", "one of: gpt, mlp"},
+      {"model: {mlp_sizes: [4]}", "model.mlp_sizes: got [4]", "at least two"},
+      {"data: {val_fraction: 1.0}", "data.val_fraction: got 1.0", "[0, 1)"},
+      {"data: {val_fraction: -0.1}", "data.val_fraction: got -0.1", "[0, 1)"},
+      {"optimizer: {lr: 0}", "optimizer.lr: got 0.0", "> 0"},
+      {"optimizer: {betas: [0.9]}", "optimizer.betas: got [0.9]", "two numbers"},
+      {"optimizer: {betas: [0.9, 1.5]}", "optimizer.betas: got [0.9, 1.5]", "[0, 1)"},
+      {"optimizer: {name: adam}", "optimizer.name: got 'adam'", "one of: adamw, sgd"},
+      {"schedule: {min_lr: 1.0}", "schedule.min_lr: got 1.0", "<= optimizer.lr"},
+      {"schedule: {warmup_steps: -2}", "schedule.warmup_steps: got -2", ">= 0"},
+      {"trainer: {progress: fancy}", "trainer.progress: got 'fancy'", "auto, bar, plain, none"},
+      {"trainer: {eval_every: 0, early_stopping: {enabled: true}}",
+       "trainer.early_stopping.enabled: got true", "trainer.eval_every > 0"},
+      {"distributed: {strategy: fsdp}", "distributed.strategy: got 'fsdp'", "single, ddp"},
+      {"distributed: {strategy: single, nproc_per_node: 2}",
+       "distributed.nproc_per_node: got 2", "strategy=single"},
+      {"distributed: {bucket_cap_mb: 0}", "distributed.bucket_cap_mb: got 0.0", "> 0"},
+      {"batch: {global: 0}", "batch.global: got 0", ">= 1"},
+      {"batch: {global: null, accumulate: null}", "batch: got {global: null, micro: 8",
+       "at least two"},
+      {"batch: {global: 30, micro: 8}", "batch.global: got 30", "a multiple of batch.micro=8"},
+      {"batch: {global: 30, micro: 5, accumulate: 4}", "batch.global: got 30",
+       "batch.micro × batch.accumulate = 5 × 4 = 20"},
+  };
+  for (const Case& c : cases) {
+    const std::string msg = parse_error(c.yaml);
+    EXPECT_HAS(msg, c.path);
+    EXPECT_HAS(msg, c.expected);
+    EXPECT_HAS(msg, "test.yaml:1");
+  }
+  // A cross-key check on a key left at its default names the key that was set.
+  EXPECT_HAS(parse_error("\n\nmodel:\n  n_head: 3\n"), "test.yaml:4");
+}
+
+TEST(ConfigErrors, MalformedYamlNamesOriginAndLine) {
+  const std::string msg = parse_error("model:\n  n_layer: 2\n   n_head: [4\n", {}, "bad.yaml");
+  EXPECT_HAS(msg, "bad.yaml:");
+  EXPECT_HAS(msg, "invalid YAML");
+  EXPECT_NE(msg.find("bad.yaml:3"), std::string::npos) << msg;
+  EXPECT_HAS(parse_error("- a\n- b\n"), "a mapping of sections");
+}
+
+TEST(ConfigErrors, MissingFileIsAConfigError) {
+  try {
+    Config::load("/nonexistent/shardtrain.yaml");
+    FAIL() << "no ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_HAS(std::string(e.what()), "/nonexistent/shardtrain.yaml");
+  }
+}
+
+TEST(ConfigErrors, LoadNamesTheFileAsOrigin) {
+  const std::string path = ::testing::TempDir() + "/test_config_origin.yaml";
+  {
+    std::ofstream out(path);
+    out << "run:\n  seed: 1\noptimizer:\n  lr: -3\n";
+  }
+  try {
+    Config::load(path);
+    FAIL() << "no ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_HAS(std::string(e.what()), path + ":4: optimizer.lr: got -3.0");
+  }
+  std::remove(path.c_str());
+}
+
+TEST(ConfigErrors, PrecisionOtherThanFp32) {
+  for (const std::string later : {"bf16-mixed", "fp16-mixed", "bf16-true"}) {
+    const std::string msg = parse_error("precision: " + later + "\n");
+    EXPECT_HAS(msg, "precision: got '" + later + "'");
+    EXPECT_HAS(msg, "not available yet");
+    EXPECT_HAS(msg, "mixed-precision work");
+  }
+  const std::string msg = parse_error("", {"precision=fp8"});
+  EXPECT_HAS(msg, "precision: got 'fp8'");
+  EXPECT_HAS(msg, "expected fp32 (bf16-mixed, fp16-mixed and bf16-true arrive");
+  EXPECT_EQ(Config::parse("precision: fp32\n").precision, "fp32");
+}
+
+// ---- batch arithmetic --------------------------------------------------------------------
+
+TEST(ConfigBatch, DerivesAccumulate) {
+  Config c;
+  c.batch = {32, 8, std::nullopt};
+  const BatchPlan p = c.resolve_batch(2);
+  EXPECT_EQ(p.global, 32);
+  EXPECT_EQ(p.micro, 8);
+  EXPECT_EQ(p.accumulate, 2);
+  EXPECT_EQ(c.resolve_batch(4).accumulate, 1);
+}
+
+TEST(ConfigBatch, DerivesMicro) {
+  Config c;
+  c.batch = {48, std::nullopt, 2};
+  const BatchPlan p = c.resolve_batch(3);
+  EXPECT_EQ(p.global, 48);
+  EXPECT_EQ(p.micro, 8);
+  EXPECT_EQ(p.accumulate, 2);
+}
+
+TEST(ConfigBatch, DerivesGlobal) {
+  Config c;
+  c.batch = {std::nullopt, 4, 3};
+  const BatchPlan p = c.resolve_batch(5);
+  EXPECT_EQ(p.global, 60);
+  EXPECT_EQ(p.micro, 4);
+  EXPECT_EQ(p.accumulate, 3);
+  EXPECT_EQ(c.resolve_batch(1).global, 12);
+}
+
+TEST(ConfigBatch, ConsistentTripleIsAccepted) {
+  Config c;
+  c.batch = {32, 8, 2};
+  EXPECT_EQ(c.resolve_batch(2).accumulate, 2);
+}
+
+TEST(ConfigBatch, InconsistentTripleShowsTheArithmetic) {
+  const std::string msg = batch_error({30, 8, 2}, 2);
+  EXPECT_HAS(msg, "8 × 2 × 2 = 32 ≠ batch.global=30");
+  EXPECT_HAS(msg, "batch.micro × batch.accumulate × world_size");
+}
+
+TEST(ConfigBatch, NotDivisibleShowsTheArithmetic) {
+  EXPECT_HAS(batch_error({30, 8, std::nullopt}, 2),
+             "batch.global=30 is not divisible by batch.micro=8 × world_size=2 = 16");
+  // Smaller than one micro-batch per rank.
+  EXPECT_HAS(batch_error({8, 8, std::nullopt}, 3),
+             "batch.global=8 is not divisible by batch.micro=8 × world_size=3 = 24");
+  EXPECT_HAS(batch_error({30, std::nullopt, 4}, 1),
+             "batch.global=30 is not divisible by batch.accumulate=4 × world_size=1 = 4");
+}
+
+TEST(ConfigBatch, FewerThanTwoGivenOrNonPositive) {
+  EXPECT_HAS(batch_error({std::nullopt, 8, std::nullopt}, 1), "at least two of batch.global");
+  EXPECT_HAS(batch_error({std::nullopt, std::nullopt, std::nullopt}, 1), "at least two");
+  EXPECT_HAS(batch_error({32, 0, std::nullopt}, 1), "batch.micro: got 0");
+  EXPECT_HAS(batch_error({32, 8, std::nullopt}, 0), "world_size 0");
+}
