@@ -1,0 +1,97 @@
+// Internals of the strategies, shared by single and ddp and visible to tests
+// (tests add src/ to their include path). Not installed, not public API.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "shardtrain/comm/communicator.h"
+#include "shardtrain/strategy/strategy.h"
+
+namespace shardtrain::strategy::detail {
+
+/// L2 norm over the defined gradients of `params`, and clipping as
+/// torch::nn::utils::clip_grad_norm_ does: each gradient's norm in its own
+/// dtype, the total accumulated in double; gradients are multiplied by
+/// max_norm / (norm + 1e-6) only when max_norm > 0 and that is below 1.
+double clip_local_grad_norm(const std::vector<at::Tensor>& params, double max_norm);
+
+/// The parameters of `model` that require a gradient, in registration order,
+/// each once (tied parameters are listed under their first name).
+struct NamedParams {
+  std::vector<std::string> names;
+  std::vector<at::Tensor> tensors;
+};
+NamedParams trainable_parameters(torch::nn::Module& model);
+
+/// One gradient bucket: a flat buffer that holds a view per parameter.
+struct Bucket {
+  at::Tensor flat;                  // contiguous, one dtype
+  std::vector<size_t> params;       // indices into the reducer's parameter list
+  int64_t bytes = 0;
+};
+
+/// The buckets for `tensors` (one dtype per bucket): parameters in reverse
+/// order, packed greedily; the first bucket holds at most first_bucket_bytes,
+/// the others at most bucket_cap_bytes; a parameter larger than the cap gets
+/// a bucket of its own. Returns, per bucket, the parameter indices in it.
+/// Pure planning, so unit tests check it without a communicator.
+std::vector<std::vector<size_t>> plan_buckets(const std::vector<at::Tensor>& tensors,
+                                              int64_t first_bucket_bytes,
+                                              int64_t bucket_cap_bytes);
+
+class Reducer;
+struct HookHandle;
+
+/// Distributed data parallel: every rank holds the whole model, gradients are
+/// averaged over ranks in buckets whose all-reduces start from autograd hooks
+/// while backward still runs.
+///
+/// Gradients are COPIED into the bucket views (in the hook) and copied back
+/// into param.grad() after the reduction (in finish_gradient_sync), rather
+/// than making param.grad() a view of the bucket: a view would be silently
+/// lost whenever user code or an optimizer replaces a gradient (zero_grad
+/// with set_to_none, assigning grad()), whereas copies keep param.grad() an
+/// ordinary tensor the user owns. The cost is one extra memcpy per gradient,
+/// cheap next to the all-reduce.
+class DDPStrategy final : public Strategy {
+ public:
+  explicit DDPStrategy(StrategyOptions options);
+  ~DDPStrategy() override;
+
+  void setup(torch::nn::Module& model, std::shared_ptr<comm::Communicator> comm) override;
+  void set_gradient_sync(bool enabled) override;
+  void finish_gradient_sync() override;
+  /// After finish_gradient_sync the gradients are identical on every rank,
+  /// so the local norm is already the global norm: no communication.
+  double clip_grad_norm(double max_norm) override;
+  void optimizer_step(torch::optim::Optimizer& optimizer) override;
+  std::string name() const override { return "ddp"; }
+  int64_t gradient_collectives() const override;
+
+  // ---- for tests and diagnostics ----
+  /// Number of buckets planned in setup.
+  size_t num_buckets() const;
+  /// named_parameters() names of the parameters in bucket `b`, in bucket order.
+  std::vector<std::string> bucket_parameter_names(size_t b) const;
+  /// Bucket all-reduces launched from an autograd hook, i.e. while backward
+  /// was still running (the rest were launched by finish_gradient_sync).
+  int64_t buckets_launched_in_backward() const;
+
+ private:
+  StrategyOptions options_;
+  std::shared_ptr<comm::Communicator> comm_;
+  std::shared_ptr<Reducer> reducer_;  // hooks hold it weakly
+  std::vector<at::Tensor> params_;
+  std::vector<HookHandle> hooks_;  // one post-hook per parameter
+
+  void remove_hooks();
+};
+
+}  // namespace shardtrain::strategy::detail
