@@ -1,6 +1,13 @@
 // The subcommands of the `shardtrain` tool, one file each.
 #pragma once
 
+#include <cstdint>
+#include <string>
+
+namespace shardtrain::models {
+class GPTImpl;
+}
+
 namespace shardtrain::cli {
 
 /// `shardtrain launch ... -- PROGRAM ARGS`; argv[0] is "launch".
@@ -8,5 +15,16 @@ int launch_main(int argc, char** argv);
 
 /// `shardtrain bench-comm --op OP --bytes B ...`; argv[0] is "bench-comm".
 int bench_comm_main(int argc, char** argv);
+
+/// `shardtrain train [CONFIG] [--set k=v ...] [--nproc-per-node N]`.
+int train_main(int argc, char** argv);
+
+/// `shardtrain generate --checkpoint PATH --prompt TEXT --max-new-tokens N`.
+int generate_main(int argc, char** argv);
+
+/// Samples `max_new_tokens` bytes after `prompt` from a trained GPT and
+/// returns prompt + continuation as text.
+std::string sample_text(models::GPTImpl& model, const std::string& prompt, int64_t max_new_tokens,
+                        uint64_t seed, double temperature = 0.8, int64_t top_k = 40);
 
 }  // namespace shardtrain::cli

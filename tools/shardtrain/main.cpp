@@ -18,6 +18,8 @@ struct Command {
 
 const Command kCommands[] = {
     {"launch", shardtrain::cli::launch_main, "start the ranks of a job on this node"},
+    {"train", shardtrain::cli::train_main, "train the model a YAML config describes"},
+    {"generate", shardtrain::cli::generate_main, "sample text from a trained GPT"},
     {"bench-comm", shardtrain::cli::bench_comm_main, "measure a collective's bandwidth"},
 };
 
@@ -41,6 +43,9 @@ int main(int argc, char** argv) {
     } catch (const shardtrain::ConfigError& e) {
       std::fprintf(stderr, "shardtrain %s: configuration error: %s\n", c.name, e.what());
       return 2;
+    } catch (const shardtrain::CheckpointError& e) {
+      std::fprintf(stderr, "shardtrain %s: checkpoint error: %s\n", c.name, e.what());
+      return 3;
     } catch (const std::exception& e) {
       std::fprintf(stderr, "shardtrain %s: error: %s\n", c.name, e.what());
       return 1;

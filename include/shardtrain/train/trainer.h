@@ -1,0 +1,118 @@
+// Trainer::fit: the training loop, written to read like the algorithm.
+//
+// A TrainTask says what to train (any torch::nn::Module), how to get a
+// micro-batch and how to score it; the Config says how (batch sizes,
+// optimizer, schedule, strategy, steps). make_task() builds the task for the
+// built-in models from the config.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardtrain/config/config.h"
+#include "shardtrain/data/tokens.h"
+#include "shardtrain/train/callback.h"
+
+namespace torch::nn {
+class Module;
+}
+namespace torch::optim {
+class Optimizer;
+}
+namespace shardtrain::comm {
+class Communicator;
+}
+namespace shardtrain::strategy {
+class Strategy;
+}
+
+namespace shardtrain::train {
+
+struct TrainTask {
+  /// The model; its parameters are trained in place.
+  std::shared_ptr<torch::nn::Module> model;
+  /// Mean loss of one micro-batch (a scalar with a graph).
+  std::function<at::Tensor(const data::Batch&)> loss;
+  /// Micro-batch `micro_step` of optimizer step `step` for `rank` of `world`.
+  /// The union over micro-steps and ranks must be the step's global batch.
+  std::function<data::Batch(int64_t step, int64_t micro_step, int64_t micro_batch, int rank,
+                            int world)>
+      train_batch;
+  /// Evaluation micro-batch `index` for `rank`; empty: no evaluation.
+  std::function<data::Batch(int64_t index, int64_t micro_batch, int rank, int world)> eval_batch;
+  /// Epoch of a step; empty: always epoch 0.
+  std::function<int64_t(int64_t step)> epoch_of;
+  /// Tokens in one sample, for tokens/s (block_size for language models).
+  int64_t tokens_per_sample = 1;
+  /// Extra fields of every metrics line (e.g. the model's parameter count).
+  Metrics static_metrics;
+};
+
+/// The task for the config's built-in model: a GPT on the config's token data
+/// (train/validation split by data.val_fraction) or an MLP on a synthetic
+/// regression set. The same seed gives the same initial weights on every rank;
+/// `world_size` fixes the batch plan the data order is built for.
+TrainTask make_task(const config::Config& config, int world_size);
+
+/// Learning rate of `step` (0-based): linear warmup over warmup_steps to lr,
+/// then constant, linear decay to min_lr at max_steps, or cosine to min_lr.
+double scheduled_lr(const config::Config& config, int64_t step);
+
+class Trainer {
+ public:
+  /// `comm` is the world (Communicator::create). Builds the strategy and
+  /// sets it up (DDP broadcasts rank 0's weights), then the optimizer.
+  /// Throws ConfigError for batch sizes that do not fit the world size.
+  Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Communicator> comm);
+  ~Trainer();
+
+  /// Adds a callback after the built-in ones.
+  void add_callback(std::shared_ptr<Callback> callback);
+
+  /// Trains until trainer.max_steps or a callback stops it; evaluates and
+  /// saves as configured. Returns the final state.
+  const TrainerState& fit();
+
+  /// Mean evaluation loss over trainer.eval_batches micro-batches per rank,
+  /// averaged across ranks; NaN when the task has no evaluation data.
+  double evaluate();
+
+  /// Writes the model (rank 0) to `dir`/model.pt with the config beside it,
+  /// through a temporary directory and a rename; returns `dir`.
+  std::string save(const std::string& dir);
+
+  const TrainerState& state() const { return state_; }
+  const std::shared_ptr<torch::nn::Module>& model() const { return task_.model; }
+  strategy::Strategy& strategy() { return *strategy_; }
+  torch::optim::Optimizer& optimizer() { return *optimizer_; }
+  const config::BatchPlan& batch() const { return batch_; }
+
+ private:
+  void run_step();
+  void set_learning_rate(double lr);
+  void for_each_callback(const std::function<void(Callback&)>& f);
+  // OR-s the control flags over ranks so every rank acts alike.
+  void agree_on_control();
+
+  config::Config config_;
+  TrainTask task_;
+  std::shared_ptr<comm::Communicator> comm_;
+  std::unique_ptr<strategy::Strategy> strategy_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  config::BatchPlan batch_;
+  std::vector<std::shared_ptr<Callback>> callbacks_;
+  TrainerState state_;
+  TrainerControl control_;
+};
+
+/// Intra-op threads for this rank: `requested` when positive, else the
+/// machine's cores divided by the ranks on this node (at least 1).
+int threads_for_rank(int64_t requested, int local_world_size);
+
+/// Peak resident memory of this process so far, in MB.
+double peak_rss_mb();
+
+}  // namespace shardtrain::train

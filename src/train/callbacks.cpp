@@ -1,0 +1,212 @@
+// The built-in callbacks and the metrics line.
+#include "shardtrain/train/callbacks.h"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <sstream>
+
+#include "shardtrain/core/error.h"
+
+namespace shardtrain::train {
+
+// ---- Metrics ----------------------------------------------------------------------
+
+void Metrics::set(const std::string& key, Value value) {
+  for (auto& [k, v] : entries_) {
+    if (k == key) {
+      v = std::move(value);
+      return;
+    }
+  }
+  entries_.emplace_back(key, std::move(value));
+}
+
+std::optional<double> Metrics::number(const std::string& key) const {
+  for (const auto& [k, v] : entries_) {
+    if (k != key) continue;
+    if (const auto* d = std::get_if<double>(&v)) return *d;
+    if (const auto* i = std::get_if<int64_t>(&v)) return static_cast<double>(*i);
+    return std::nullopt;
+  }
+  return std::nullopt;
+}
+
+bool Metrics::contains(const std::string& key) const {
+  for (const auto& entry : entries_) {
+    if (entry.first == key) return true;
+  }
+  return false;
+}
+
+namespace {
+
+void write_json_string(std::ostringstream& os, const std::string& s) {
+  os << '"';
+  for (const char c : s) {
+    switch (c) {
+      case '"': os << "\\\""; break;
+      case '\\': os << "\\\\"; break;
+      case '\n': os << "\\n"; break;
+      case '\t': os << "\\t"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+          os << buf;
+        } else {
+          os << c;
+        }
+    }
+  }
+  os << '"';
+}
+
+std::string format_duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  const auto s = static_cast<int64_t>(seconds + 0.5);
+  char buf[32];
+  if (s >= 3600) std::snprintf(buf, sizeof(buf), "%lldh%02lldm", (long long)(s / 3600), (long long)(s % 3600 / 60));
+  else if (s >= 60) std::snprintf(buf, sizeof(buf), "%lldm%02llds", (long long)(s / 60), (long long)(s % 60));
+  else std::snprintf(buf, sizeof(buf), "%llds", (long long)s);
+  return buf;
+}
+
+}  // namespace
+
+std::string Metrics::to_json() const {
+  std::ostringstream os;
+  os.precision(9);
+  os << '{';
+  bool first = true;
+  for (const auto& [key, value] : entries_) {
+    if (!first) os << ", ";
+    first = false;
+    write_json_string(os, key);
+    os << ": ";
+    if (const auto* d = std::get_if<double>(&value)) {
+      if (std::isfinite(*d)) os << *d; else os << "null";
+    } else if (const auto* i = std::get_if<int64_t>(&value)) {
+      os << *i;
+    } else {
+      write_json_string(os, std::get<std::string>(value));
+    }
+  }
+  os << '}';
+  return os.str();
+}
+
+// ---- ProgressCallback ---------------------------------------------------------------
+
+ProgressCallback::ProgressCallback(std::string mode, FILE* out) : out_(out) {
+  ST_CHECK(mode == "auto" || mode == "bar" || mode == "plain" || mode == "none", ConfigError,
+           "trainer.progress '", mode, "' is not one of auto, bar, plain, none");
+  enabled_ = mode != "none";
+  bar_ = mode == "bar" || (mode == "auto" && isatty(fileno(out)));
+}
+
+void ProgressCallback::on_train_begin(TrainerState& state, TrainerControl&) {
+  start_ = std::chrono::steady_clock::now();
+}
+
+void ProgressCallback::on_log(TrainerState& state, TrainerControl&, const Metrics& logs) {
+  if (!enabled_ || state.rank != 0) return;
+  const double elapsed =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  const double per_step = state.step > 0 ? elapsed / static_cast<double>(state.step) : 0.0;
+  const double eta = per_step * static_cast<double>(state.max_steps - state.step);
+  const double tokens_per_s = logs.number("tokens_per_s").value_or(0.0);
+  if (bar_) {
+    constexpr int kWidth = 24;
+    const int filled = state.max_steps > 0
+                           ? static_cast<int>(kWidth * state.step / state.max_steps)
+                           : kWidth;
+    std::string bar(static_cast<size_t>(filled), '#');
+    bar.resize(kWidth, '.');
+    std::fprintf(out_, "\r[%s] %lld/%lld loss %.4f lr %.2e %.0f tok/s eta %s   ", bar.c_str(),
+                 (long long)state.step, (long long)state.max_steps, state.loss, state.lr,
+                 tokens_per_s, format_duration(eta).c_str());
+  } else {
+    std::fprintf(out_, "step %lld/%lld | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s | eta %s\n",
+                 (long long)state.step, (long long)state.max_steps, state.loss, state.lr,
+                 state.grad_norm, tokens_per_s, format_duration(eta).c_str());
+  }
+  std::fflush(out_);
+}
+
+void ProgressCallback::on_evaluate(TrainerState& state, TrainerControl&, const Metrics& metrics) {
+  if (!enabled_ || state.rank != 0) return;
+  std::fprintf(out_, "%sstep %lld | eval_loss %.4f\n", bar_ ? "\n" : "", (long long)state.step,
+               metrics.number("eval_loss").value_or(NAN));
+  std::fflush(out_);
+}
+
+void ProgressCallback::on_train_end(TrainerState& state, TrainerControl&) {
+  if (!enabled_ || state.rank != 0) return;
+  const double elapsed =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  std::fprintf(out_, "%strained %lld steps in %s\n", bar_ ? "\n" : "", (long long)state.step,
+               format_duration(elapsed).c_str());
+  std::fflush(out_);
+}
+
+// ---- MetricsWriter --------------------------------------------------------------------
+
+void MetricsWriter::on_train_begin(TrainerState& state, TrainerControl&) {
+  if (state.rank != 0) return;
+  std::filesystem::create_directories(state.run_dir);
+  path_ = (std::filesystem::path(state.run_dir) / "metrics.jsonl").string();
+  out_.open(path_, std::ios::app);
+  ST_CHECK(out_.good(), ConfigError, "cannot open ", path_,
+           " for writing; check run.dir and its permissions");
+}
+
+void MetricsWriter::on_step_end(TrainerState& state, TrainerControl&) {
+  if (state.rank != 0) return;
+  out_ << state.metrics.to_json() << '\n';
+  out_.flush();
+}
+
+void MetricsWriter::on_evaluate(TrainerState& state, TrainerControl&, const Metrics& metrics) {
+  if (state.rank != 0) return;
+  out_ << metrics.to_json() << '\n';
+  out_.flush();
+}
+
+// ---- LearningRateMonitor --------------------------------------------------------------
+
+void LearningRateMonitor::on_step_end(TrainerState& state, TrainerControl&) {
+  for (size_t i = 0; i < state.group_lrs.size(); ++i) {
+    state.metrics.set("lr_group" + std::to_string(i), state.group_lrs[i]);
+  }
+}
+
+// ---- EarlyStopping ----------------------------------------------------------------------
+
+EarlyStopping::EarlyStopping(std::string monitor, int64_t patience, double min_delta,
+                             std::string mode)
+    : monitor_(std::move(monitor)), patience_(patience), min_delta_(min_delta) {
+  ST_CHECK(mode == "min" || mode == "max", ConfigError, "trainer.early_stopping.mode '", mode,
+           "' is not one of min, max");
+  ST_CHECK(patience_ >= 1, ConfigError, "trainer.early_stopping.patience ", patience_,
+           " must be at least 1");
+  maximize_ = mode == "max";
+  best_ = maximize_ ? -INFINITY : INFINITY;
+}
+
+void EarlyStopping::on_evaluate(TrainerState&, TrainerControl& control, const Metrics& metrics) {
+  const auto value = metrics.number(monitor_);
+  ST_CHECK(value.has_value(), ConfigError, "trainer.early_stopping.monitor '", monitor_,
+           "' is not an evaluation metric; evaluation reports eval_loss");
+  const bool improved = maximize_ ? *value > best_ + min_delta_ : *value < best_ - min_delta_;
+  if (improved) {
+    best_ = *value;
+    wait_ = 0;
+  } else if (++wait_ >= patience_) {
+    control.should_training_stop = true;
+  }
+}
+
+}  // namespace shardtrain::train

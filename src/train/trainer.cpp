@@ -1,0 +1,320 @@
+// Trainer::fit, the loop every strategy runs under.
+#include "shardtrain/train/trainer.h"
+
+#include <sys/resource.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "shardtrain/comm/communicator.h"
+#include "shardtrain/core/error.h"
+#include "shardtrain/dist/env.h"
+#include "shardtrain/strategy/strategy.h"
+#include "shardtrain/train/callbacks.h"
+
+namespace shardtrain::train {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+double scheduled_lr(const config::Config& config, int64_t step) {
+  const auto& s = config.schedule;
+  const double lr = config.optimizer.lr;
+  if (s.warmup_steps > 0 && step < s.warmup_steps) {
+    return lr * static_cast<double>(step + 1) / static_cast<double>(s.warmup_steps);
+  }
+  if (s.name == "constant") return lr;
+  const int64_t decay_steps = std::max<int64_t>(1, config.trainer.max_steps - s.warmup_steps);
+  const double progress =
+      std::min(1.0, static_cast<double>(step - s.warmup_steps) / static_cast<double>(decay_steps));
+  if (s.name == "linear") return lr + (s.min_lr - lr) * progress;
+  // cosine
+  return s.min_lr + 0.5 * (lr - s.min_lr) * (1.0 + std::cos(M_PI * progress));
+}
+
+int threads_for_rank(int64_t requested, int local_world_size) {
+  if (requested > 0) return static_cast<int>(requested);
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  return std::max(1, static_cast<int>(cores) / std::max(1, local_world_size));
+}
+
+double peak_rss_mb() {
+  struct rusage usage {};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) / 1024.0;  // ru_maxrss is in KB on Linux
+}
+
+namespace {
+
+// Weight decay for matrices and embeddings only, never for biases and
+// LayerNorm gains: the usual rule for transformers (nanoGPT, HF).
+std::vector<torch::optim::OptimizerParamGroup> param_groups(torch::nn::Module& model,
+                                                            const config::OptimizerConfig& o) {
+  std::vector<torch::Tensor> decay, no_decay;
+  for (const auto& p : model.parameters()) {
+    if (!p.requires_grad()) continue;
+    (p.dim() >= 2 ? decay : no_decay).push_back(p);
+  }
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  auto options = [&](double wd) -> std::unique_ptr<torch::optim::OptimizerOptions> {
+    if (o.name == "sgd") {
+      return std::make_unique<torch::optim::SGDOptions>(
+          torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(wd));
+    }
+    return std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(o.lr)
+                                                            .betas({o.betas.at(0), o.betas.at(1)})
+                                                            .eps(o.eps)
+                                                            .weight_decay(wd));
+  };
+  if (!decay.empty()) groups.emplace_back(decay, options(o.weight_decay));
+  if (!no_decay.empty()) groups.emplace_back(no_decay, options(0.0));
+  return groups;
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(torch::nn::Module& model,
+                                                        const config::OptimizerConfig& o) {
+  auto groups = param_groups(model, o);
+  ST_CHECK(!groups.empty(), ConfigError, "the model has no trainable parameters");
+  if (o.name == "sgd") {
+    return std::make_unique<torch::optim::SGD>(groups, torch::optim::SGDOptions(o.lr));
+  }
+  ST_CHECK(o.name == "adamw", ConfigError, "optimizer.name '", o.name,
+           "' is not one of adamw, sgd");
+  return std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(o.lr));
+}
+
+}  // namespace
+
+Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Communicator> comm)
+    : config_(std::move(config)), task_(std::move(task)), comm_(std::move(comm)) {
+  ST_CHECK(task_.model && task_.loss && task_.train_batch, ConfigError,
+           "a TrainTask needs a model, a loss and a train_batch function");
+  batch_ = config_.resolve_batch(comm_->size());
+  const dist::ClusterEnv env = dist::ClusterEnv::detect();
+  at::set_num_threads(threads_for_rank(config_.distributed.threads_per_rank, env.local_world_size));
+
+  strategy::StrategyOptions so;
+  so.name = config_.distributed.strategy;
+  so.bucket_cap_bytes = static_cast<int64_t>(config_.distributed.bucket_cap_mb * (1 << 20));
+  so.first_bucket_bytes = static_cast<int64_t>(config_.distributed.first_bucket_mb * (1 << 20));
+  so.find_unused_parameters = config_.distributed.find_unused_parameters;
+  strategy_ = strategy::make_strategy(so);
+  strategy_->setup(*task_.model, comm_);
+  // After setup: the optimizer must see the parameters as the strategy left them.
+  optimizer_ = make_optimizer(*task_.model, config_.optimizer);
+
+  state_.max_steps = config_.trainer.max_steps;
+  state_.accumulate = batch_.accumulate;
+  state_.rank = comm_->rank();
+  state_.world_size = comm_->size();
+  state_.run_dir = config_.run.dir;
+
+  callbacks_.push_back(std::make_shared<LearningRateMonitor>());
+  callbacks_.push_back(std::make_shared<MetricsWriter>());
+  callbacks_.push_back(std::make_shared<ProgressCallback>(config_.trainer.progress));
+  const auto& es = config_.trainer.early_stopping;
+  if (es.enabled) {
+    callbacks_.push_back(
+        std::make_shared<EarlyStopping>(es.monitor, es.patience, es.min_delta, es.mode));
+  }
+}
+
+Trainer::~Trainer() = default;
+
+void Trainer::add_callback(std::shared_ptr<Callback> callback) {
+  callbacks_.push_back(std::move(callback));
+}
+
+void Trainer::for_each_callback(const std::function<void(Callback&)>& f) {
+  for (auto& c : callbacks_) f(*c);
+}
+
+void Trainer::set_learning_rate(double lr) {
+  state_.lr = lr;
+  state_.group_lrs.clear();
+  // Every group follows the one schedule; groups differ only in weight decay.
+  for (auto& group : optimizer_->param_groups()) {
+    group.options().set_lr(lr);
+    state_.group_lrs.push_back(lr);
+  }
+}
+
+void Trainer::agree_on_control() {
+  auto flags = torch::tensor({control_.should_training_stop ? 1.0f : 0.0f,
+                              control_.should_save ? 1.0f : 0.0f,
+                              control_.should_evaluate ? 1.0f : 0.0f,
+                              control_.should_log ? 1.0f : 0.0f});
+  comm_->all_reduce(flags, comm::AllReduceOptions().op(comm::ReduceOp::Max));
+  auto f = flags.accessor<float, 1>();
+  control_.should_training_stop = f[0] > 0;
+  control_.should_save = f[1] > 0;
+  control_.should_evaluate = f[2] > 0;
+  control_.should_log = f[3] > 0;
+}
+
+void Trainer::run_step() {
+  const int64_t step = state_.step;
+  const int64_t accumulate = batch_.accumulate;
+  control_.should_save = control_.should_evaluate = control_.should_log = false;
+  for_each_callback([&](Callback& c) { c.on_step_begin(state_, control_); });
+  const auto start = Clock::now();
+
+  // Forward and backward over the accumulation window. Each micro-batch's
+  // mean loss is divided by the window length, so the summed gradient is the
+  // mean over this rank's samples; the strategy then averages over ranks,
+  // giving the mean over the global batch. Only the last micro-step's
+  // backward communicates.
+  double loss_sum = 0.0;
+  for (int64_t j = 0; j < accumulate; ++j) {
+    state_.micro_step = j;
+    strategy_->set_gradient_sync(j == accumulate - 1);
+    const data::Batch batch =
+        task_.train_batch(step, j, batch_.micro, comm_->rank(), comm_->size());
+    const at::Tensor loss = task_.loss(batch);
+    (loss / static_cast<double>(accumulate)).backward();
+    loss_sum += loss.item<double>();
+    if (j < accumulate - 1) for_each_callback([&](Callback& c) { c.on_substep_end(state_, control_); });
+  }
+  strategy_->finish_gradient_sync();
+
+  // Clip by the global norm, then step.
+  state_.grad_norm = strategy_->clip_grad_norm(config_.trainer.max_grad_norm);
+  for_each_callback([&](Callback& c) { c.on_pre_optimizer_step(state_, control_); });
+  set_learning_rate(scheduled_lr(config_, step));
+  strategy_->optimizer_step(*optimizer_);
+  optimizer_->zero_grad();
+  for_each_callback([&](Callback& c) { c.on_optimizer_step(state_, control_); });
+  const double step_time = std::chrono::duration<double>(Clock::now() - start).count();
+  state_.step = step + 1;
+
+  // One all-gather gives every rank the loss, memory and time of all ranks.
+  auto local = torch::tensor({loss_sum / static_cast<double>(accumulate), peak_rss_mb(), step_time},
+                             torch::kDouble);
+  auto all = torch::empty({3 * comm_->size()}, torch::kDouble);
+  comm_->all_gather(local, all);
+  auto per_rank = all.view({comm_->size(), 3});
+  state_.loss = per_rank.select(1, 0).mean().item<double>();
+  const double rss = per_rank.select(1, 1).max().item<double>();
+  const double slowest = per_rank.select(1, 2).max().item<double>();
+  const double samples = static_cast<double>(batch_.global);
+
+  Metrics m;
+  m.set("step", state_.step);
+  m.set("epoch", state_.epoch);
+  m.set("loss", state_.loss);
+  m.set("lr", state_.lr);
+  m.set("grad_norm", state_.grad_norm);
+  m.set("tokens_per_s", samples * static_cast<double>(task_.tokens_per_sample) / slowest);
+  m.set("samples_per_s", samples / slowest);
+  m.set("step_time_s", slowest);
+  m.set("peak_rss_mb", rss);
+  m.set("world_size", static_cast<int64_t>(comm_->size()));
+  m.set("strategy", strategy_->name());
+  m.set("precision", config_.precision);
+  for (const auto& [key, value] : task_.static_metrics.entries()) m.set(key, value);
+  state_.metrics = std::move(m);
+
+  // The default flow: log, evaluate on their cadences; callbacks may add more.
+  const auto& t = config_.trainer;
+  const bool last = state_.step >= t.max_steps;
+  control_.should_log = t.log_every > 0 && (state_.step % t.log_every == 0 || last);
+  control_.should_evaluate = t.eval_every > 0 && task_.eval_batch &&
+                             (state_.step % t.eval_every == 0 || last);
+  for_each_callback([&](Callback& c) { c.on_step_end(state_, control_); });
+  agree_on_control();
+}
+
+double Trainer::evaluate() {
+  if (!task_.eval_batch || config_.trainer.eval_batches <= 0) {
+    return std::numeric_limits<double>::quiet_NaN();
+  }
+  torch::NoGradGuard no_grad;
+  task_.model->eval();
+  double sum = 0.0;
+  for (int64_t i = 0; i < config_.trainer.eval_batches; ++i) {
+    sum += task_.loss(task_.eval_batch(i, batch_.micro, comm_->rank(), comm_->size())).item<double>();
+  }
+  task_.model->train();
+  auto mean = torch::tensor({sum / static_cast<double>(config_.trainer.eval_batches)}, torch::kDouble);
+  comm_->all_reduce(mean, comm::AllReduceOptions().op(comm::ReduceOp::Avg));
+  const double eval_loss = mean.item<double>();
+  Metrics m;
+  m.set("step", state_.step);
+  m.set("epoch", state_.epoch);
+  m.set("eval_loss", eval_loss);
+  state_.eval_metrics = std::move(m);
+  return eval_loss;
+}
+
+std::string Trainer::save(const std::string& dir) {
+  if (comm_->rank() == 0) {
+    // Written aside and renamed into place: a reader never sees half a save.
+    const fs::path final_dir(dir);
+    const fs::path tmp = final_dir.string() + ".tmp-" + std::to_string(getpid());
+    fs::remove_all(tmp);
+    fs::create_directories(tmp);
+    torch::serialize::OutputArchive archive;
+    task_.model->save(archive);
+    archive.save_to((tmp / "model.pt").string());
+    {
+      std::ofstream out(tmp / "config.yaml");
+      out << config_.to_yaml();
+      ST_CHECK(out.good(), Error, "cannot write ", (tmp / "config.yaml").string());
+    }
+    const fs::path old = final_dir.string() + ".old-" + std::to_string(getpid());
+    if (fs::exists(final_dir)) fs::rename(final_dir, old);
+    fs::rename(tmp, final_dir);
+    fs::remove_all(old);
+  }
+  comm_->barrier();
+  return dir;
+}
+
+const TrainerState& Trainer::fit() {
+  const auto epoch_of = [this](int64_t step) { return task_.epoch_of ? task_.epoch_of(step) : 0; };
+  const auto run_evaluation = [this] {
+    evaluate();
+    for_each_callback([&](Callback& c) { c.on_evaluate(state_, control_, state_.eval_metrics); });
+  };
+  const auto run_save = [this] {
+    const std::string path = save((fs::path(config_.run.dir) / "checkpoint").string());
+    for_each_callback([&](Callback& c) { c.on_save(state_, control_, path); });
+  };
+
+  state_.epoch = epoch_of(state_.step);
+  for_each_callback([&](Callback& c) { c.on_train_begin(state_, control_); });
+  for_each_callback([&](Callback& c) { c.on_epoch_begin(state_, control_); });
+  int64_t evaluated_at = -1;
+  while (state_.step < config_.trainer.max_steps && !control_.should_training_stop) {
+    const int64_t epoch = epoch_of(state_.step);
+    if (epoch != state_.epoch) {
+      for_each_callback([&](Callback& c) { c.on_epoch_end(state_, control_); });
+      state_.epoch = epoch;
+      for_each_callback([&](Callback& c) { c.on_epoch_begin(state_, control_); });
+    }
+    run_step();
+    if (control_.should_log) {
+      for_each_callback([&](Callback& c) { c.on_log(state_, control_, state_.metrics); });
+    }
+    if (control_.should_evaluate) {
+      run_evaluation();
+      evaluated_at = state_.step;
+      agree_on_control();  // an evaluation callback may have asked to stop
+    }
+    if (control_.should_save) run_save();
+  }
+  for_each_callback([&](Callback& c) { c.on_epoch_end(state_, control_); });
+  if (config_.trainer.eval_every > 0 && task_.eval_batch && evaluated_at != state_.step) {
+    run_evaluation();
+  }
+  run_save();
+  for_each_callback([&](Callback& c) { c.on_train_end(state_, control_); });
+  return state_;
+}
+
+}  // namespace shardtrain::train

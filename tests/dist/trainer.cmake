@@ -1,0 +1,15 @@
+# The trainer under the launcher: DDP parity with the single-process run, and
+# the CLI's default job end to end.
+add_executable(test_trainer_parity ${CMAKE_CURRENT_LIST_DIR}/test_trainer_parity.cpp)
+target_link_libraries(test_trainer_parity PRIVATE shardtrain GTest::gtest)
+shardtrain_use_pch(test_trainer_parity)
+foreach(n 1 2 3)
+  add_test(NAME dist.trainer.parity.world${n}
+           COMMAND ${SHARDTRAIN_CLI} launch --nproc-per-node ${n} -- $<TARGET_FILE:test_trainer_parity>)
+  set_tests_properties(dist.trainer.parity.world${n} PROPERTIES TIMEOUT 600
+                       ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=120")
+endforeach()
+
+add_test(NAME cli.train_default_job
+         COMMAND ${CMAKE_CURRENT_LIST_DIR}/train_default_job.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
+set_tests_properties(cli.train_default_job PROPERTIES TIMEOUT 600 ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=120")

@@ -1,0 +1,242 @@
+// The trainer in one process: event order, control flags, early stopping,
+// schedules, the metrics file and accumulation through the loop.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "shardtrain/comm/communicator.h"
+#include "shardtrain/config/config.h"
+#include "shardtrain/core/error.h"
+#include "shardtrain/train/callbacks.h"
+#include "shardtrain/train/trainer.h"
+
+using namespace shardtrain;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::shared_ptr<comm::Communicator> world_of_one() {
+  return comm::Communicator::create(comm::CommOptions());
+}
+
+std::string temp_dir(const std::string& name) {
+  const fs::path dir = fs::path(::testing::TempDir()) / ("shardtrain_" + name + "_" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  return dir.string();
+}
+
+// A small MLP regression job: fast, no files needed.
+config::Config mlp_config(const std::string& name) {
+  config::Config c;
+  c.run.dir = temp_dir(name);
+  c.model.type = "mlp";
+  c.model.mlp_sizes = {8, 16, 4};
+  c.batch.global = 8;
+  c.batch.micro = 4;
+  c.batch.accumulate.reset();
+  c.optimizer.name = "sgd";
+  c.optimizer.lr = 0.05;
+  c.optimizer.momentum = 0.9;
+  c.optimizer.weight_decay = 0.0;
+  c.schedule.name = "constant";
+  c.schedule.warmup_steps = 0;
+  c.trainer.max_steps = 3;
+  c.trainer.eval_every = 2;
+  c.trainer.eval_batches = 2;
+  c.trainer.log_every = 1;
+  c.trainer.progress = "none";
+  c.distributed.strategy = "single";
+  return c;
+}
+
+// Records every event as one word.
+class Recorder : public train::Callback {
+ public:
+  std::vector<std::string> events;
+  void on_train_begin(train::TrainerState&, train::TrainerControl&) override { events.push_back("train_begin"); }
+  void on_epoch_begin(train::TrainerState&, train::TrainerControl&) override { events.push_back("epoch_begin"); }
+  void on_step_begin(train::TrainerState&, train::TrainerControl&) override { events.push_back("step_begin"); }
+  void on_substep_end(train::TrainerState&, train::TrainerControl&) override { events.push_back("substep_end"); }
+  void on_pre_optimizer_step(train::TrainerState&, train::TrainerControl&) override { events.push_back("pre_optimizer_step"); }
+  void on_optimizer_step(train::TrainerState&, train::TrainerControl&) override { events.push_back("optimizer_step"); }
+  void on_step_end(train::TrainerState&, train::TrainerControl&) override { events.push_back("step_end"); }
+  void on_log(train::TrainerState&, train::TrainerControl&, const train::Metrics&) override { events.push_back("log"); }
+  void on_evaluate(train::TrainerState&, train::TrainerControl&, const train::Metrics&) override { events.push_back("evaluate"); }
+  void on_save(train::TrainerState&, train::TrainerControl&, const std::string&) override { events.push_back("save"); }
+  void on_epoch_end(train::TrainerState&, train::TrainerControl&) override { events.push_back("epoch_end"); }
+  void on_train_end(train::TrainerState&, train::TrainerControl&) override { events.push_back("train_end"); }
+};
+
+std::vector<std::string> read_lines(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+}  // namespace
+
+TEST(Trainer, EventsFireInTheDocumentedOrder) {
+  auto c = mlp_config("events");
+  c.batch.global = 8;
+  c.batch.micro = 4;  // accumulate 2 at world size 1
+  c.trainer.max_steps = 2;
+  c.trainer.eval_every = 2;
+  auto comm = world_of_one();
+  train::Trainer trainer(c, train::make_task(c, 1), comm);
+  auto rec = std::make_shared<Recorder>();
+  trainer.add_callback(rec);
+  trainer.fit();
+  const std::vector<std::string> step = {"step_begin", "substep_end", "pre_optimizer_step",
+                                         "optimizer_step", "step_end", "log"};
+  std::vector<std::string> want = {"train_begin", "epoch_begin"};
+  want.insert(want.end(), step.begin(), step.end());
+  want.insert(want.end(), step.begin(), step.end());
+  for (const char* e : {"evaluate", "epoch_end", "save", "train_end"}) want.push_back(e);
+  EXPECT_EQ(rec->events, want);
+}
+
+// A flag set by one callback survives the others (OR) and the trainer acts on it.
+class StopAt : public train::Callback {
+ public:
+  explicit StopAt(int64_t step) : step_(step) {}
+  void on_step_end(train::TrainerState& s, train::TrainerControl& c) override {
+    if (s.step == step_) c.should_training_stop = true;
+    c.should_save = s.step == 1;  // a save the default flow would not do
+  }
+  int64_t step_;
+};
+
+class Bystander : public train::Callback {  // sets nothing, must not clear anything
+ public:
+  void on_step_end(train::TrainerState&, train::TrainerControl&) override {}
+  int saves = 0;
+  void on_save(train::TrainerState&, train::TrainerControl&, const std::string&) override { ++saves; }
+};
+
+TEST(Trainer, ControlFlagsAreOredAndObeyed) {
+  auto c = mlp_config("control");
+  c.trainer.max_steps = 10;
+  c.trainer.eval_every = 0;
+  auto comm = world_of_one();
+  train::Trainer trainer(c, train::make_task(c, 1), comm);
+  trainer.add_callback(std::make_shared<StopAt>(3));
+  auto bystander = std::make_shared<Bystander>();
+  trainer.add_callback(bystander);
+  const auto& state = trainer.fit();
+  EXPECT_EQ(state.step, 3);
+  EXPECT_EQ(bystander->saves, 2);  // the requested one after step 1, and the final one
+  EXPECT_TRUE(fs::exists(fs::path(c.run.dir) / "checkpoint" / "model.pt"));
+}
+
+TEST(Trainer, EarlyStoppingStops) {
+  auto c = mlp_config("early");
+  c.optimizer.lr = 1e-12;  // nothing improves
+  c.trainer.max_steps = 50;
+  c.trainer.eval_every = 1;
+  c.trainer.early_stopping.enabled = true;
+  c.trainer.early_stopping.patience = 3;
+  c.trainer.early_stopping.min_delta = 1e-3;
+  auto comm = world_of_one();
+  train::Trainer trainer(c, train::make_task(c, 1), comm);
+  const auto& state = trainer.fit();
+  // First evaluation sets the best; three without improvement stop it.
+  EXPECT_EQ(state.step, 4);
+}
+
+TEST(EarlyStoppingCallback, FollowsPatienceMinDeltaAndMode) {
+  train::EarlyStopping es("eval_loss", 2, 0.1, "min");
+  train::TrainerState s;
+  train::TrainerControl c;
+  auto eval = [&](double v) {
+    train::Metrics m;
+    m.set("eval_loss", v);
+    es.on_evaluate(s, c, m);
+  };
+  eval(1.0);
+  eval(0.95);  // better, but not by min_delta
+  EXPECT_FALSE(c.should_training_stop);
+  eval(0.5);  // improvement resets
+  EXPECT_EQ(es.wait_count(), 0);
+  eval(0.45);
+  eval(0.44);
+  EXPECT_TRUE(c.should_training_stop);
+  EXPECT_THROW(train::EarlyStopping("x", 1, 0, "sideways"), ConfigError);
+  train::EarlyStopping missing("accuracy", 1, 0, "max");
+  train::Metrics m;
+  m.set("eval_loss", 1.0);
+  EXPECT_THROW(missing.on_evaluate(s, c, m), ConfigError);
+}
+
+TEST(Schedule, WarmupThenDecay) {
+  config::Config c;
+  c.optimizer.lr = 1.0;
+  c.schedule.min_lr = 0.1;
+  c.schedule.warmup_steps = 4;
+  c.trainer.max_steps = 14;
+  c.schedule.name = "cosine";
+  EXPECT_DOUBLE_EQ(train::scheduled_lr(c, 0), 0.25);
+  EXPECT_DOUBLE_EQ(train::scheduled_lr(c, 3), 1.0);
+  EXPECT_DOUBLE_EQ(train::scheduled_lr(c, 4), 1.0);
+  EXPECT_NEAR(train::scheduled_lr(c, 9), 0.55, 1e-12);
+  EXPECT_NEAR(train::scheduled_lr(c, 14), 0.1, 1e-12);
+  c.schedule.name = "linear";
+  EXPECT_NEAR(train::scheduled_lr(c, 9), 0.55, 1e-12);
+  EXPECT_NEAR(train::scheduled_lr(c, 14), 0.1, 1e-12);
+  c.schedule.name = "constant";
+  EXPECT_DOUBLE_EQ(train::scheduled_lr(c, 13), 1.0);
+}
+
+TEST(Trainer, MetricsFileHasOneLinePerStepPlusEvaluations) {
+  auto c = mlp_config("metrics");
+  c.trainer.max_steps = 4;
+  c.trainer.eval_every = 2;
+  auto comm = world_of_one();
+  train::Trainer trainer(c, train::make_task(c, 1), comm);
+  trainer.fit();
+  const auto lines = read_lines((fs::path(c.run.dir) / "metrics.jsonl").string());
+  ASSERT_EQ(lines.size(), 6u);  // 4 steps, evaluations after steps 2 and 4
+  for (const char* key : {"\"step\": ", "\"epoch\": ", "\"loss\": ", "\"lr\": ", "\"grad_norm\": ",
+                          "\"tokens_per_s\": ", "\"samples_per_s\": ", "\"step_time_s\": ",
+                          "\"peak_rss_mb\": ", "\"world_size\": 1", "\"strategy\": \"single\"",
+                          "\"precision\": \"fp32\"", "\"lr_group0\": "}) {
+    EXPECT_NE(lines[0].find(key), std::string::npos) << key << " missing in " << lines[0];
+  }
+  EXPECT_NE(lines[2].find("\"eval_loss\": "), std::string::npos) << lines[2];
+  EXPECT_NE(lines[5].find("\"eval_loss\": "), std::string::npos) << lines[5];
+}
+
+// k micro-steps of b samples give the same update as one step of k*b.
+TEST(Trainer, AccumulationEqualsOneBigBatch) {
+  auto run = [](int64_t micro) {
+    auto c = mlp_config("accumulate" + std::to_string(micro));
+    c.batch.global = 8;
+    c.batch.micro = micro;
+    c.trainer.max_steps = 3;
+    c.trainer.eval_every = 0;
+    c.trainer.max_grad_norm = 0.0;
+    auto comm = world_of_one();
+    train::Trainer trainer(c, train::make_task(c, 1), comm);
+    trainer.fit();
+    EXPECT_EQ(trainer.batch().accumulate, 8 / micro);
+    return trainer.model()->parameters();
+  };
+  const auto whole = run(8);
+  for (int64_t micro : {4, 2, 1}) {
+    const auto split = run(micro);
+    ASSERT_EQ(whole.size(), split.size());
+    for (size_t i = 0; i < whole.size(); ++i) {
+      EXPECT_TRUE(torch::allclose(whole[i], split[i], 1e-5, 1e-6)) << "micro " << micro << " param " << i;
+    }
+  }
+}
+
+TEST(Trainer, BadBatchArithmeticIsAConfigError) {
+  auto c = mlp_config("badbatch");
+  c.batch.global = 10;
+  c.batch.micro = 4;
+  auto comm = world_of_one();
+  EXPECT_THROW(train::Trainer(c, train::make_task(c, 1), comm), ConfigError);
+}
