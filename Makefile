@@ -15,7 +15,7 @@ BENCH_PACKAGES := python3-torch
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all deps bench-deps configure build test train bench-comm install clean
+.PHONY: all deps bench-deps configure build test train bench-comm bench-train install clean
 
 all: build
 
@@ -55,6 +55,9 @@ train: build
 
 bench-comm: build bench-deps
 	bash bench/comm.sh
+
+bench-train: build bench-deps
+	bash bench/train.sh
 
 install: build
 	cmake --install $(BUILD_DIR)
