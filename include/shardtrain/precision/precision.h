@@ -1,0 +1,145 @@
+// Precision plugins: how forward and backward run (fp32, bf16 autocast, fp16
+// autocast with dynamic loss scaling, or everything in bf16), chosen by name
+// at setup. The trainer drives one like this:
+//
+//   precision->prepare_model(model);               // once (bf16-true casts)
+//   per micro-step:
+//     { auto scope = precision->autocast();  loss = forward(batch); }
+//     precision->scale_loss(loss).backward();
+//   strategy->finish_gradient_sync();
+//   bool skip = precision->unscale_and_check(grads, comm);   // agreed by all ranks
+//   if (!skip) { clip; optimizer step; }
+//   precision->update(skip);
+//
+// Which ops run in which dtype:
+//   fp32        everything in float32.
+//   bf16-mixed  LibTorch CPU autocast (bfloat16): matmul, linear, addmm, bmm,
+//               conv run in bfloat16; layer_norm, softmax, cross_entropy,
+//               log_softmax, sums and everything autocast does not list stay
+//               float32. Parameters, gradients and optimizer state stay
+//               float32 (the master weights).
+//   fp16-mixed  the same with float16 and CUDA autocast, plus a dynamic loss
+//               scaler. LibTorch 1.13 cannot compute fp16 on CPU, so on a
+//               machine without CUDA it is a ConfigError.
+//   bf16-true   parameters, gradients, activations and optimizer state all in
+//               bfloat16; no master weights.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace at {
+class Tensor;
+}
+namespace torch::nn {
+class Module;
+}
+namespace shardtrain::comm {
+class Communicator;
+}
+
+namespace shardtrain::precision {
+
+/// Dynamic loss scaling, with DeepSpeed's semantics and defaults.
+struct LossScalerOptions {
+  /// The first scale is 2^initial_scale_power.
+  int initial_scale_power = 16;
+  /// The scale doubles after this many consecutive steps without overflow.
+  int64_t loss_scale_window = 1000;
+  /// Overflows tolerated before the scale backs off; refilled by a clean step.
+  int hysteresis = 2;
+  double min_loss_scale = 1.0;
+  /// Consecutive skipped steps at the minimum scale before training fails
+  /// with an Error (0: never). Every such skip warns.
+  int64_t max_skips_at_min = 50;
+};
+
+/// The scaler's state, part of the training state (checkpoints).
+struct LossScalerState {
+  double scale = 65536.0;
+  int64_t iteration = 0;
+  int64_t last_overflow_iteration = -1;
+  int hysteresis_left = 2;
+  int64_t skips_at_min = 0;
+  int64_t skipped_steps = 0;
+};
+
+/// The state machine of dynamic loss scaling; no tensors, no communication.
+///   overflow: the step is skipped. If hysteresis_left > 1 it is decremented
+///             and the scale kept; otherwise the scale halves (not below
+///             min_loss_scale).
+///   clean:    hysteresis_left is refilled; when loss_scale_window steps have
+///             passed since the last overflow (or the start), the scale doubles.
+class DynamicLossScaler {
+ public:
+  explicit DynamicLossScaler(const LossScalerOptions& options = {});
+  double scale() const { return state_.scale; }
+  /// Records one optimizer step's outcome. Warns (stderr) when a step is
+  /// skipped at the minimum scale; throws shardtrain::Error once
+  /// max_skips_at_min such skips happened in a row.
+  void update(bool found_inf);
+  const LossScalerState& state() const { return state_; }
+  void load_state(const LossScalerState& state) { state_ = state; }
+
+ private:
+  LossScalerOptions options_;
+  LossScalerState state_;
+};
+
+/// Multiplies every defined gradient by inv_scale in place and reports
+/// whether any element of any gradient is inf or NaN (before scaling): one
+/// pass per tensor, one flag for all. Works for float32, bfloat16 and float16.
+bool unscale_and_find_inf(const std::vector<at::Tensor>& grads, double inv_scale);
+
+/// Restores the autocast state it found when destroyed.
+class AutocastScope {
+ public:
+  AutocastScope(bool enabled, bool cuda, bool bf16);
+  ~AutocastScope();
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  bool active_ = false;
+  bool cuda_ = false;
+  bool prev_enabled_ = false;
+  int prev_dtype_ = 0;
+};
+
+class Precision {
+ public:
+  virtual ~Precision() = default;
+
+  /// "fp32", "bf16-mixed", "fp16-mixed" or "bf16-true". ConfigError for an
+  /// unknown name, and for fp16-mixed when `cuda_available` is false (with a
+  /// hint to use bf16-mixed).
+  static std::unique_ptr<Precision> create(const std::string& name,
+                                           const LossScalerOptions& scaler = {},
+                                           bool cuda_available = false);
+
+  virtual std::string name() const = 0;
+  /// Called once before the strategy's setup: bf16-true casts parameters
+  /// and buffers to bfloat16; the others leave the model alone.
+  virtual void prepare_model(torch::nn::Module& model) = 0;
+  /// Autocast for one forward (and the loss computed inside it).
+  virtual std::unique_ptr<AutocastScope> autocast() const = 0;
+  /// The loss to call backward() on: loss x scale for fp16-mixed, else loss.
+  virtual at::Tensor scale_loss(const at::Tensor& loss) const = 0;
+  /// After gradients are final: unscales them and returns whether this step
+  /// must be skipped because some rank found inf/NaN. Agreed across ranks
+  /// with one MAX all-reduce, so every rank skips the same step.
+  virtual bool unscale_and_check(const std::vector<at::Tensor>& grads,
+                                 comm::Communicator& comm) = 0;
+  /// Records the step's outcome (the loss scaler's state machine).
+  virtual void update(bool skipped) = 0;
+  /// The current loss scale; 1 when there is no scaler.
+  virtual double loss_scale() const = 0;
+  /// Steps skipped so far.
+  virtual int64_t skipped_steps() const = 0;
+  /// The loss scaler, or null when this precision has none.
+  virtual DynamicLossScaler* scaler() = 0;
+};
+
+}  // namespace shardtrain::precision
