@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "shardtrain/core/error.h"
+#include "shardtrain/models/checkpoint.h"
 
 namespace shardtrain::models {
 
@@ -159,7 +160,19 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
 
   const auto pos = torch::arange(t, idx.options().dtype(torch::kLong));
   auto x = wte(idx) + wpe(pos);  // [B, T, C] + [T, C]
-  for (const auto& module : *h) x = module->as<BlockImpl>()->forward(x);
+  // Activation checkpointing keeps only each block's input and recomputes the
+  // block during backward; pointless without a backward to come.
+  const bool recompute =
+      config_.activation_checkpointing && is_training() && torch::GradMode::is_enabled();
+  for (const auto& module : *h) {
+    auto block = std::dynamic_pointer_cast<BlockImpl>(module);
+    if (recompute) {
+      x = checkpoint([block](const torch::Tensor& in) { return block->forward(in); }, x,
+                     block->parameters());
+    } else {
+      x = block->forward(x);
+    }
+  }
   x = ln_f(x);
   // Tied output projection: logits = x @ wte.weight^T.
   return torch::nn::functional::linear(x, wte->weight);

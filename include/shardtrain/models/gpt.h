@@ -26,8 +26,8 @@ struct GPTConfig {
   int64_t n_embd = 128;
   int64_t block_size = 128;
   int64_t vocab_size = 256;
-  /// Recompute each block's forward during backward (see train/ for where
-  /// it is honoured); false keeps every activation.
+  /// Recompute each block's forward during backward (models/checkpoint.h)
+  /// instead of keeping its activations; only while training with grad on.
   bool activation_checkpointing = false;
 
   /// Throws ConfigError naming the field when a value is impossible
