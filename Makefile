@@ -15,7 +15,7 @@ BENCH_PACKAGES := python3-torch
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all deps bench-deps configure build test train bench-comm bench-train install clean
+.PHONY: all deps bench-deps configure build test train bench-comm bench-train bench-precision install clean
 
 all: build
 
@@ -58,6 +58,9 @@ bench-comm: build bench-deps
 
 bench-train: build bench-deps
 	bash bench/train.sh
+
+bench-precision: build
+	bash bench/precision.sh
 
 install: build
 	cmake --install $(BUILD_DIR)

@@ -52,9 +52,14 @@ int main(int argc, char** argv) {
   auto model = ResidualNet(16, 64, 4);
   shardtrain::train::TrainTask task;
   task.model = model.ptr();
-  task.loss = [model](const shardtrain::data::Batch& b) mutable {
-    return torch::cross_entropy_loss(model->forward(b.input), b.target);
+  // Summed over the batch; the trainer divides by the targets in the whole
+  // accumulation window on all ranks.
+  task.loss_sum = [model](const shardtrain::data::Batch& b) mutable {
+    return torch::nn::functional::cross_entropy(
+        model->forward(b.input), b.target,
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
   };
+  task.count_targets = [](const shardtrain::data::Batch& b) { return b.target.size(0); };
   const int64_t global = 32;
   task.train_batch = [global](int64_t step, int64_t j, int64_t micro, int rank, int world) {
     auto whole = global_batch(step, global);

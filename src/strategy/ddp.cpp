@@ -114,6 +114,18 @@ std::vector<std::vector<size_t>> plan_buckets(const std::vector<at::Tensor>& ten
   return buckets;
 }
 
+// The dtype buckets are reduced in: StrategyOptions::reduce_dtype, or the
+// parameter's own dtype when it is empty.
+at::ScalarType reduce_dtype(const StrategyOptions& options, at::ScalarType param_dtype) {
+  if (options.reduce_dtype.empty()) return param_dtype;
+  if (options.reduce_dtype == "fp32") return at::kFloat;
+  if (options.reduce_dtype == "bf16") return at::kBFloat16;
+  if (options.reduce_dtype == "fp16") return at::kHalf;
+  ST_CHECK(false, ConfigError, "distributed.reduce_dtype '", options.reduce_dtype,
+           "' is not one of fp32, bf16, fp16");
+  return param_dtype;
+}
+
 // ---- the reducer: per-step state, touched by hooks and by finish ---------------------
 
 class Reducer {
@@ -132,7 +144,10 @@ class Reducer {
       int64_t numel = 0;
       for (size_t i : members) numel += params_[i].numel();
       const auto& first = params_[members.front()];
-      b.flat = at::zeros({numel}, first.options().requires_grad(false));
+      // Gradients are reduced in the configured dtype (fp32 by default, so
+      // bf16 gradients are summed in fp32); copies in and out convert.
+      b.flat = at::zeros({numel}, first.options().dtype(reduce_dtype(options, first.scalar_type()))
+                                      .requires_grad(false));
       int64_t offset = 0;
       for (size_t i : members) {
         const auto& p = params_[i];

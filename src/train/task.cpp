@@ -55,10 +55,13 @@ TrainTask gpt_task(const config::Config& config, const config::BatchPlan& plan, 
   TrainTask task;
   task.model = model;
   task.tokens_per_sample = g.block_size;
-  task.loss = [model, vocab = g.vocab_size](const data::Batch& b) {
+  task.loss_sum = [model, vocab = g.vocab_size](const data::Batch& b) {
     const auto logits = model->forward(b.input);
-    return torch::nn::functional::cross_entropy(logits.view({-1, vocab}), b.target.view({-1}));
+    namespace F = torch::nn::functional;
+    return F::cross_entropy(logits.view({-1, vocab}), b.target.view({-1}),
+                            F::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(kIgnoreIndex));
   };
+  task.count_targets = count_non_ignored;
   task.train_batch = [sampler](int64_t step, int64_t micro_step, int64_t micro, int rank, int world) {
     return sampler->micro_batch(step, micro_step, micro, rank, world);
   };
@@ -97,9 +100,10 @@ TrainTask mlp_task(const config::Config& config, const config::BatchPlan& plan) 
   const int64_t global = plan.global;
   TrainTask task;
   task.model = model;
-  task.loss = [model](const data::Batch& b) {
-    return torch::mse_loss(model->forward(b.input), b.target);
+  task.loss_sum = [model](const data::Batch& b) {
+    return torch::mse_loss(model->forward(b.input), b.target, at::Reduction::Sum);
   };
+  task.count_targets = [](const data::Batch& b) { return b.target.numel(); };
   task.train_batch = [make, seed, global](int64_t step, int64_t j, int64_t micro, int rank, int world) {
     const data::Batch whole = make(seed * 1000003ULL + static_cast<uint64_t>(step), global);
     const int64_t first = (j * world + rank) * micro;

@@ -14,6 +14,7 @@
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/dist/env.h"
+#include "shardtrain/precision/precision.h"
 #include "shardtrain/strategy/strategy.h"
 #include "shardtrain/train/callbacks.h"
 
@@ -21,6 +22,10 @@ namespace shardtrain::train {
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
+
+int64_t count_non_ignored(const data::Batch& batch) {
+  return batch.target.ne(kIgnoreIndex).sum().item<int64_t>();
+}
 
 double scheduled_lr(const config::Config& config, int64_t step) {
   const auto& s = config.schedule;
@@ -92,17 +97,27 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(torch::nn::Module& model
 
 Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Communicator> comm)
     : config_(std::move(config)), task_(std::move(task)), comm_(std::move(comm)) {
-  ST_CHECK(task_.model && task_.loss && task_.train_batch, ConfigError,
-           "a TrainTask needs a model, a loss and a train_batch function");
+  ST_CHECK(task_.model && task_.loss_sum && task_.count_targets && task_.train_batch, ConfigError,
+           "a TrainTask needs a model, loss_sum, count_targets and train_batch");
   batch_ = config_.resolve_batch(comm_->size());
   const dist::ClusterEnv env = dist::ClusterEnv::detect();
   at::set_num_threads(threads_for_rank(config_.distributed.threads_per_rank, env.local_world_size));
+
+  precision::LossScalerOptions scaler;
+  scaler.initial_scale_power = static_cast<int>(config_.loss_scaler.initial_scale_power);
+  scaler.loss_scale_window = config_.loss_scaler.loss_scale_window;
+  scaler.hysteresis = static_cast<int>(config_.loss_scaler.hysteresis);
+  scaler.min_loss_scale = config_.loss_scaler.min_loss_scale;
+  scaler.max_skips_at_min = config_.loss_scaler.max_skips_at_min;
+  precision_ = precision::Precision::create(config_.precision, scaler, torch::cuda::is_available());
+  precision_->prepare_model(*task_.model);
 
   strategy::StrategyOptions so;
   so.name = config_.distributed.strategy;
   so.bucket_cap_bytes = static_cast<int64_t>(config_.distributed.bucket_cap_mb * (1 << 20));
   so.first_bucket_bytes = static_cast<int64_t>(config_.distributed.first_bucket_mb * (1 << 20));
   so.find_unused_parameters = config_.distributed.find_unused_parameters;
+  so.reduce_dtype = config_.distributed.reduce_dtype;
   strategy_ = strategy::make_strategy(so);
   strategy_->setup(*task_.model, comm_);
   // After setup: the optimizer must see the parameters as the strategy left them.
@@ -164,41 +179,66 @@ void Trainer::run_step() {
   for_each_callback([&](Callback& c) { c.on_step_begin(state_, control_); });
   const auto start = Clock::now();
 
-  // Forward and backward over the accumulation window. Each micro-batch's
-  // mean loss is divided by the window length, so the summed gradient is the
-  // mean over this rank's samples; the strategy then averages over ranks,
-  // giving the mean over the global batch. Only the last micro-step's
+  // The whole window's micro-batches first: the loss is normalised by the
+  // number of targets in the window on all ranks (one small all-reduce), so
+  // padded or uneven micro-batches give the gradient of one big batch.
+  std::vector<data::Batch> window;
+  window.reserve(static_cast<size_t>(accumulate));
+  int64_t local_targets = 0;
+  for (int64_t j = 0; j < accumulate; ++j) {
+    window.push_back(task_.train_batch(step, j, batch_.micro, comm_->rank(), comm_->size()));
+    local_targets += task_.count_targets(window.back());
+  }
+  auto targets = torch::tensor({local_targets}, torch::kLong);
+  comm_->all_reduce(targets);
+  const int64_t total_targets = targets.item<int64_t>();
+  ST_CHECK(total_targets > 0, Error, "step ", step + 1,
+           " has no targets on any rank (every target is the ignore index)");
+  // The strategy averages gradients over ranks, hence the world size here:
+  // the result is the sum over all targets divided by their count.
+  const double normaliser = static_cast<double>(comm_->size()) / static_cast<double>(total_targets);
+
+  // Forward and backward over the window; only the last micro-step's
   // backward communicates.
   double loss_sum = 0.0;
   for (int64_t j = 0; j < accumulate; ++j) {
     state_.micro_step = j;
     strategy_->set_gradient_sync(j == accumulate - 1);
-    const data::Batch batch =
-        task_.train_batch(step, j, batch_.micro, comm_->rank(), comm_->size());
-    const at::Tensor loss = task_.loss(batch);
-    (loss / static_cast<double>(accumulate)).backward();
+    at::Tensor loss;
+    {
+      const auto autocast = precision_->autocast();
+      loss = task_.loss_sum(window[static_cast<size_t>(j)]);
+    }
+    precision_->scale_loss(loss * normaliser).backward();
     loss_sum += loss.item<double>();
     if (j < accumulate - 1) for_each_callback([&](Callback& c) { c.on_substep_end(state_, control_); });
   }
   strategy_->finish_gradient_sync();
 
-  // Clip by the global norm, then step.
-  state_.grad_norm = strategy_->clip_grad_norm(config_.trainer.max_grad_norm);
+  // Overflowed fp16 steps are skipped by every rank alike; otherwise clip by
+  // the global norm and step.
+  std::vector<at::Tensor> grads;
+  for (const auto& p : task_.model->parameters()) {
+    if (p.grad().defined()) grads.push_back(p.grad());
+  }
+  const bool skipped = precision_->unscale_and_check(grads, *comm_);
+  state_.grad_norm = skipped ? std::numeric_limits<double>::quiet_NaN()
+                             : strategy_->clip_grad_norm(config_.trainer.max_grad_norm);
   for_each_callback([&](Callback& c) { c.on_pre_optimizer_step(state_, control_); });
   set_learning_rate(scheduled_lr(config_, step));
-  strategy_->optimizer_step(*optimizer_);
+  if (!skipped) strategy_->optimizer_step(*optimizer_);
   optimizer_->zero_grad();
+  precision_->update(skipped);
   for_each_callback([&](Callback& c) { c.on_optimizer_step(state_, control_); });
   const double step_time = std::chrono::duration<double>(Clock::now() - start).count();
   state_.step = step + 1;
 
   // One all-gather gives every rank the loss, memory and time of all ranks.
-  auto local = torch::tensor({loss_sum / static_cast<double>(accumulate), peak_rss_mb(), step_time},
-                             torch::kDouble);
+  auto local = torch::tensor({loss_sum, peak_rss_mb(), step_time}, torch::kDouble);
   auto all = torch::empty({3 * comm_->size()}, torch::kDouble);
   comm_->all_gather(local, all);
   auto per_rank = all.view({comm_->size(), 3});
-  state_.loss = per_rank.select(1, 0).mean().item<double>();
+  state_.loss = per_rank.select(1, 0).sum().item<double>() / static_cast<double>(total_targets);
   const double rss = per_rank.select(1, 1).max().item<double>();
   const double slowest = per_rank.select(1, 2).max().item<double>();
   const double samples = static_cast<double>(batch_.global);
@@ -216,6 +256,8 @@ void Trainer::run_step() {
   m.set("world_size", static_cast<int64_t>(comm_->size()));
   m.set("strategy", strategy_->name());
   m.set("precision", config_.precision);
+  m.set("loss_scale", precision_->loss_scale());
+  m.set("skipped", static_cast<int64_t>(skipped ? 1 : 0));
   for (const auto& [key, value] : task_.static_metrics.entries()) m.set(key, value);
   state_.metrics = std::move(m);
 
@@ -236,13 +278,17 @@ double Trainer::evaluate() {
   torch::NoGradGuard no_grad;
   task_.model->eval();
   double sum = 0.0;
+  int64_t count = 0;
   for (int64_t i = 0; i < config_.trainer.eval_batches; ++i) {
-    sum += task_.loss(task_.eval_batch(i, batch_.micro, comm_->rank(), comm_->size())).item<double>();
+    const data::Batch batch = task_.eval_batch(i, batch_.micro, comm_->rank(), comm_->size());
+    const auto autocast = precision_->autocast();
+    sum += task_.loss_sum(batch).item<double>();
+    count += task_.count_targets(batch);
   }
   task_.model->train();
-  auto mean = torch::tensor({sum / static_cast<double>(config_.trainer.eval_batches)}, torch::kDouble);
-  comm_->all_reduce(mean, comm::AllReduceOptions().op(comm::ReduceOp::Avg));
-  const double eval_loss = mean.item<double>();
+  auto totals = torch::tensor({sum, static_cast<double>(count)}, torch::kDouble);
+  comm_->all_reduce(totals);
+  const double eval_loss = totals[0].item<double>() / totals[1].item<double>();
   Metrics m;
   m.set("step", state_.step);
   m.set("epoch", state_.epoch);

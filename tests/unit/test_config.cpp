@@ -62,7 +62,13 @@ void expect_same(const Config& a, const Config& b) {
   EXPECT_EQ(a.distributed.first_bucket_mb, b.distributed.first_bucket_mb);
   EXPECT_EQ(a.distributed.find_unused_parameters, b.distributed.find_unused_parameters);
   EXPECT_EQ(a.distributed.threads_per_rank, b.distributed.threads_per_rank);
+  EXPECT_EQ(a.distributed.reduce_dtype, b.distributed.reduce_dtype);
   EXPECT_EQ(a.precision, b.precision);
+  EXPECT_EQ(a.loss_scaler.initial_scale_power, b.loss_scaler.initial_scale_power);
+  EXPECT_EQ(a.loss_scaler.loss_scale_window, b.loss_scaler.loss_scale_window);
+  EXPECT_EQ(a.loss_scaler.hysteresis, b.loss_scaler.hysteresis);
+  EXPECT_EQ(a.loss_scaler.min_loss_scale, b.loss_scaler.min_loss_scale);
+  EXPECT_EQ(a.loss_scaler.max_skips_at_min, b.loss_scaler.max_skips_at_min);
   EXPECT_EQ(a.to_yaml(), b.to_yaml());
 }
 
@@ -158,6 +164,9 @@ TEST(Config, EveryKeyRoundTrips) {
   c.distributed.first_bucket_mb = 100.0;
   c.distributed.find_unused_parameters = true;
   c.distributed.threads_per_rank = 2;
+  c.distributed.reduce_dtype = "bf16";
+  c.precision = "bf16-mixed";
+  c.loss_scaler = {12, 50, 3, 0.5, 7};
   const Config back = Config::parse(c.to_yaml());
   expect_same(back, c);
   // Integers-valued doubles are written as floats; auto is written as auto.
@@ -384,17 +393,19 @@ TEST(ConfigErrors, LoadNamesTheFileAsOrigin) {
   std::remove(path.c_str());
 }
 
-TEST(ConfigErrors, PrecisionOtherThanFp32) {
-  for (const std::string later : {"bf16-mixed", "fp16-mixed", "bf16-true"}) {
-    const std::string msg = parse_error("precision: " + later + "\n");
-    EXPECT_HAS(msg, "precision: got '" + later + "'");
-    EXPECT_HAS(msg, "not available yet");
-    EXPECT_HAS(msg, "mixed-precision work");
+TEST(ConfigErrors, PrecisionNamesAndScalerRanges) {
+  for (const std::string name : {"fp32", "bf16-mixed", "fp16-mixed", "bf16-true"}) {
+    EXPECT_EQ(Config::parse("precision: " + name + "\n").precision, name);
   }
   const std::string msg = parse_error("", {"precision=fp8"});
   EXPECT_HAS(msg, "precision: got 'fp8'");
-  EXPECT_HAS(msg, "expected fp32 (bf16-mixed, fp16-mixed and bf16-true arrive");
-  EXPECT_EQ(Config::parse("precision: fp32\n").precision, "fp32");
+  EXPECT_HAS(msg, "bf16-mixed");
+  EXPECT_HAS(parse_error("loss_scaler:\n  hysteresis: 0\n"), "loss_scaler.hysteresis: got 0");
+  EXPECT_HAS(parse_error("", {"loss_scaler.min_loss_scale=-1"}), "loss_scaler.min_loss_scale");
+  EXPECT_HAS(parse_error("", {"distributed.reduce_dtype=fp64"}), "distributed.reduce_dtype: got 'fp64'");
+  const Config c = Config::parse("", {"loss_scaler.loss_scale_window=8", "distributed.reduce_dtype=bf16"});
+  EXPECT_EQ(c.loss_scaler.loss_scale_window, 8);
+  EXPECT_EQ(c.distributed.reduce_dtype, "bf16");
 }
 
 // ---- batch arithmetic --------------------------------------------------------------------

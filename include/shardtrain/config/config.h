@@ -112,6 +112,18 @@ struct DistributedConfig {
   bool find_unused_parameters = false;
   /// Intra-op threads per rank; 0 means cores / local ranks.
   int64_t threads_per_rank = 0;
+  /// dtype gradients are reduced in: "fp32", "bf16" or "fp16".
+  std::string reduce_dtype = "fp32";
+};
+
+/// Dynamic loss scaling for precision fp16-mixed (DeepSpeed's defaults).
+struct LossScalerConfig {
+  int64_t initial_scale_power = 16;
+  int64_t loss_scale_window = 1000;
+  int64_t hysteresis = 2;
+  double min_loss_scale = 1.0;
+  /// Consecutive skipped steps at the minimum scale before training fails; 0: never.
+  int64_t max_skips_at_min = 50;
 };
 
 struct Config {
@@ -123,8 +135,9 @@ struct Config {
   ScheduleConfig schedule;
   TrainerConfig trainer;
   DistributedConfig distributed;
-  /// "fp32" (later issues add bf16-mixed, fp16-mixed, bf16-true).
+  /// "fp32", "bf16-mixed", "fp16-mixed" (needs CUDA) or "bf16-true".
   std::string precision = "fp32";
+  LossScalerConfig loss_scaler;
 
   /// Reads a YAML file, applies "a.b=c" overrides, validates.
   static Config load(const std::string& path, const std::vector<std::string>& overrides = {});

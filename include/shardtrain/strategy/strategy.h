@@ -41,6 +41,9 @@ struct StrategyOptions {
   /// true: parameters without a gradient in a step are reduced as zeros;
   /// false: such a parameter is an error that names it.
   bool find_unused_parameters = false;
+  /// dtype gradients are reduced in: "fp32" (default), "bf16", "fp16", or
+  /// "" for each parameter's own dtype.
+  std::string reduce_dtype = "fp32";
 };
 
 class Strategy {

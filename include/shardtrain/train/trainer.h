@@ -28,14 +28,22 @@ class Communicator;
 namespace shardtrain::strategy {
 class Strategy;
 }
+namespace shardtrain::precision {
+class Precision;
+}
 
 namespace shardtrain::train {
 
 struct TrainTask {
   /// The model; its parameters are trained in place.
   std::shared_ptr<torch::nn::Module> model;
-  /// Mean loss of one micro-batch (a scalar with a graph).
-  std::function<at::Tensor(const data::Batch&)> loss;
+  /// Summed loss over the targets of one micro-batch (a scalar with a
+  /// graph), e.g. cross entropy with reduction sum and an ignore index.
+  std::function<at::Tensor(const data::Batch&)> loss_sum;
+  /// Targets that loss_sum sums over (tokens not equal to the ignore index).
+  /// The trainer divides by the count over the whole accumulation window on
+  /// all ranks, so uneven or padded micro-batches give the big-batch gradient.
+  std::function<int64_t(const data::Batch&)> count_targets;
   /// Micro-batch `micro_step` of optimizer step `step` for `rank` of `world`.
   /// The union over micro-steps and ranks must be the step's global batch.
   std::function<data::Batch(int64_t step, int64_t micro_step, int64_t micro_batch, int rank,
@@ -57,14 +65,21 @@ struct TrainTask {
 /// `world_size` fixes the batch plan the data order is built for.
 TrainTask make_task(const config::Config& config, int world_size);
 
+/// Target id the built-in losses skip (padding), as in PyTorch.
+constexpr int64_t kIgnoreIndex = -100;
+
+/// Counts the targets of a batch that are not kIgnoreIndex.
+int64_t count_non_ignored(const data::Batch& batch);
+
 /// Learning rate of `step` (0-based): linear warmup over warmup_steps to lr,
 /// then constant, linear decay to min_lr at max_steps, or cosine to min_lr.
 double scheduled_lr(const config::Config& config, int64_t step);
 
 class Trainer {
  public:
-  /// `comm` is the world (Communicator::create). Builds the strategy and
-  /// sets it up (DDP broadcasts rank 0's weights), then the optimizer.
+  /// `comm` is the world (Communicator::create). Builds the precision plugin
+  /// and the strategy and sets them up (DDP broadcasts rank 0's weights),
+  /// then the optimizer.
   /// Throws ConfigError for batch sizes that do not fit the world size.
   Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Communicator> comm);
   ~Trainer();
@@ -76,8 +91,9 @@ class Trainer {
   /// saves as configured. Returns the final state.
   const TrainerState& fit();
 
-  /// Mean evaluation loss over trainer.eval_batches micro-batches per rank,
-  /// averaged across ranks; NaN when the task has no evaluation data.
+  /// Evaluation loss over trainer.eval_batches micro-batches per rank: the
+  /// summed loss of all ranks over their target count; NaN when the task has
+  /// no evaluation data.
   double evaluate();
 
   /// Writes the model (rank 0) to `dir`/model.pt with the config beside it,
@@ -87,6 +103,7 @@ class Trainer {
   const TrainerState& state() const { return state_; }
   const std::shared_ptr<torch::nn::Module>& model() const { return task_.model; }
   strategy::Strategy& strategy() { return *strategy_; }
+  precision::Precision& precision() { return *precision_; }
   torch::optim::Optimizer& optimizer() { return *optimizer_; }
   const config::BatchPlan& batch() const { return batch_; }
 
@@ -100,6 +117,7 @@ class Trainer {
   config::Config config_;
   TrainTask task_;
   std::shared_ptr<comm::Communicator> comm_;
+  std::unique_ptr<precision::Precision> precision_;
   std::unique_ptr<strategy::Strategy> strategy_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   config::BatchPlan batch_;
