@@ -201,3 +201,31 @@ TEST(DDPWorldOfOne, DestroyedStrategyLeavesNoHooks) {
   give_grads(model, 1.0);
   EXPECT_NO_THROW(give_grads(model, 1.0));
 }
+
+// Buckets reduce in distributed.reduce_dtype: with bf16 the gradients come
+// back rounded to bfloat16 once (a world of one adds nothing), with fp32 they
+// come back exact; an unknown dtype is a ConfigError.
+TEST(DDPWorldOfOne, GradientsReduceInTheConfiguredDtype) {
+  for (const std::string dtype : {"fp32", "bf16"}) {
+    auto model = make_mlp();
+    auto ref = clone_mlp(model);
+    auto options = named("ddp");
+    options.reduce_dtype = dtype;
+    auto s = strategy::make_strategy(options);
+    s->setup(*model, world_of_one());
+    give_grads(model, 1.0);
+    s->finish_gradient_sync();
+    give_grads(ref, 1.0);
+    for (size_t i = 0; i < ref->parameters().size(); ++i) {
+      const auto got = model->parameters()[i].grad();
+      EXPECT_EQ(got.scalar_type(), torch::kFloat);
+      const auto local = ref->parameters()[i].grad();
+      const auto want = dtype == "bf16" ? local.to(torch::kBFloat16).to(torch::kFloat) : local;
+      EXPECT_TRUE(torch::equal(got, want)) << dtype << " param " << i;
+    }
+  }
+  auto options = named("ddp");
+  options.reduce_dtype = "fp8";
+  auto model = make_mlp();
+  EXPECT_THROW(strategy::make_strategy(options)->setup(*model, world_of_one()), ConfigError);
+}
