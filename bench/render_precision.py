@@ -16,6 +16,7 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--command", required=True)
     ap.add_argument("--load", default="")
+    ap.add_argument("--batch", type=int, default=1)
     a = ap.parse_args()
     rows = []
     for name in sorted(os.listdir(a.runs)):
@@ -32,18 +33,18 @@ def main():
         })
     order = {"fp32": 0, "bf16-mixed": 1, "bf16-true": 2}
     rows.sort(key=lambda r: (order.get(r["precision"], 9), r["ckpt"]))
-    base = {r["ckpt"]: r for r in rows if r["precision"] == "fp32"}
+    base = next((r for r in rows if r["precision"] == "fp32" and not r["ckpt"]), rows[0])
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     text = [BEGIN, "", "## Precision modes and activation checkpointing (CPU, one process)", "",
             f"- Run: {now}; `nproc` = {os.cpu_count()}; load average {a.load}.",
             f"- Command: `{a.command}`",
             f"- Model: GPT n_layer 8, n_head 8, n_embd 512, block 256 ({rows[0]['params']/1e6:.1f} M parameters); "
-            "batch 4 sequences (1024 tokens) per step; median tokens/s over the steps after the first; "
+            f"batch {a.batch} sequence(s) of 256 tokens per step; median tokens/s over the steps after the first; "
             "peak RSS of the process.", "",
-            "| precision | activation checkpointing | tokens/s | vs fp32 | peak RSS MB |",
+            "| precision | activation checkpointing | tokens/s | vs fp32 without checkpointing | peak RSS MB |",
             "|---|---|---:|---:|---:|"]
     for r in rows:
-        ratio = r["tok_s"] / base[r["ckpt"]]["tok_s"] if r["ckpt"] in base else float("nan")
+        ratio = r["tok_s"] / base["tok_s"]
         text.append(f"| {r['precision']} | {'yes' if r['ckpt'] else 'no'} | {r['tok_s']:.0f} | "
                     f"{ratio:.2f}× | {r['rss']:.0f} |")
     text += ["", END]
