@@ -159,12 +159,31 @@ TEST(Collectives, Broadcast) {
   }
 }
 
+// No rank leaves the barrier before the last rank entered it. Ranks share
+// this machine's wall clock, so their times compare directly.
 TEST(Collectives, BarrierWaitsForTheLastRank) {
-  const auto start = std::chrono::steady_clock::now();
-  if (world().rank() == world().size() - 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const auto now_us = [] {
+    return static_cast<double>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                   std::chrono::system_clock::now().time_since_epoch())
+                                   .count());
+  };
+  const int n = world().size(), r = world().rank();
   world().barrier();
-  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  EXPECT_GE(waited, 0.25) << "rank " << world().rank() << " left the barrier before the last rank entered";
+  double entered = 0.0;
+  if (r == n - 1) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    entered = now_us();
+  }
+  world().barrier();
+  const double left = now_us();
+  auto mine = at::tensor({entered, left}, at::kDouble);
+  auto all = at::empty({2 * n}, at::kDouble);
+  world().all_gather(mine, all);
+  const double last_entered = all[2 * (n - 1)].item<double>();
+  for (int k = 0; k < n; ++k) {
+    EXPECT_GE(all[2 * k + 1].item<double>(), last_entered)
+        << "rank " << k << " left the barrier before the last rank entered it";
+  }
 }
 
 TEST(Collectives, SeveralInFlightAtOnce) {

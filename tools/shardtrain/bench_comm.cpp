@@ -62,12 +62,11 @@ BenchArgs parse(int argc, char** argv) {
     if (eq != std::string::npos) {
       value = flag.substr(eq + 1);
       flag = flag.substr(0, eq);
-    } else if (flag != "--help" && flag != "-h") {
+    } else {
       ST_CHECK(i + 1 < argc, ConfigError, flag, " needs a value");
       value = argv[++i];
     }
-    if (flag == "--help" || flag == "-h") { print_help(); std::exit(0); }
-    else if (flag == "--op") a.op = value;
+    if (flag == "--op") a.op = value;
     else if (flag == "--bytes") a.bytes = parse_bytes(value);
     else if (flag == "--dtype") a.dtype = value;
     else if (flag == "--iters") a.iters = std::stoi(value);
@@ -93,6 +92,12 @@ at::ScalarType scalar_type(const std::string& name) {
 }  // namespace
 
 int bench_comm_main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h")) {
+      print_help();
+      return 0;
+    }
+  }
   const BenchArgs args = parse(argc, argv);
   auto comm = comm::Communicator::create(comm::CommOptions::from_env());
   const int n = comm->size();

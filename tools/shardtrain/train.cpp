@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -48,10 +49,7 @@ TrainArgs parse(int argc, char** argv) {
       ST_CHECK(i + 1 < argc, ConfigError, flag, " needs a value; see shardtrain train --help");
       return argv[++i];
     };
-    if (arg == "--help" || arg == "-h") {
-      std::fputs(kUsage, stdout);
-      std::exit(0);
-    } else if (arg == "--set" || arg.rfind("--set=", 0) == 0) {
+    if (arg == "--set" || arg.rfind("--set=", 0) == 0) {
       a.overrides.push_back(value("--set"));
     } else if (arg == "--nproc-per-node" || arg.rfind("--nproc-per-node=", 0) == 0) {
       const std::string v = value("--nproc-per-node");
@@ -98,6 +96,12 @@ std::string sample_text(models::GPTImpl& model, const std::string& prompt, int64
 }
 
 int train_main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h")) {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+  }
   const TrainArgs args = parse(argc, argv);
   const config::Config config = config::Config::load(args.config, args.overrides);
   const dist::ClusterEnv env = dist::ClusterEnv::detect();
