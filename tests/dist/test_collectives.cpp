@@ -12,13 +12,14 @@
 
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/core/error.h"
+#include "world.h"
 
 using namespace shardtrain;
 using namespace shardtrain::comm;
 
 namespace {
 
-std::shared_ptr<Communicator> g_world;
+std::shared_ptr<Communicator>& g_world = ::shardtrain::testing::world_ptr();
 
 Communicator& world() { return *g_world; }
 
@@ -335,13 +336,4 @@ TEST(Faults, PeerThatLeavesFailsFast) {
     EXPECT_LT(took, 20.0);
   }
   world().barrier();
-}
-
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  g_world = Communicator::create(CommOptions::from_env());
-  const int rc = RUN_ALL_TESTS();
-  g_world->barrier();  // nobody tears down connections a peer still uses
-  g_world.reset();
-  return rc;
 }

@@ -19,6 +19,7 @@
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/strategy/strategy.h"
+#include "world.h"
 #include "strategy/detail.h"
 
 using namespace shardtrain;
@@ -31,7 +32,7 @@ namespace {
 constexpr double kAtol = 1e-5;
 constexpr double kRtol = 1e-4;
 
-std::shared_ptr<Communicator> g_world;
+std::shared_ptr<Communicator>& g_world = ::shardtrain::testing::world_ptr();
 int rank() { return g_world->rank(); }
 int world_size() { return g_world->size(); }
 
@@ -418,13 +419,4 @@ TEST(DDP, IntegerAndBoolBuffersAreBroadcastFromRank0) {
   auto& ddp = as_ddp(*strategy);
   ASSERT_EQ(ddp.num_buckets(), 1u);
   EXPECT_EQ(ddp.bucket_parameter_names(0), (std::vector<std::string>{"fc.bias", "fc.weight"}));
-}
-
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  g_world = Communicator::create(CommOptions::from_env());
-  const int rc = RUN_ALL_TESTS();
-  g_world->barrier();  // nobody tears down connections a peer still uses
-  g_world.reset();
-  return rc;
 }

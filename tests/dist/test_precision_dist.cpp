@@ -19,6 +19,7 @@
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/precision/precision.h"
+#include "world.h"
 
 using namespace shardtrain;
 using namespace shardtrain::comm;
@@ -26,7 +27,7 @@ using namespace shardtrain::precision;
 
 namespace {
 
-std::shared_ptr<Communicator> g_world;
+std::shared_ptr<Communicator>& g_world = ::shardtrain::testing::world_ptr();
 int rank() { return g_world->rank(); }
 int world_size() { return g_world->size(); }
 int last_rank() { return world_size() - 1; }
@@ -140,13 +141,4 @@ TEST(PrecisionDist, ReducedFloat16GradientsCarryInfAndNanToEveryRank) {
   auto clean = torch::ones({n}, torch::kHalf);
   g_world->all_reduce(clean).wait();
   EXPECT_FALSE(plugin->unscale_and_check({clean}, *g_world));
-}
-
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  g_world = Communicator::create(CommOptions::from_env());
-  const int rc = RUN_ALL_TESTS();
-  g_world->barrier();  // nobody tears down connections a peer still uses
-  g_world.reset();
-  return rc;
 }

@@ -12,13 +12,14 @@
 #include "shardtrain/config/config.h"
 #include "shardtrain/strategy/strategy.h"
 #include "shardtrain/train/trainer.h"
+#include "world.h"
 
 using namespace shardtrain;
 namespace fs = std::filesystem;
 
 namespace {
 
-std::shared_ptr<comm::Communicator> g_world;
+std::shared_ptr<comm::Communicator>& g_world = ::shardtrain::testing::world_ptr();
 
 // Deterministic text with structure a model can learn, written per rank.
 std::string corpus_file() {
@@ -121,13 +122,4 @@ TEST(TrainerParity, DdpMatchesSingleProcessStepByStep) {
         << item.key() << " differs by " << (item.value() - other).abs().max().item<double>();
   }
   fs::remove(data);
-}
-
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  g_world = comm::Communicator::create(comm::CommOptions::from_env());
-  const int rc = RUN_ALL_TESTS();
-  g_world->barrier();
-  g_world.reset();
-  return rc;
 }

@@ -1,6 +1,6 @@
 # The trainer under the launcher: DDP parity with the single-process run, and
 # the CLI's default job end to end.
-add_executable(test_trainer_parity ${CMAKE_CURRENT_LIST_DIR}/test_trainer_parity.cpp)
+add_executable(test_trainer_parity ${CMAKE_CURRENT_LIST_DIR}/test_trainer_parity.cpp ${CMAKE_CURRENT_LIST_DIR}/world_main.cpp)
 target_link_libraries(test_trainer_parity PRIVATE shardtrain GTest::gtest)
 shardtrain_use_pch(test_trainer_parity)
 foreach(n 1 2 3)

@@ -1,0 +1,14 @@
+// The world communicator of a multi-rank test binary. world_main.cpp creates
+// it from the launcher's variables before any test runs, and after the last
+// test waits for every rank before tearing the connections down.
+#pragma once
+
+#include <memory>
+
+#include "shardtrain/comm/communicator.h"
+
+namespace shardtrain::testing {
+
+std::shared_ptr<comm::Communicator>& world_ptr();
+
+}  // namespace shardtrain::testing
