@@ -200,7 +200,7 @@ void translated(const OpContext& oc, int peer, const char* what, F&& call) {
     if (!call()) throw CommError(oc.describe(peer) + str_cat(": the ", what, " was aborted"));
   } catch (const gloo::IoException& e) {
     const std::string msg = e.what();
-    if (msg.find("Timed out") != std::string::npos || msg.find("timed out") != std::string::npos) {
+    if (mentions_timeout(msg)) {
       throw TimeoutError(str_cat(
           oc.describe(peer), ": timed out waiting to ", what,
           ". Hint: the peer may have died, hung, or issued collectives in another order; raise "
@@ -332,14 +332,10 @@ std::shared_ptr<gloo::rendezvous::Context> connect(gloo::rendezvous::Store& stor
   } catch (const CommError&) {
     throw;  // the store already named what is missing
   } catch (const std::exception& e) {
-    const std::string msg = e.what();
-    const std::string text = str_cat("connecting group '", group_name, "' failed on rank ", rank,
-                                     " of ", size, ": ", msg.substr(0, msg.find('\n')),
-                                     ". Hint: check that every rank started and can reach the "
-                                     "others (SHARDTRAIN_SOCKET_IFNAME).");
-    if (msg.find("imed out") != std::string::npos || msg.find("imeout") != std::string::npos)
-      throw TimeoutError(text);
-    throw CommError(text);
+    throw_comm_error(e, str_cat("connecting group '", group_name, "' failed on rank ", rank, " of ",
+                                size, ": ", first_line(e),
+                                ". Hint: check that every rank started and can reach the others "
+                                "(SHARDTRAIN_SOCKET_IFNAME)."));
   }
   return ctx;
 }
@@ -545,7 +541,7 @@ void Communicator::barrier(const BarrierOptions& options) {
     detail::OpContext gather = oc;
     gather.phase = 1;
     detail::ring_all_gather(gather, token.get(), 1, detail::DType::Float32);
-  }).wait();
+  });
 }
 
 namespace {

@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <string>
 #include <vector>
@@ -88,6 +89,15 @@ struct OpContext {
   /// The message of a CommError raised by this op, without the cause.
   std::string describe(int peer) const;
 };
+
+/// The first line of an exception's text (c10d appends a C++ stack trace).
+std::string first_line(const std::exception& e);
+
+/// Whether an error text from Gloo or c10d reports a deadline that passed.
+bool mentions_timeout(const std::string& text);
+
+/// Throws TimeoutError(text) when `cause` reports a timeout, else CommError(text).
+[[noreturn]] void throw_comm_error(const std::exception& cause, const std::string& text);
 
 /// dst[i] = a[i] (op) b[i] for n elements. Low-precision types are combined
 /// in float32 and rounded once. With `avg_divisor` > 0 (the final hop of an

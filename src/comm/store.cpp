@@ -4,24 +4,26 @@
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "comm/detail.h"
 #include "shardtrain/core/error.h"
 
 namespace shardtrain::comm::detail {
-namespace {
 
-// The first line of a c10d error (the rest is a C++ stack trace).
 std::string first_line(const std::exception& e) {
   const std::string msg = e.what();
   return msg.substr(0, msg.find('\n'));
 }
 
-// c10d reports a missing peer as an error whose text mentions a timeout.
-[[noreturn]] void throw_comm_error(const std::exception& cause, const std::string& text) {
-  const std::string msg = cause.what();
-  if (msg.find("imeout") != std::string::npos || msg.find("imed out") != std::string::npos)
-    throw TimeoutError(text);
+bool mentions_timeout(const std::string& text) {
+  return text.find("imeout") != std::string::npos || text.find("imed out") != std::string::npos;
+}
+
+void throw_comm_error(const std::exception& cause, const std::string& text) {
+  if (mentions_timeout(cause.what())) throw TimeoutError(text);
   throw CommError(text);
 }
+
+namespace {
 
 // Gloo's rendezvous talks to a gloo::rendezvous::Store; LibTorch ships the
 // TCP and file stores we want. This adapter lets the one use the other.

@@ -9,7 +9,6 @@
 #include "shardtrain/train/trainer.h"
 
 namespace shardtrain::train {
-namespace {
 
 models::GPTConfig gpt_config(const config::ModelConfig& m) {
   models::GPTConfig g;
@@ -21,6 +20,8 @@ models::GPTConfig gpt_config(const config::ModelConfig& m) {
   g.activation_checkpointing = m.activation_checkpointing;
   return g;
 }
+
+namespace {
 
 int64_t count_parameters(torch::nn::Module& model) {
   int64_t n = 0;

@@ -11,6 +11,7 @@
 #include "shardtrain/config/config.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/gpt.h"
+#include "shardtrain/train/trainer.h"
 
 namespace shardtrain::cli {
 namespace {
@@ -60,13 +61,7 @@ int generate_main(int argc, char** argv) {
   const config::Config config = config::Config::load((dir / "config.yaml").string());
   ST_CHECK(config.model.type == "gpt", ConfigError, "the checkpoint at '", dir.string(),
            "' holds a '", config.model.type, "' model; generate needs a gpt");
-  models::GPTConfig g;
-  g.n_layer = config.model.n_layer;
-  g.n_head = config.model.n_head;
-  g.n_embd = config.model.n_embd;
-  g.block_size = config.model.block_size;
-  g.vocab_size = config.model.vocab_size;
-  auto model = std::make_shared<models::GPTImpl>(g);
+  auto model = std::make_shared<models::GPTImpl>(train::gpt_config(config.model));
   try {
     torch::serialize::InputArchive archive;
     archive.load_from((dir / "model.pt").string());

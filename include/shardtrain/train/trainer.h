@@ -31,6 +31,9 @@ class Strategy;
 namespace shardtrain::precision {
 class Precision;
 }
+namespace shardtrain::models {
+struct GPTConfig;
+}
 
 namespace shardtrain::train {
 
@@ -58,6 +61,9 @@ struct TrainTask {
   /// Extra fields of every metrics line (e.g. the model's parameter count).
   Metrics static_metrics;
 };
+
+/// The GPT described by the config's model section.
+models::GPTConfig gpt_config(const config::ModelConfig& model);
 
 /// The task for the config's built-in model: a GPT on the config's token data
 /// (train/validation split by data.val_fraction) or an MLP on a synthetic
