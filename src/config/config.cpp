@@ -339,6 +339,17 @@ class Loader {
     get(dist, "distributed.find_unused_parameters", c.distributed.find_unused_parameters);
     get(dist, "distributed.threads_per_rank", c.distributed.threads_per_rank);
     get(dist, "distributed.reduce_dtype", c.distributed.reduce_dtype);
+    DistributedConfig& d = c.distributed;
+    get(dist, "distributed.param_dtype", d.param_dtype);
+    get(dist, "distributed.sharding", d.sharding);
+    get(dist, "distributed.auto_wrap_policy", d.auto_wrap_policy);
+    get(dist, "distributed.wrap_module_types", d.wrap_module_types);
+    get(dist, "distributed.min_num_params", d.min_num_params);
+    get(dist, "distributed.backward_prefetch", d.backward_prefetch);
+    get(dist, "distributed.forward_prefetch", d.forward_prefetch);
+    get(dist, "distributed.limit_all_gathers", d.limit_all_gathers);
+    get(dist, "distributed.accumulation", d.accumulation);
+    get(dist, "distributed.memory_budget_mb", d.memory_budget_mb);
 
     const YAML::Node scaler = section(root, "loss_scaler");
     LossScalerConfig& ls = c.loss_scaler;
@@ -470,13 +481,13 @@ class Loader {
     }
 
     const DistributedConfig& d = c.distributed;
-    choice("distributed.strategy", d.strategy, {"single", "ddp"});
+    choice("distributed.strategy", d.strategy, {"single", "ddp", "zero1", "fsdp", "auto"});
     require(d.nproc_per_node >= 0, "distributed.nproc_per_node",
             std::to_string(d.nproc_per_node), "auto or an integer >= 1");
     require(d.strategy != "single" || d.nproc_per_node <= 1, "distributed.nproc_per_node",
             std::to_string(d.nproc_per_node),
             "auto or 1 with distributed.strategy=single (it runs one process); use "
-            "strategy ddp for more ranks",
+            "strategy ddp, zero1, fsdp or auto for more ranks",
             {"distributed.strategy"});
     require(d.bucket_cap_mb > 0.0, "distributed.bucket_cap_mb", format_double(d.bucket_cap_mb),
             "a number of MiB > 0");
@@ -485,6 +496,29 @@ class Loader {
     non_negative("distributed.threads_per_rank", d.threads_per_rank);
 
     choice("distributed.reduce_dtype", d.reduce_dtype, {"fp32", "bf16", "fp16"});
+    choice("distributed.param_dtype", d.param_dtype, {"auto", "fp32", "bf16", "fp16"});
+    // The fsdp keys are checked whatever the strategy, so a file stays valid
+    // when the strategy is switched.
+    choice("distributed.sharding", d.sharding,
+           {"full_shard", "shard_grad_op", "no_shard", "hybrid_shard"});
+    choice("distributed.auto_wrap_policy", d.auto_wrap_policy, {"module_type", "size", "none"});
+    for (const std::string& type : d.wrap_module_types) {
+      require(!type.empty(), "distributed.wrap_module_types", format_list(d.wrap_module_types),
+              "non-empty module type names (or their suffixes), e.g. [BlockImpl]");
+    }
+    require(d.auto_wrap_policy != "module_type" || !d.wrap_module_types.empty(),
+            "distributed.wrap_module_types", "[]",
+            "at least one module type name with distributed.auto_wrap_policy=module_type, "
+            "e.g. [BlockImpl]; for a single unit use auto_wrap_policy none",
+            {"distributed.auto_wrap_policy"});
+    positive("distributed.min_num_params", d.min_num_params);
+    choice("distributed.backward_prefetch", d.backward_prefetch,
+           {"backward_pre", "backward_post", "none"});
+    positive("distributed.limit_all_gathers", d.limit_all_gathers);
+    choice("distributed.accumulation", d.accumulation, {"sharded", "unsharded"});
+    require(d.memory_budget_mb >= 0.0, "distributed.memory_budget_mb",
+            format_double(d.memory_budget_mb),
+            "a number of MiB >= 0; 0: MemAvailable divided by the local ranks");
     // fp16-mixed is a known name; whether this machine can run it (CUDA) is
     // decided when the precision plugin is created.
     choice("precision", c.precision, {"fp32", "bf16-mixed", "fp16-mixed", "bf16-true"});
@@ -703,6 +737,18 @@ class Loader {
   }
 
   void read_value(const std::string& path, const YAML::Node& node,
+                  std::vector<std::string>& out) const {
+    std::vector<std::string> values;
+    bool ok = node.IsSequence();
+    for (size_t i = 0; ok && i < node.size(); ++i) {
+      ok = node[i].IsScalar();
+      if (ok) values.push_back(node[i].Scalar());
+    }
+    if (!ok) type_error(path, node, "a list of strings, e.g. [BlockImpl]");
+    out = values;
+  }
+
+  void read_value(const std::string& path, const YAML::Node& node,
                   std::vector<int64_t>& out) const {
     std::vector<int64_t> values;
     bool ok = node.IsSequence();
@@ -719,7 +765,9 @@ class Loader {
   static std::string format_list(const std::vector<T>& values) {
     std::vector<std::string> items;
     for (const T& v : values) {
-      if constexpr (std::is_floating_point_v<T>) {
+      if constexpr (std::is_same_v<T, std::string>) {
+        items.push_back(format_string(v));
+      } else if constexpr (std::is_floating_point_v<T>) {
         items.push_back(format_double(v));
       } else {
         items.push_back(std::to_string(v));
@@ -744,6 +792,12 @@ std::string yaml_int_list(const std::vector<int64_t>& values) {
 std::string yaml_double_list(const std::vector<double>& values) {
   std::vector<std::string> items;
   for (double v : values) items.push_back(format_double(v));
+  return "[" + join(items, ", ") + "]";
+}
+
+std::string yaml_string_list(const std::vector<std::string>& values) {
+  std::vector<std::string> items;
+  for (const std::string& v : values) items.push_back(format_string(v));
   return "[" + join(items, ", ") + "]";
 }
 
@@ -840,7 +894,17 @@ std::string Config::to_yaml() const {
     << "  first_bucket_mb: " << d(distributed.first_bucket_mb) << "\n"
     << "  find_unused_parameters: " << yaml_bool(distributed.find_unused_parameters) << "\n"
     << "  threads_per_rank: " << distributed.threads_per_rank << "\n"
-    << "  reduce_dtype: " << s(distributed.reduce_dtype) << "\n";
+    << "  reduce_dtype: " << s(distributed.reduce_dtype) << "\n"
+    << "  param_dtype: " << s(distributed.param_dtype) << "\n"
+    << "  sharding: " << s(distributed.sharding) << "\n"
+    << "  auto_wrap_policy: " << s(distributed.auto_wrap_policy) << "\n"
+    << "  wrap_module_types: " << yaml_string_list(distributed.wrap_module_types) << "\n"
+    << "  min_num_params: " << distributed.min_num_params << "\n"
+    << "  backward_prefetch: " << s(distributed.backward_prefetch) << "\n"
+    << "  forward_prefetch: " << yaml_bool(distributed.forward_prefetch) << "\n"
+    << "  limit_all_gathers: " << distributed.limit_all_gathers << "\n"
+    << "  accumulation: " << s(distributed.accumulation) << "\n"
+    << "  memory_budget_mb: " << d(distributed.memory_budget_mb) << "\n";
   y << "precision: " << s(precision) << "\n";
   y << "loss_scaler:\n"
     << "  initial_scale_power: " << loss_scaler.initial_scale_power << "\n"

@@ -63,6 +63,16 @@ void expect_same(const Config& a, const Config& b) {
   EXPECT_EQ(a.distributed.find_unused_parameters, b.distributed.find_unused_parameters);
   EXPECT_EQ(a.distributed.threads_per_rank, b.distributed.threads_per_rank);
   EXPECT_EQ(a.distributed.reduce_dtype, b.distributed.reduce_dtype);
+  EXPECT_EQ(a.distributed.param_dtype, b.distributed.param_dtype);
+  EXPECT_EQ(a.distributed.sharding, b.distributed.sharding);
+  EXPECT_EQ(a.distributed.auto_wrap_policy, b.distributed.auto_wrap_policy);
+  EXPECT_EQ(a.distributed.wrap_module_types, b.distributed.wrap_module_types);
+  EXPECT_EQ(a.distributed.min_num_params, b.distributed.min_num_params);
+  EXPECT_EQ(a.distributed.backward_prefetch, b.distributed.backward_prefetch);
+  EXPECT_EQ(a.distributed.forward_prefetch, b.distributed.forward_prefetch);
+  EXPECT_EQ(a.distributed.limit_all_gathers, b.distributed.limit_all_gathers);
+  EXPECT_EQ(a.distributed.accumulation, b.distributed.accumulation);
+  EXPECT_EQ(a.distributed.memory_budget_mb, b.distributed.memory_budget_mb);
   EXPECT_EQ(a.precision, b.precision);
   EXPECT_EQ(a.loss_scaler.initial_scale_power, b.loss_scaler.initial_scale_power);
   EXPECT_EQ(a.loss_scaler.loss_scale_window, b.loss_scaler.loss_scale_window);
@@ -165,6 +175,17 @@ TEST(Config, EveryKeyRoundTrips) {
   c.distributed.find_unused_parameters = true;
   c.distributed.threads_per_rank = 2;
   c.distributed.reduce_dtype = "bf16";
+  c.distributed.param_dtype = "fp16";
+  c.distributed.sharding = "hybrid_shard";
+  c.distributed.auto_wrap_policy = "size";
+  // Names YAML would misread unless quoted: a C++ path with "::", a "#", null.
+  c.distributed.wrap_module_types = {"shardtrain::models::BlockImpl", "My Block #2", "null"};
+  c.distributed.min_num_params = 12345;
+  c.distributed.backward_prefetch = "none";
+  c.distributed.forward_prefetch = true;
+  c.distributed.limit_all_gathers = 5;
+  c.distributed.accumulation = "unsharded";
+  c.distributed.memory_budget_mb = 1536.5;
   c.precision = "bf16-mixed";
   c.loss_scaler = {12, 50, 3, 0.5, 7};
   const Config back = Config::parse(c.to_yaml());
@@ -173,6 +194,58 @@ TEST(Config, EveryKeyRoundTrips) {
   EXPECT_HAS(c.to_yaml(), "first_bucket_mb: 100.0\n");
   EXPECT_HAS(Config().to_yaml(), "nproc_per_node: auto\n");
   EXPECT_HAS(Config().to_yaml(), "accumulate: null\n");
+  EXPECT_HAS(Config().to_yaml(), "wrap_module_types: [BlockImpl]\n");
+  EXPECT_HAS(Config().to_yaml(), "memory_budget_mb: 0.0\n");
+}
+
+TEST(Config, ShardingKeysDefaults) {
+  const Config c = Config::parse("");
+  const auto& d = c.distributed;
+  EXPECT_EQ(d.strategy, "ddp");
+  EXPECT_EQ(d.sharding, "full_shard");
+  EXPECT_EQ(d.param_dtype, "auto");
+  EXPECT_EQ(d.auto_wrap_policy, "module_type");
+  EXPECT_EQ(d.wrap_module_types, (std::vector<std::string>{"BlockImpl"}));
+  EXPECT_EQ(d.min_num_params, 1048576);
+  EXPECT_EQ(d.backward_prefetch, "backward_pre");
+  EXPECT_FALSE(d.forward_prefetch);
+  EXPECT_EQ(d.limit_all_gathers, 2);
+  EXPECT_EQ(d.accumulation, "sharded");
+  EXPECT_EQ(d.memory_budget_mb, 0.0);
+}
+
+TEST(Config, EveryStrategyAndShardingIsAccepted) {
+  for (const std::string s : {"single", "ddp", "zero1", "fsdp", "auto"}) {
+    EXPECT_EQ(Config::parse("distributed: {strategy: " + s + "}\n").distributed.strategy, s);
+  }
+  for (const std::string s : {"full_shard", "shard_grad_op", "no_shard", "hybrid_shard"}) {
+    EXPECT_EQ(Config::parse("", {"distributed.sharding=" + s}).distributed.sharding, s);
+  }
+  // single still runs one process; the new strategies may have many ranks.
+  EXPECT_HAS(parse_error("distributed: {strategy: single, nproc_per_node: 4}"),
+             "distributed.nproc_per_node: got 4");
+  EXPECT_EQ(Config::parse("distributed: {strategy: fsdp, nproc_per_node: 4}")
+                .distributed.nproc_per_node,
+            4);
+}
+
+TEST(Config, WrapModuleTypesIsAStringList) {
+  const Config c = Config::parse(R"(
+distributed:
+  auto_wrap_policy: module_type
+  wrap_module_types:
+    - BlockImpl
+    - "shardtrain::models::MLPBlockImpl"
+    - 42
+)");
+  EXPECT_EQ(c.distributed.wrap_module_types,
+            (std::vector<std::string>{"BlockImpl", "shardtrain::models::MLPBlockImpl", "42"}));
+  const Config listed = Config::parse("", {"distributed.wrap_module_types=[A, B]"});
+  EXPECT_EQ(listed.distributed.wrap_module_types, (std::vector<std::string>{"A", "B"}));
+  // An empty list is fine where the list is not used.
+  const Config none = Config::parse("distributed: {auto_wrap_policy: none, wrap_module_types: []}");
+  EXPECT_TRUE(none.distributed.wrap_module_types.empty());
+  expect_same(Config::parse(none.to_yaml()), none);
 }
 
 TEST(Config, SectionKeysAreRead) {
@@ -311,6 +384,13 @@ TEST(ConfigErrors, WrongTypes) {
       {"model: 5\n", "model", "'5'"},
       {"model:\n  type: {a: 1}\n", "model.type", "{a: 1}"},
       {"optimizer:\n  lr:\n", "optimizer.lr", "null"},
+      {"distributed:\n  wrap_module_types: BlockImpl\n", "distributed.wrap_module_types",
+       "'BlockImpl'"},
+      {"distributed:\n  wrap_module_types: [a, [b]]\n", "distributed.wrap_module_types",
+       "[a, [b]]"},
+      {"distributed:\n  min_num_params: 1.5e6\n", "distributed.min_num_params", "'1.5e6'"},
+      {"distributed:\n  forward_prefetch: soon\n", "distributed.forward_prefetch", "'soon'"},
+      {"distributed:\n  memory_budget_mb: lots\n", "distributed.memory_budget_mb", "'lots'"},
   };
   for (const Case& c : cases) {
     const std::string msg = parse_error(c.yaml);
@@ -340,7 +420,25 @@ TEST(ConfigErrors, OutOfRange) {
       {"trainer: {progress: fancy}", "trainer.progress: got 'fancy'", "auto, bar, plain, none"},
       {"trainer: {eval_every: 0, early_stopping: {enabled: true}}",
        "trainer.early_stopping.enabled: got true", "trainer.eval_every > 0"},
-      {"distributed: {strategy: fsdp}", "distributed.strategy: got 'fsdp'", "single, ddp"},
+      {"distributed: {strategy: zero3}", "distributed.strategy: got 'zero3'",
+       "one of: single, ddp, zero1, fsdp, auto"},
+      {"distributed: {sharding: zero2}", "distributed.sharding: got 'zero2'",
+       "one of: full_shard, shard_grad_op, no_shard, hybrid_shard"},
+      {"distributed: {param_dtype: fp64}", "distributed.param_dtype: got 'fp64'",
+       "one of: auto, fp32, bf16, fp16"},
+      {"distributed: {auto_wrap_policy: transformer}",
+       "distributed.auto_wrap_policy: got 'transformer'", "one of: module_type, size, none"},
+      {"distributed: {wrap_module_types: []}", "distributed.wrap_module_types: got []",
+       "auto_wrap_policy none"},
+      {"distributed: {wrap_module_types: [BlockImpl, '']}",
+       "distributed.wrap_module_types: got [BlockImpl, \"\"]", "non-empty"},
+      {"distributed: {min_num_params: 0}", "distributed.min_num_params: got 0", ">= 1"},
+      {"distributed: {backward_prefetch: early}", "distributed.backward_prefetch: got 'early'",
+       "one of: backward_pre, backward_post, none"},
+      {"distributed: {limit_all_gathers: 0}", "distributed.limit_all_gathers: got 0", ">= 1"},
+      {"distributed: {accumulation: lazy}", "distributed.accumulation: got 'lazy'",
+       "one of: sharded, unsharded"},
+      {"distributed: {memory_budget_mb: -1}", "distributed.memory_budget_mb: got -1.0", ">= 0"},
       {"distributed: {strategy: single, nproc_per_node: 2}",
        "distributed.nproc_per_node: got 2", "strategy=single"},
       {"distributed: {bucket_cap_mb: 0}", "distributed.bucket_cap_mb: got 0.0", "> 0"},
@@ -359,6 +457,18 @@ TEST(ConfigErrors, OutOfRange) {
   }
   // A cross-key check on a key left at its default names the key that was set.
   EXPECT_HAS(parse_error("\n\nmodel:\n  n_head: 3\n"), "test.yaml:4");
+}
+
+TEST(ConfigErrors, ShardingKeysSuggestAndNameTheOverride) {
+  const std::string typo = parse_error("distributed:\n  shardng: full_shard\n");
+  EXPECT_HAS(typo, "test.yaml:2: distributed.shardng: unknown key; did you mean 'sharding'?");
+  EXPECT_HAS(typo, "accumulation, memory_budget_mb");
+  EXPECT_HAS(parse_error("accumulation: unsharded\n"), "did you mean 'distributed.accumulation'?");
+  EXPECT_HAS(parse_error("", {"distributed.accumulation=lazy"}),
+             "--set 'distributed.accumulation=lazy' (on test.yaml): distributed.accumulation: got "
+             "'lazy', expected one of: sharded, unsharded");
+  // The empty-list check points at the policy when the list was left alone.
+  EXPECT_HAS(parse_error("distributed:\n  wrap_module_types: []\n"), "test.yaml:2");
 }
 
 TEST(ConfigErrors, MalformedYamlNamesOriginAndLine) {

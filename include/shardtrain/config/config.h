@@ -101,7 +101,9 @@ struct TrainerConfig {
 };
 
 struct DistributedConfig {
-  /// "single" or "ddp".
+  /// "single", "ddp", "zero1", "fsdp" or "auto" (the strategy with the least
+  /// communication whose memory estimate fits memory_budget_mb; see
+  /// strategy/estimate.h).
   std::string strategy = "ddp";
   /// Ranks on this node; 0 means "auto": the number of online CPUs.
   int64_t nproc_per_node = 0;
@@ -114,6 +116,29 @@ struct DistributedConfig {
   int64_t threads_per_rank = 0;
   /// dtype gradients are reduced in: "fp32", "bf16" or "fp16".
   std::string reduce_dtype = "fp32";
+  /// zero1/fsdp: dtype of the gathered (compute) copy of the parameters:
+  /// "auto" (each parameter's own dtype), "fp32", "bf16" or "fp16".
+  std::string param_dtype = "auto";
+  /// fsdp: "full_shard", "shard_grad_op", "no_shard" or "hybrid_shard".
+  std::string sharding = "full_shard";
+  /// fsdp: which submodules become units: "module_type", "size" or "none".
+  std::string auto_wrap_policy = "module_type";
+  /// fsdp, auto_wrap_policy module_type: type-name suffixes of the units.
+  std::vector<std::string> wrap_module_types = {"BlockImpl"};
+  /// fsdp, auto_wrap_policy size: parameters a unit needs at least.
+  int64_t min_num_params = 1048576;
+  /// fsdp: "backward_pre", "backward_post" or "none".
+  std::string backward_prefetch = "backward_pre";
+  /// fsdp: gather the next unit while this one's forward runs.
+  bool forward_prefetch = false;
+  /// fsdp: unit all-gathers in flight at most.
+  int64_t limit_all_gathers = 2;
+  /// fsdp: "sharded" (reduce-scatter every micro-step) or "unsharded" (keep
+  /// whole gradients until the last micro-step).
+  std::string accumulation = "sharded";
+  /// Memory per rank that strategy "auto" may plan for, in MiB; 0 means
+  /// this machine's MemAvailable divided by the local ranks.
+  double memory_budget_mb = 0.0;
 };
 
 /// Dynamic loss scaling for precision fp16-mixed (DeepSpeed's defaults).
