@@ -10,6 +10,7 @@
 
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/checkpoint.h"
+#include "shardtrain/strategy/unit.h"
 
 namespace shardtrain::models {
 
@@ -119,9 +120,12 @@ BlockImpl::BlockImpl(const GPTConfig& config) {
   mlp = register_module("mlp", MLPBlock(config));
 }
 
+// Blocks, attentions and MLPs are called through unit_forward so that a
+// sharded strategy may make any of them a unit (strategy/unit.h).
 torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
-  auto y = x + attn(ln_1(x));
-  return y + mlp(ln_2(y));
+  using strategy::unit_forward;
+  auto y = x + unit_forward(attn, [&] { return attn(ln_1(x)); });
+  return y + unit_forward(mlp, [&] { return mlp(ln_2(y)); });
 }
 
 // ---- GPT -------------------------------------------------------------------------------
@@ -166,12 +170,13 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
       config_.activation_checkpointing && is_training() && torch::GradMode::is_enabled();
   for (const auto& module : *h) {
     auto block = std::dynamic_pointer_cast<BlockImpl>(module);
-    if (recompute) {
-      x = checkpoint([block](const torch::Tensor& in) { return block->forward(in); }, x,
-                     block->parameters());
-    } else {
-      x = block->forward(x);
-    }
+    // The checkpoint goes inside the unit, so its recomputation during
+    // backward finds the unit's parameters gathered.
+    x = strategy::unit_forward(block, [&] {
+      return recompute ? checkpoint([block](const torch::Tensor& in) { return block->forward(in); },
+                                    x, block->parameters())
+                       : block->forward(x);
+    });
   }
   x = ln_f(x);
   // Tied output projection: logits = x @ wte.weight^T.

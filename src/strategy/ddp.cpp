@@ -42,6 +42,26 @@ bool stage_as_int32(at::ScalarType t) {
   return t == at::kBool || t == at::kByte || t == at::kChar || t == at::kShort;
 }
 
+}  // namespace
+
+// ---- planning ---------------------------------------------------------------------
+
+void model_tensors(torch::nn::Module& model, std::vector<at::Tensor>& tensors,
+                   std::vector<std::string>& names) {
+  std::unordered_set<const void*> seen;
+  for (const auto& item : model.named_parameters(true)) {
+    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
+    names.push_back(item.key());
+    tensors.push_back(item.value());
+  }
+  for (const auto& item : model.named_buffers(true)) {
+    if (!item.value().defined()) continue;
+    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
+    names.push_back(item.key());
+    tensors.push_back(item.value());
+  }
+}
+
 // Broadcasts `tensors` from rank 0 in place: all issued first (they run in
 // order on the comm thread), then waited. Tensors the communicator cannot
 // take directly (non-contiguous, or bool/uint8/int8/int16) go through a
@@ -73,9 +93,6 @@ void broadcast_from_rank0(comm::Communicator& comm, const std::vector<at::Tensor
   for (auto& [dst, staged] : copy_back) dst.copy_(staged);
 }
 
-}  // namespace
-
-// ---- planning ---------------------------------------------------------------------
 
 NamedParams trainable_parameters(torch::nn::Module& model) {
   NamedParams out;
@@ -357,23 +374,13 @@ void DDPStrategy::setup(torch::nn::Module& model, std::shared_ptr<comm::Communic
   ST_CHECK(comm != nullptr, InvalidArgument,
            "DDP setup needs a communicator; pass Communicator::create(CommOptions::from_env())");
   comm_ = std::move(comm);
+  model_ = &model;
 
   // 1. Same starting point on every rank: parameters and buffers from rank 0.
   {
     std::vector<at::Tensor> tensors;
     std::vector<std::string> names;
-    std::unordered_set<const void*> seen;
-    for (const auto& item : model.named_parameters(true)) {
-      if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
-      names.push_back(item.key());
-      tensors.push_back(item.value());
-    }
-    for (const auto& item : model.named_buffers(true)) {
-      if (!item.value().defined()) continue;
-      if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
-      names.push_back(item.key());
-      tensors.push_back(item.value());
-    }
+    model_tensors(model, tensors, names);
     broadcast_from_rank0(*comm_, tensors, names);
   }
 
@@ -420,6 +427,21 @@ double DDPStrategy::clip_grad_norm(double max_norm) {
 }
 
 void DDPStrategy::optimizer_step(torch::optim::Optimizer& optimizer) { optimizer.step(); }
+
+std::vector<ShardedTensor> DDPStrategy::optimizer_parameters() {
+  ST_CHECK(model_ != nullptr, InvalidArgument, "optimizer_parameters called before setup()");
+  return whole_optimizer_parameters(*model_);
+}
+
+std::vector<ShardedTensor> DDPStrategy::sharded_state_dict() {
+  ST_CHECK(model_ != nullptr, InvalidArgument, "sharded_state_dict called before setup()");
+  return whole_model_state(*model_, comm_->rank());
+}
+
+std::vector<std::pair<std::string, at::Tensor>> DDPStrategy::full_state_dict() {
+  ST_CHECK(model_ != nullptr, InvalidArgument, "full_state_dict called before setup()");
+  return whole_state_dict(*model_, comm_->rank());
+}
 
 int64_t DDPStrategy::gradient_collectives() const {
   return reducer_ ? reducer_->collectives() : 0;

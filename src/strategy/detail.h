@@ -46,6 +46,34 @@ std::vector<std::vector<size_t>> plan_buckets(const std::vector<at::Tensor>& ten
                                               int64_t first_bucket_bytes,
                                               int64_t bucket_cap_bytes);
 
+/// The model's parameters (each once) and buffers as whole tensors, for
+/// strategies where every rank holds the whole model: primary on rank 0.
+std::vector<ShardedTensor> whole_model_state(torch::nn::Module& model, int rank);
+
+/// The trainable parameters as optimizer_parameters() of a whole-model strategy.
+std::vector<ShardedTensor> whole_optimizer_parameters(torch::nn::Module& model);
+
+/// full_state_dict() of a whole-model strategy: the tensors themselves on
+/// rank 0, nothing elsewhere.
+std::vector<std::pair<std::string, at::Tensor>> whole_state_dict(torch::nn::Module& model,
+                                                                 int rank);
+
+/// The defined .grad() of `params`.
+std::vector<at::Tensor> defined_grads(const std::vector<at::Tensor>& params);
+
+/// Broadcasts `tensors` (named by `names`, for errors) from rank 0 in place:
+/// every rank starts from rank 0's parameters and buffers.
+void broadcast_from_rank0(comm::Communicator& comm, const std::vector<at::Tensor>& tensors,
+                          const std::vector<std::string>& names);
+
+/// The model's parameters (each once) and defined buffers, with names.
+void model_tensors(torch::nn::Module& model, std::vector<at::Tensor>& tensors,
+                   std::vector<std::string>& names);
+
+/// The dtype gradients are reduced in: StrategyOptions::reduce_dtype, or
+/// `param_dtype` when that is empty; ConfigError for an unknown name.
+at::ScalarType reduce_dtype(const StrategyOptions& options, at::ScalarType param_dtype);
+
 class Reducer;
 struct HookHandle;
 
@@ -72,6 +100,11 @@ class DDPStrategy final : public Strategy {
   /// so the local norm is already the global norm: no communication.
   double clip_grad_norm(double max_norm) override;
   void optimizer_step(torch::optim::Optimizer& optimizer) override;
+  std::vector<ShardedTensor> optimizer_parameters() override;
+  std::vector<at::Tensor> gradients() override { return defined_grads(params_); }
+  std::vector<ShardedTensor> sharded_state_dict() override;
+  std::vector<std::pair<std::string, at::Tensor>> full_state_dict() override;
+  void reload_parameters() override {}
   std::string name() const override { return "ddp"; }
   int64_t gradient_collectives() const override;
 
@@ -87,6 +120,7 @@ class DDPStrategy final : public Strategy {
  private:
   StrategyOptions options_;
   std::shared_ptr<comm::Communicator> comm_;
+  torch::nn::Module* model_ = nullptr;
   std::shared_ptr<Reducer> reducer_;  // hooks hold it weakly
   std::vector<at::Tensor> params_;
   std::vector<HookHandle> hooks_;  // one post-hook per parameter

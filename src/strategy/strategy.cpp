@@ -3,9 +3,12 @@
 
 #include <torch/torch.h>
 
+#include <unordered_set>
+
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/core/error.h"
 #include "strategy/detail.h"
+#include "strategy/fsdp.h"
 
 namespace shardtrain::strategy {
 
@@ -38,6 +41,56 @@ double clip_local_grad_norm(const std::vector<at::Tensor>& params, double max_no
   return total;
 }
 
+std::vector<ShardedTensor> whole_model_state(torch::nn::Module& model, int rank) {
+  std::vector<ShardedTensor> out;
+  std::unordered_set<const void*> seen;
+  const auto add = [&](const std::string& name, const at::Tensor& t, bool is_parameter) {
+    if (!t.defined() || !seen.insert(t.unsafeGetTensorImpl()).second) return;
+    ShardedTensor s;
+    s.name = name;
+    s.global_shape = t.sizes().vec();
+    s.local = t;
+    s.primary = rank == 0;
+    s.is_parameter = is_parameter;
+    out.push_back(std::move(s));
+  };
+  for (const auto& p : model.named_parameters(true)) add(p.key(), p.value(), true);
+  for (const auto& b : model.named_buffers(true)) add(b.key(), b.value(), false);
+  return out;
+}
+
+std::vector<ShardedTensor> whole_optimizer_parameters(torch::nn::Module& model) {
+  std::vector<ShardedTensor> out;
+  auto named = trainable_parameters(model);
+  for (size_t i = 0; i < named.tensors.size(); ++i) {
+    ShardedTensor s;
+    s.name = named.names[i];
+    s.global_shape = named.tensors[i].sizes().vec();
+    s.local = named.tensors[i];
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> whole_state_dict(torch::nn::Module& model,
+                                                                 int rank) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  if (rank != 0) return out;
+  for (const auto& p : model.named_parameters(true)) out.emplace_back(p.key(), p.value());
+  for (const auto& b : model.named_buffers(true)) {
+    if (b.value().defined()) out.emplace_back(b.key(), b.value());
+  }
+  return out;
+}
+
+std::vector<at::Tensor> defined_grads(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : params) {
+    if (p.grad().defined()) out.push_back(p.grad());
+  }
+  return out;
+}
+
 }  // namespace detail
 
 namespace {
@@ -48,6 +101,7 @@ class SingleStrategy final : public Strategy {
  public:
   void setup(torch::nn::Module& model, std::shared_ptr<comm::Communicator> comm) override {
     comm_ = std::move(comm);
+    model_ = &model;
     params_.clear();
     for (auto& p : model.parameters()) {
       if (p.requires_grad()) params_.push_back(p);
@@ -65,11 +119,31 @@ class SingleStrategy final : public Strategy {
   }
 
   void optimizer_step(torch::optim::Optimizer& optimizer) override { optimizer.step(); }
+  std::vector<ShardedTensor> optimizer_parameters() override {
+    check_setup("optimizer_parameters");
+    return detail::whole_optimizer_parameters(*model_);
+  }
+  std::vector<at::Tensor> gradients() override { return detail::defined_grads(params_); }
+  std::vector<ShardedTensor> sharded_state_dict() override {
+    check_setup("sharded_state_dict");
+    return detail::whole_model_state(*model_, comm_ ? comm_->rank() : 0);
+  }
+  std::vector<std::pair<std::string, at::Tensor>> full_state_dict() override {
+    check_setup("full_state_dict");
+    return detail::whole_state_dict(*model_, comm_ ? comm_->rank() : 0);
+  }
+  void reload_parameters() override {}
   std::string name() const override { return "single"; }
   int64_t gradient_collectives() const override { return 0; }
 
  private:
+  void check_setup(const char* what) const {
+    ST_CHECK(setup_done_, InvalidArgument, what,
+             " called before setup(); call strategy->setup(model, comm) first");
+  }
+
   std::shared_ptr<comm::Communicator> comm_;
+  torch::nn::Module* model_ = nullptr;
   std::vector<at::Tensor> params_;
   bool setup_done_ = false;
 };
@@ -84,8 +158,11 @@ std::unique_ptr<Strategy> make_strategy(const StrategyOptions& options) {
            "; the default is 1 MiB");
   if (options.name == "single") return std::make_unique<SingleStrategy>();
   if (options.name == "ddp") return std::make_unique<detail::DDPStrategy>(options);
+  if (options.name == "zero1" || options.name == "fsdp") {
+    return std::make_unique<detail::ShardedStrategy>(options);
+  }
   throw ConfigError(::shardtrain::detail::str_cat(
-      "unknown strategy '", options.name, "'; expected one of: single, ddp"));
+      "unknown strategy '", options.name, "'; expected one of: single, ddp, zero1, fsdp"));
 }
 
 }  // namespace shardtrain::strategy

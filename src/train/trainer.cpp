@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <thread>
+#include <unordered_set>
 
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/core/error.h"
@@ -57,14 +58,12 @@ double peak_rss_mb() {
 namespace {
 
 // Weight decay for matrices and embeddings only, never for biases and
-// LayerNorm gains: the usual rule for transformers (nanoGPT, HF).
-std::vector<torch::optim::OptimizerParamGroup> param_groups(torch::nn::Module& model,
-                                                            const config::OptimizerConfig& o) {
+// LayerNorm gains: the usual rule for transformers (nanoGPT, HF). Decided by
+// the whole parameter's shape, so sharded (1-D) slices group alike.
+std::vector<torch::optim::OptimizerParamGroup> param_groups(
+    const std::vector<strategy::ShardedTensor>& params, const config::OptimizerConfig& o) {
   std::vector<torch::Tensor> decay, no_decay;
-  for (const auto& p : model.parameters()) {
-    if (!p.requires_grad()) continue;
-    (p.dim() >= 2 ? decay : no_decay).push_back(p);
-  }
+  for (const auto& p : params) (p.global_shape.size() >= 2 ? decay : no_decay).push_back(p.local);
   std::vector<torch::optim::OptimizerParamGroup> groups;
   auto options = [&](double wd) -> std::unique_ptr<torch::optim::OptimizerOptions> {
     if (o.name == "sgd") {
@@ -81,9 +80,9 @@ std::vector<torch::optim::OptimizerParamGroup> param_groups(torch::nn::Module& m
   return groups;
 }
 
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(torch::nn::Module& model,
-                                                        const config::OptimizerConfig& o) {
-  auto groups = param_groups(model, o);
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(
+    const std::vector<strategy::ShardedTensor>& params, const config::OptimizerConfig& o) {
+  auto groups = param_groups(params, o);
   ST_CHECK(!groups.empty(), ConfigError, "the model has no trainable parameters");
   if (o.name == "sgd") {
     return std::make_unique<torch::optim::SGD>(groups, torch::optim::SGDOptions(o.lr));
@@ -91,6 +90,45 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(torch::nn::Module& model
   ST_CHECK(o.name == "adamw", ConfigError, "optimizer.name '", o.name,
            "' is not one of adamw, sgd");
   return std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(o.lr));
+}
+
+// Writes named tensors as the archive Module::save() would write for a
+// module with those parameter and buffer names (nested archives per dot), so
+// Module::load() reads it back into a freshly built model.
+void save_module_archive(const std::vector<std::pair<std::string, at::Tensor>>& entries,
+                         const std::vector<bool>& is_buffer, const std::string& path) {
+  struct Node {
+    std::vector<std::pair<std::string, std::pair<at::Tensor, bool>>> tensors;
+    std::vector<std::pair<std::string, std::unique_ptr<Node>>> children;
+    Node& child(const std::string& name) {
+      for (auto& c : children) {
+        if (c.first == name) return *c.second;
+      }
+      children.emplace_back(name, std::make_unique<Node>());
+      return *children.back().second;
+    }
+    void write(torch::serialize::OutputArchive& archive) const {
+      for (const auto& [name, t] : tensors) archive.write(name, t.first, t.second);
+      for (const auto& [name, node] : children) {
+        torch::serialize::OutputArchive sub(archive.compilation_unit());
+        node->write(sub);
+        archive.write(name, sub);
+      }
+    }
+  } root;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const std::string& name = entries[i].first;
+    Node* node = &root;
+    size_t start = 0;
+    for (size_t dot = name.find('.'); dot != std::string::npos; dot = name.find('.', start)) {
+      node = &node->child(name.substr(start, dot - start));
+      start = dot + 1;
+    }
+    node->tensors.emplace_back(name.substr(start), std::make_pair(entries[i].second, is_buffer[i]));
+  }
+  torch::serialize::OutputArchive archive;
+  root.write(archive);
+  archive.save_to(path);
 }
 
 }  // namespace
@@ -121,7 +159,7 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
   strategy_ = strategy::make_strategy(so);
   strategy_->setup(*task_.model, comm_);
   // After setup: the optimizer must see the parameters as the strategy left them.
-  optimizer_ = make_optimizer(*task_.model, config_.optimizer);
+  optimizer_ = make_optimizer(strategy_->optimizer_parameters(), config_.optimizer);
 
   state_.max_steps = config_.trainer.max_steps;
   state_.accumulate = batch_.accumulate;
@@ -217,10 +255,7 @@ void Trainer::run_step() {
 
   // Overflowed fp16 steps are skipped by every rank alike; otherwise clip by
   // the global norm and step.
-  std::vector<at::Tensor> grads;
-  for (const auto& p : task_.model->parameters()) {
-    if (p.grad().defined()) grads.push_back(p.grad());
-  }
+  const std::vector<at::Tensor> grads = strategy_->gradients();
   const bool skipped = precision_->unscale_and_check(grads, *comm_);
   state_.grad_norm = skipped ? std::numeric_limits<double>::quiet_NaN()
                              : strategy_->clip_grad_norm(config_.trainer.max_grad_norm);
@@ -298,15 +333,19 @@ double Trainer::evaluate() {
 }
 
 std::string Trainer::save(const std::string& dir) {
+  // Sharded strategies gather the model unit by unit, to rank 0 only.
+  const auto state = strategy_->full_state_dict();
   if (comm_->rank() == 0) {
     // Written aside and renamed into place: a reader never sees half a save.
     const fs::path final_dir(dir);
     const fs::path tmp = final_dir.string() + ".tmp-" + std::to_string(getpid());
     fs::remove_all(tmp);
     fs::create_directories(tmp);
-    torch::serialize::OutputArchive archive;
-    task_.model->save(archive);
-    archive.save_to((tmp / "model.pt").string());
+    std::vector<bool> is_buffer;
+    std::unordered_set<std::string> buffers;
+    for (const auto& b : task_.model->named_buffers(true)) buffers.insert(b.key());
+    for (const auto& entry : state) is_buffer.push_back(buffers.count(entry.first) > 0);
+    save_module_archive(state, is_buffer, (tmp / "model.pt").string());
     {
       std::ofstream out(tmp / "config.yaml");
       out << config_.to_yaml();

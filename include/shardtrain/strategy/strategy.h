@@ -8,13 +8,22 @@
 //       loss.backward();                          // reductions start from hooks
 //     strategy->finish_gradient_sync();           // gradients are final here
 //     norm = strategy->clip_grad_norm(max_norm);
-//     strategy->optimizer_step(optimizer);
+//     strategy->optimizer_step(optimizer);   // optimizer over optimizer_parameters()
 //     optimizer.zero_grad();
+//
+// Sharded strategies (zero1, fsdp) replace the model's parameters by views
+// of flat buffers and keep each rank's slice; see docs/strategies.md. Under
+// fsdp, a unit's forward must be called through strategy/unit.h's
+// unit_forward() so that its parameters are gathered just in time.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
 
 namespace torch {
 namespace nn {
@@ -31,11 +40,34 @@ class Communicator;
 
 namespace shardtrain::strategy {
 
+/// One tensor of the model's state as this rank holds it: the whole tensor,
+/// or a contiguous run of its row-major (flattened) elements.
+struct ShardedTensor {
+  /// named_parameters() / named_buffers() name, e.g. "h.0.attn.c_attn.weight".
+  std::string name;
+  /// Shape of the whole tensor.
+  std::vector<int64_t> global_shape;
+  /// First row-major element of the whole tensor held here.
+  int64_t offset = 0;
+  /// The elements held: the whole tensor in its own shape, or a 1-D run of
+  /// `local.numel()` elements starting at `offset` (possibly empty). Writing
+  /// into it (then reload_parameters()) changes the model.
+  at::Tensor local;
+  /// true on exactly one rank per element: the rank that should write it
+  /// when every rank saves its part (replicas elsewhere say false).
+  bool primary = true;
+  /// A parameter (true) or a buffer (false).
+  bool is_parameter = true;
+};
+
 struct StrategyOptions {
-  /// "single" or "ddp".
+  /// "single", "ddp", "zero1" or "fsdp" ("auto" is resolved by the caller,
+  /// see strategy/estimate.h).
   std::string name = "ddp";
+  /// fsdp only: "full_shard", "shard_grad_op", "no_shard" or "hybrid_shard".
+  std::string sharding = "full_shard";
   /// Largest gradient bucket, and the first (smaller, so the first
-  /// reduction starts early in backward), in bytes.
+  /// reduction starts early in backward), in bytes (ddp).
   int64_t bucket_cap_bytes = int64_t{25} << 20;
   int64_t first_bucket_bytes = int64_t{1} << 20;
   /// true: parameters without a gradient in a step are reduced as zeros;
@@ -44,6 +76,41 @@ struct StrategyOptions {
   /// dtype gradients are reduced in: "fp32" (default), "bf16", "fp16", or
   /// "" for each parameter's own dtype.
   std::string reduce_dtype = "fp32";
+  /// zero1/fsdp: dtype of the gathered (compute) copy of the parameters:
+  /// "fp32", "bf16", "fp16", or "" for the parameter's own dtype. The
+  /// sharded master copy keeps the parameter's own dtype.
+  std::string param_dtype;
+  /// fsdp: which submodules become units (wrap.h): "module_type" (the
+  /// modules whose type name ends in one of wrap_module_types), "size"
+  /// (post-order, a module whose not-yet-wrapped parameters reach
+  /// min_num_params), or "none" (one unit: the root).
+  std::string auto_wrap_policy = "module_type";
+  std::vector<std::string> wrap_module_types = {"BlockImpl"};
+  int64_t min_num_params = int64_t{1} << 20;
+  /// fsdp: "backward_pre" (gather the next unit before computing this
+  /// one's gradients), "backward_post" (after), or "none".
+  std::string backward_prefetch = "backward_pre";
+  /// fsdp: gather the next unit while this one's forward runs.
+  bool forward_prefetch = false;
+  /// fsdp: unit all-gathers in flight at most (prefetches included).
+  int limit_all_gathers = 2;
+  /// fsdp with sharded gradients: "sharded" reduce-scatters on every
+  /// micro-step (low memory); "unsharded" keeps whole gradients until the
+  /// last micro-step (one reduce-scatter per step, gradients of the whole
+  /// model in memory).
+  std::string accumulation = "sharded";
+  /// hybrid_shard: ranks per node (the intra-node shard group); 0 means
+  /// LOCAL_WORLD_SIZE from the environment.
+  int local_world_size = 0;
+};
+
+/// Time a strategy spent on communication in the last optimizer step.
+struct CommStats {
+  /// Seconds the communication threads were busy with this strategy's
+  /// collectives (gathers, reductions).
+  double busy_s = 0.0;
+  /// Seconds the training thread waited for them (not hidden by compute).
+  double exposed_s = 0.0;
 };
 
 class Strategy {
@@ -51,8 +118,9 @@ class Strategy {
   virtual ~Strategy() = default;
 
   /// Called once on every rank before training, after the model is built and
-  /// before the optimizer sees its parameters. DDP broadcasts parameters and
-  /// buffers from rank 0, plans its buckets and installs its autograd hooks.
+  /// before the optimizer sees its parameters. Starts every rank from rank
+  /// 0's parameters and buffers, then plans buckets or shards and installs
+  /// its autograd hooks.
   virtual void setup(torch::nn::Module& model, std::shared_ptr<comm::Communicator> comm) = 0;
 
   /// Whether the next backward synchronises gradients. Off on accumulation
@@ -60,21 +128,49 @@ class Strategy {
   virtual void set_gradient_sync(bool enabled) = 0;
 
   /// After the backward of a synchronising micro-step: blocks until every
-  /// gradient is reduced (averaged over ranks) and in place in param.grad().
+  /// gradient is reduced (averaged over ranks) and in place in the .grad()
+  /// of optimizer_parameters().
   virtual void finish_gradient_sync() = 0;
+
+  /// The tensors the optimizer must be built over, after setup(): the
+  /// model's parameters for single and ddp, this rank's 1-D shard of each
+  /// parameter for sharded strategies (global_shape tells which were
+  /// matrices, e.g. for weight-decay groups). Frozen parameters are absent.
+  virtual std::vector<ShardedTensor> optimizer_parameters() = 0;
+
+  /// The gradients this rank holds after finish_gradient_sync (whole or
+  /// sharded): what precision plugins unscale and check for infs.
+  virtual std::vector<at::Tensor> gradients() = 0;
 
   /// The global L2 norm of all gradients before clipping; scales them so the
   /// norm is at most max_norm when max_norm > 0. Same value on every rank.
   virtual double clip_grad_norm(double max_norm) = 0;
 
-  /// Applies the optimizer (sharded strategies step only their shard).
+  /// Applies the optimizer (built over optimizer_parameters()); sharded
+  /// strategies then bring the model's parameters up to date.
   virtual void optimizer_step(torch::optim::Optimizer& optimizer) = 0;
 
-  /// "single" or "ddp".
+  /// Parameters (master copy) and buffers as this rank holds them, with the
+  /// slice of each whole tensor; what checkpoints save and load.
+  virtual std::vector<ShardedTensor> sharded_state_dict() = 0;
+
+  /// The whole model's parameters and buffers, in named_parameters() then
+  /// named_buffers() order, on rank 0 (other ranks get an empty list).
+  /// Sharded strategies gather one unit at a time. Every rank must call it.
+  virtual std::vector<std::pair<std::string, at::Tensor>> full_state_dict() = 0;
+
+  /// After writing into sharded_state_dict() tensors: makes the model use
+  /// them (sharded strategies re-gather what they keep whole). Every rank.
+  virtual void reload_parameters() = 0;
+
+  /// "single", "ddp", "zero1" or "fsdp/<sharding>".
   virtual std::string name() const = 0;
 
   /// Gradient collectives launched so far; tests count communication with it.
   virtual int64_t gradient_collectives() const = 0;
+
+  /// Communication time of the last optimizer step (zeros where not measured).
+  virtual CommStats comm_stats() const { return {}; }
 };
 
 /// Builds the strategy named in `options`; ConfigError for an unknown name.

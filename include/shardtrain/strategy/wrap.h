@@ -1,0 +1,57 @@
+// Auto-wrap policies: which submodules of a model become fsdp units.
+//
+// A unit is gathered and freed as a whole; its parameters are those of its
+// module that no unit nested inside it claims. Whatever no unit claims
+// belongs to the root unit (the model itself), which stays gathered.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace torch::nn {
+class Module;
+}
+
+namespace shardtrain::strategy {
+
+struct StrategyOptions;
+
+/// Decides whether `module` (at dotted path `name`, "" for the root) becomes
+/// a unit. `unwrapped_params` counts its parameters that no unit nested in it
+/// has claimed yet (the policies visit children before parents).
+using WrapPolicy = std::function<bool(const std::string& name, const torch::nn::Module& module,
+                                      int64_t unwrapped_params)>;
+
+/// Modules whose type name (Module::name(), e.g. "shardtrain::models::BlockImpl")
+/// ends with one of `type_names` (e.g. "BlockImpl" or "Block").
+WrapPolicy module_type_policy(std::vector<std::string> type_names);
+
+/// Modules with children (not leaf layers such as Linear) whose unwrapped
+/// parameters number at least `min_num_params`.
+WrapPolicy size_policy(int64_t min_num_params);
+
+/// The policy StrategyOptions describes (auto_wrap_policy and its fields);
+/// ConfigError for an unknown policy name.
+WrapPolicy policy_from_options(const StrategyOptions& options);
+
+/// One planned unit.
+struct UnitPlan {
+  /// Dotted module path; "" for the root unit.
+  std::string name;
+  const torch::nn::Module* module = nullptr;
+  /// Names (named_parameters of the whole model) of the parameters it holds,
+  /// in registration order; tied parameters appear once, under their first name.
+  std::vector<std::string> params;
+  /// Elements in those parameters.
+  int64_t numel = 0;
+};
+
+/// The units of `model` under `policy`, in the order of a pre-order walk
+/// (parents before children); the root unit is first, possibly empty.
+/// A tied parameter whose owners fall in different units is a ConfigError
+/// naming it.
+std::vector<UnitPlan> plan_units(torch::nn::Module& model, const WrapPolicy& policy);
+
+}  // namespace shardtrain::strategy

@@ -1,0 +1,12 @@
+# ZeRO-1 and FSDP (every sharding mode) against the single-process reference,
+# at world sizes 1 to 4 through the launcher (3415 parameters: not divisible
+# by 2, 3 or 4), plus HYBRID_SHARD as 2 nodes x 2 ranks.
+add_executable(dist_fsdp_tests ${CMAKE_CURRENT_LIST_DIR}/test_fsdp.cpp ${CMAKE_CURRENT_LIST_DIR}/world_main.cpp)
+target_link_libraries(dist_fsdp_tests PRIVATE shardtrain GTest::gtest)
+target_include_directories(dist_fsdp_tests PRIVATE ${PROJECT_SOURCE_DIR}/src)
+shardtrain_use_pch(dist_fsdp_tests)
+foreach(n 1 2 3 4)
+  add_test(NAME dist.fsdp.world${n}
+           COMMAND ${SHARDTRAIN_CLI} launch --nproc-per-node ${n} -- $<TARGET_FILE:dist_fsdp_tests>)
+  set_tests_properties(dist.fsdp.world${n} PROPERTIES TIMEOUT 600 ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=120;OMP_NUM_THREADS=1")
+endforeach()
