@@ -19,6 +19,9 @@ int bench_comm_main(int argc, char** argv);
 /// `shardtrain train [CONFIG] [--set k=v ...] [--nproc-per-node N]`.
 int train_main(int argc, char** argv);
 
+/// `shardtrain estimate [CONFIG] [--set k=v ...] [--nproc-per-node N] [--nnodes M]`.
+int estimate_main(int argc, char** argv);
+
 /// `shardtrain generate --checkpoint PATH --prompt TEXT --max-new-tokens N`.
 int generate_main(int argc, char** argv);
 

@@ -19,6 +19,7 @@ struct Command {
 const Command kCommands[] = {
     {"launch", shardtrain::cli::launch_main, "start the ranks of a job on this node"},
     {"train", shardtrain::cli::train_main, "train the model a YAML config describes"},
+    {"estimate", shardtrain::cli::estimate_main, "memory and communication of each strategy"},
     {"generate", shardtrain::cli::generate_main, "sample text from a trained GPT"},
     {"bench-comm", shardtrain::cli::bench_comm_main, "measure a collective's bandwidth"},
 };

@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""`shardtrain estimate` prints the figures the formulas give.
+
+Usage: estimate_cli.py SHARDTRAIN_CLI SOURCE_DIR
+
+Runs the CLI on configs of known parameter count and recomputes every table
+cell here, independently of the C++ code: the ZeRO model-state formulas
+(docs/config.md, strategy/estimate.h), the gathered units, the activation
+estimates, the totals, the communication volumes, "fits", and the pick of
+`auto`. Plain Python; no torch needed.
+"""
+import math
+import re
+import subprocess
+import sys
+
+CLI, SRC = sys.argv[1], sys.argv[2]
+FAILURES = []
+
+
+def fail(msg):
+    FAILURES.append(msg)
+    print("FAIL: " + msg)
+
+
+def size(b):
+    mib = b / (1024.0 * 1024.0)
+    return "%.2f MiB" % mib if mib < 1024.0 else "%.2f GiB" % (mib / 1024.0)
+
+
+def run(args):
+    proc = subprocess.run([CLI, "estimate"] + args, cwd=SRC, capture_output=True, text=True)
+    print("$ shardtrain estimate " + " ".join(args))
+    print(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        fail("exit code %d" % proc.returncode)
+    return proc.stdout
+
+
+def expected_rows(psi, units, n, n_local, mixed, activations):
+    """Per strategy: (state mixed, state fp32, gathered or None, total, comm)."""
+    def shard(k):
+        return float(-(-psi // k))  # ceil: the largest rank's shard
+
+    states = {
+        "ddp": (16 * psi, 16 * psi),
+        "zero1": (4 * psi + 12 * shard(n), 8 * psi + 8 * shard(n)),
+        "fsdp/shard_grad_op": (2 * psi + 14 * shard(n), 4 * psi + 12 * shard(n)),
+        "fsdp/full_shard": (16 * shard(n), 16 * shard(n)),
+        "fsdp/hybrid_shard": (16 * shard(n_local), 16 * shard(n_local)),
+        "fsdp/no_shard": (16 * psi, 16 * psi),
+    }
+    top = sorted(units, reverse=True) + [0, 0]
+    gathered = (top[0] + top[1]) * (2 if mixed else 4) * 2
+    multi_node = n > n_local
+    comm = {"ddp": 2.0, "zero1": 3.0, "fsdp/shard_grad_op": 2.0, "fsdp/full_shard": 3.0,
+            "fsdp/hybrid_shard": 3.0 + 2.0 / n_local if multi_node else 3.0,
+            "fsdp/no_shard": 2.0}
+    colls = {"ddp": 1, "zero1": 2, "fsdp/shard_grad_op": 2, "fsdp/full_shard": 3,
+             "fsdp/hybrid_shard": 4 if multi_node else 3, "fsdp/no_shard": 1}
+    rows = {}
+    for name, (s_mixed, s_fp32) in states.items():
+        g = gathered if name in ("fsdp/full_shard", "fsdp/hybrid_shard") else None
+        total = (s_mixed if mixed else s_fp32) + (g or 0) + activations
+        rows[name] = (s_mixed, s_fp32, g, total, comm[name], colls[name])
+    return rows
+
+
+def pick(rows, budget):
+    fits = [(r[4], r[5], r[3], i, name) for i, (name, r) in enumerate(rows.items())
+            if r[3] <= budget]
+    return min(fits)[4] if fits else None
+
+
+def check(out, psi, units, n, n_local, mixed, activations, budget, configured):
+    m = re.search(r"^parameters \(Ψ\): ([\d,]+) trainable$", out, re.M)
+    if not m or int(m.group(1).replace(",", "")) != psi:
+        fail("Ψ line: expected %d" % psi)
+    rows = expected_rows(psi, units, n, n_local, mixed, activations)
+    table = {}
+    for line in out.splitlines():
+        cells = re.split(r"\s{2,}", line.strip())
+        if cells and cells[0] in rows:
+            table[cells[0]] = cells
+    if list(table) != list(rows):
+        fail("table rows %s, expected %s" % (list(table), list(rows)))
+    chosen = pick(rows, budget)
+    for name, (s_mixed, s_fp32, g, total, comm, _) in rows.items():
+        mark = ""
+        if name == (chosen if configured == "auto" else configured):
+            mark = "<- auto" if configured == "auto" else "<- config"
+        want = [name, size(s_mixed), size(s_fp32), size(g) if g is not None else "-",
+                size(activations), size(total), "%.2f Ψ" % comm,
+                "yes" if total <= budget else "no"] + ([mark] if mark else [])
+        got = table.get(name)
+        if got != want:
+            fail("row %s:\n  got      %s\n  expected %s" % (name, got, want))
+    m = re.search(r"^auto would pick: (\S+)", out, re.M)
+    got_pick = m.group(1) if m else "(no line)"
+    want_pick = chosen if chosen else "none;"
+    if got_pick != want_pick:
+        fail("auto picked %s, expected %s" % (got_pick, want_pick))
+
+
+def printed_units(out):
+    return [int(m.group(1).replace(",", ""))
+            for m in re.finditer(r"^  \S+\s+([\d,]+) parameters$", out, re.M)]
+
+
+# 1. An MLP [1000, 3000, 1000]: Ψ = 6,004,000, on 3 ranks (Ψ/3 is not whole),
+#    fp32. Without a BlockImpl in it the root is the only unit. The budget
+#    leaves out ddp, zero1 and full_shard (gathers the whole model), so auto
+#    picks shard_grad_op.
+psi = 1000 * 3000 + 3000 + 3000 * 1000 + 1000
+out = run(["--set", "model.type=mlp", "--set", "model.mlp_sizes=[1000,3000,1000]",
+           "--set", "batch.global=24", "--set", "batch.micro=8", "--nproc-per-node", "3",
+           "--set", "distributed.memory_budget_mb=60", "--set", "distributed.strategy=ddp"])
+if printed_units(out) != [psi]:
+    fail("mlp units %s, expected the root with all %d" % (printed_units(out), psi))
+mlp_act = 8 * 4 * (1000 + 3000 + 3000 + 2 * 1000)
+check(out, psi, [psi], 3, 3, False, mlp_act, 60 * 2**20, "ddp")
+
+# 2. A 2-layer GPT (n_embd 128, vocab 256, context 128) with bf16 compute
+#    copies and activation checkpointing on 2 nodes x 2 ranks, strategy auto
+#    with a big budget, then a budget nothing fits.
+L, H, C, T, V, B = 2, 4, 128, 128, 256, 8
+psi = V * C + T * C + L * (12 * C * C + 13 * C) + 2 * C
+full_layer = B * T * C * (34.0 + 5.0 * H * T / C) * 2 / 2.0
+gpt_act = int(L * 2.0 * B * T * C * 2 + full_layer + B * T * V * 2 * 2.0)
+args = ["--set", "model.n_layer=2", "--set", "distributed.param_dtype=bf16",
+        "--set", "model.activation_checkpointing=true", "--nproc-per-node", "2",
+        "--nnodes", "2", "--set", "distributed.strategy=auto"]
+out = run(args + ["--set", "distributed.memory_budget_mb=4096"])
+units = printed_units(out)
+if sum(units) != psi:
+    fail("gpt units %s do not add up to Ψ=%d" % (units, psi))
+check(out, psi, units, 4, 2, True, gpt_act, 4096 * 2**20, "auto")
+out = run(args + ["--set", "distributed.memory_budget_mb=0.5"])
+check(out, psi, units, 4, 2, True, gpt_act, 0.5 * 2**20, "auto")
+if "no strategy fits the memory budget of 0.50 MiB per rank" not in out:
+    fail("no 'nothing fits' message")
+
+# 3. Bad input is a configuration error with exit code 2.
+proc = subprocess.run([CLI, "estimate", "--set", "distributed.sharding=zero2"], cwd=SRC,
+                      capture_output=True, text=True)
+if proc.returncode != 2 or "distributed.sharding: got 'zero2'" not in proc.stderr:
+    fail("bad sharding: exit %d, stderr %s" % (proc.returncode, proc.stderr))
+
+if FAILURES:
+    print("%d check(s) failed" % len(FAILURES))
+    sys.exit(1)
+print("estimate OK")

@@ -1,0 +1,334 @@
+// `shardtrain estimate [CONFIG] [--set k=v ...]`: memory per rank and
+// communication per step of every strategy for the config's model, and the
+// strategy `distributed.strategy: auto` would run. Builds the model (to count
+// its parameters and plan its fsdp units) but trains nothing.
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+#include "commands.h"
+#include "shardtrain/config/config.h"
+#include "shardtrain/core/error.h"
+#include "shardtrain/models/gpt.h"
+#include "shardtrain/models/mlp.h"
+#include "shardtrain/strategy/estimate.h"
+#include "shardtrain/strategy/strategy.h"
+#include "shardtrain/strategy/wrap.h"
+#include "shardtrain/train/trainer.h"
+
+namespace shardtrain::cli {
+namespace {
+
+const char kUsage[] =
+    "usage: shardtrain estimate [CONFIG] [--set KEY=VALUE ...] [--nproc-per-node N] [--nnodes M]\n"
+    "\n"
+    "Estimates, for the model CONFIG describes (default: configs/default.yaml), the\n"
+    "memory per rank and the communication per optimizer step of every strategy,\n"
+    "and which one distributed.strategy auto would pick under\n"
+    "distributed.memory_budget_mb (0: MemAvailable / local ranks). N defaults to\n"
+    "distributed.nproc_per_node (auto = this machine's cores); the world size is\n"
+    "M x N. Figures are estimates (ZeRO's formulas for Adam, Korthikanti et al.'s\n"
+    "for activations); see docs/config.md.\n";
+
+struct EstimateArgs {
+  std::string config = "configs/default.yaml";
+  std::vector<std::string> overrides;
+  int nproc = -1;  // -1: from the config
+  int nnodes = 1;
+};
+
+EstimateArgs parse(int argc, char** argv) {
+  EstimateArgs a;
+  bool have_config = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const auto value = [&](const std::string& flag) -> std::string {
+      if (arg.rfind(flag + "=", 0) == 0) return arg.substr(flag.size() + 1);
+      ST_CHECK(i + 1 < argc, ConfigError, flag, " needs a value; see shardtrain estimate --help");
+      return argv[++i];
+    };
+    const auto count = [](const std::string& flag, const std::string& v) {
+      char* end = nullptr;
+      const long n = std::strtol(v.c_str(), &end, 10);
+      ST_CHECK(!v.empty() && *end == '\0' && n >= 1 && n <= 1 << 20, ConfigError, flag, " '", v,
+               "' is not a count >= 1");
+      return static_cast<int>(n);
+    };
+    if (arg == "--set" || arg.rfind("--set=", 0) == 0) {
+      a.overrides.push_back(value("--set"));
+    } else if (arg == "--nproc-per-node" || arg.rfind("--nproc-per-node=", 0) == 0) {
+      const std::string v = value("--nproc-per-node");
+      a.nproc = v == "auto" ? 0 : count("--nproc-per-node", v);
+    } else if (arg == "--nnodes" || arg.rfind("--nnodes=", 0) == 0) {
+      a.nnodes = count("--nnodes", value("--nnodes"));
+    } else if (!arg.empty() && arg[0] != '-' && !have_config) {
+      a.config = arg;
+      have_config = true;
+    } else {
+      ST_CHECK(false, ConfigError, "unexpected argument '", arg,
+               "'; see shardtrain estimate --help");
+    }
+  }
+  return a;
+}
+
+// ---- formatting ----------------------------------------------------------------------
+
+std::string fmt(const char* format, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), format, v);
+  return buf;
+}
+
+// Bytes as "12.34 MiB" below 1 GiB, "1.23 GiB" from there.
+std::string bytes(double b) {
+  const double mib = b / (1024.0 * 1024.0);
+  return mib < 1024.0 ? fmt("%.2f MiB", mib) : fmt("%.2f GiB", mib / 1024.0);
+}
+
+// 1234567 -> "1,234,567".
+std::string grouped(int64_t n) {
+  std::string digits = std::to_string(n < 0 ? -n : n);
+  for (int i = static_cast<int>(digits.size()) - 3; i > 0; i -= 3) digits.insert(i, ",");
+  return (n < 0 ? "-" : "") + digits;
+}
+
+// Characters on screen (UTF-8 code points), for padding text with Ψ or ×.
+size_t width(const std::string& s) {
+  return static_cast<size_t>(std::count_if(
+      s.begin(), s.end(), [](char c) { return (static_cast<unsigned char>(c) & 0xC0) != 0x80; }));
+}
+
+std::string pad_left(const std::string& s, size_t w) {
+  return std::string(w > width(s) ? w - width(s) : 0, ' ') + s;
+}
+
+std::string pad_right(const std::string& s, size_t w) {
+  return s + std::string(w > width(s) ? w - width(s) : 0, ' ');
+}
+
+// ---- the model -----------------------------------------------------------------------
+
+// The model make_task builds for this config, with the same seed (the
+// estimate needs only its structure).
+std::shared_ptr<torch::nn::Module> build_model(const config::Config& config) {
+  torch::manual_seed(config.run.seed);
+  if (config.model.type == "mlp") return std::make_shared<models::MLPImpl>(config.model.mlp_sizes);
+  const models::GPTConfig g = train::gpt_config(config.model);
+  g.validate();
+  // Building allocates the weights; refuse before that would exhaust memory.
+  const double need = static_cast<double>(g.num_parameters()) * 4.0;
+  const double have = strategy::default_memory_budget_bytes(1);
+  ST_CHECK(need <= have / 2, ConfigError, "the model has ", grouped(g.num_parameters()),
+           " parameters (", bytes(need), " in fp32), more than half this machine's available ",
+           bytes(have), "; estimate builds the model to plan its units, so run it on a machine "
+           "with more memory");
+  return std::make_shared<models::GPTImpl>(g);
+}
+
+int64_t trainable_parameters(torch::nn::Module& model) {
+  std::unordered_set<const void*> seen;
+  int64_t n = 0;
+  for (const auto& p : model.parameters()) {
+    if (p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second) n += p.numel();
+  }
+  return n;
+}
+
+std::string join(const std::vector<std::string>& items, const char* sep) {
+  std::string out;
+  for (size_t i = 0; i < items.size(); ++i) out += (i ? sep : "") + items[i];
+  return out;
+}
+
+}  // namespace
+
+int estimate_main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h")) {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+  }
+  const EstimateArgs args = parse(argc, argv);
+  const config::Config config = config::Config::load(args.config, args.overrides);
+  const config::DistributedConfig& dc = config.distributed;
+
+  // ---- world ----
+  const unsigned cpus = std::max(1u, std::thread::hardware_concurrency());
+  int nproc = args.nproc >= 0 ? args.nproc : static_cast<int>(dc.nproc_per_node);
+  const bool nproc_auto = nproc == 0;
+  if (nproc_auto) nproc = static_cast<int>(cpus);
+  int nnodes = args.nnodes;
+  if (dc.strategy == "single") nproc = nnodes = 1;
+  const int world = nproc * nnodes;
+
+  // ---- model and units ----
+  auto model = build_model(config);
+  const int64_t psi = trainable_parameters(*model);
+  strategy::StrategyOptions options;
+  options.auto_wrap_policy = dc.auto_wrap_policy;
+  options.wrap_module_types = dc.wrap_module_types;
+  options.min_num_params = dc.min_num_params;
+  const std::vector<strategy::UnitPlan> units =
+      strategy::plan_units(*model, strategy::policy_from_options(options));
+  std::vector<int64_t> sizes;
+  for (const auto& u : units) sizes.push_back(u.numel);
+  std::sort(sizes.rbegin(), sizes.rend());
+
+  // ---- precision ----
+  const bool half_params = dc.param_dtype == "bf16" || dc.param_dtype == "fp16";
+  const bool mixed = half_params || config.precision == "fp16-mixed";
+  const bool half_activations = half_params || config.precision != "fp32";
+  const int act_bytes = half_activations ? 2 : 4;
+  int64_t micro = 0;
+  if (config.batch.micro) {
+    micro = *config.batch.micro;
+  } else {
+    micro = config.resolve_batch(world).micro;
+  }
+  int64_t activations = 0;
+  if (config.model.type == "mlp") {
+    activations = strategy::mlp_activation_bytes(config.model.mlp_sizes, micro, act_bytes);
+  } else {
+    activations = strategy::gpt_activation_bytes(train::gpt_config(config.model), micro, act_bytes);
+  }
+
+  strategy::EstimateInput in;
+  in.num_params = psi;
+  in.largest_unit_params = sizes.size() > 0 ? sizes[0] : 0;
+  in.second_unit_params = sizes.size() > 1 ? sizes[1] : 0;
+  in.world_size = world;
+  in.local_world_size = nproc;
+  in.mixed_precision = mixed;
+  in.activation_bytes = activations;
+  const auto rows = strategy::estimate_all(in);
+  in.mixed_precision = !mixed;
+  const auto other = strategy::estimate_all(in);  // the other state column
+  in.mixed_precision = mixed;
+
+  const bool budget_auto = dc.memory_budget_mb <= 0.0;
+  const double budget = budget_auto ? strategy::default_memory_budget_bytes(nproc)
+                                    : dc.memory_budget_mb * 1024.0 * 1024.0;
+
+  // ---- header ----
+  if (config.model.type == "gpt") {
+    const auto& m = config.model;
+    std::printf("model: gpt, %lld layers, %lld heads, n_embd %lld, context %lld, vocab %lld\n",
+                (long long)m.n_layer, (long long)m.n_head, (long long)m.n_embd,
+                (long long)m.block_size, (long long)m.vocab_size);
+  } else {
+    std::vector<std::string> widths;
+    for (int64_t w : config.model.mlp_sizes) widths.push_back(std::to_string(w));
+    std::printf("model: mlp [%s]\n", join(widths, ", ").c_str());
+  }
+  std::printf("parameters (Ψ): %s trainable\n", grouped(psi).c_str());
+  std::string policy = dc.auto_wrap_policy;
+  if (policy == "module_type") policy += " [" + join(dc.wrap_module_types, ", ") + "]";
+  if (policy == "size") policy += " (min_num_params " + grouped(dc.min_num_params) + ")";
+  std::printf("fsdp units (auto_wrap_policy %s): %zu\n", policy.c_str(), units.size());
+  size_t name_w = 6;
+  for (const auto& u : units) name_w = std::max(name_w, width(u.name));
+  const auto print_unit = [&](const strategy::UnitPlan& u) {
+    const std::string name = u.name.empty() ? "(root)" : u.name;
+    std::printf("  %s  %s parameters\n", pad_right(name, name_w).c_str(),
+                pad_left(grouped(u.numel), 14).c_str());
+  };
+  const size_t kShown = 8;
+  for (size_t i = 0; i < units.size(); ++i) {
+    if (units.size() > kShown && i == kShown - 2) {
+      std::printf("  ... %zu more\n", units.size() - (kShown - 1));
+      i = units.size() - 1;
+    }
+    print_unit(units[i]);
+  }
+  std::printf("world: %d rank(s) = %d node(s) x %d per node%s\n", world, nnodes, nproc,
+              dc.strategy == "single" ? " (strategy single)"
+              : nproc_auto             ? " (nproc_per_node auto: online CPUs)"
+                                       : "");
+  std::printf("precision %s, param_dtype %s: %s formulas; activations for micro-batch %lld "
+              "in %d-byte elements%s\n",
+              config.precision.c_str(), dc.param_dtype.c_str(), mixed ? "mixed-precision" : "fp32",
+              (long long)micro, act_bytes,
+              config.model.type == "gpt" && config.model.activation_checkpointing
+                  ? ", activation checkpointing on"
+                  : "");
+  if (config.precision == "bf16-true") {
+    std::printf("note: bf16-true keeps weights, gradients and Adam state in bf16; its model state "
+                "is about half the fp32 column\n");
+  }
+  const std::string budget_source =
+      budget_auto ? detail::str_cat(" (auto: MemAvailable / ", nproc, " local rank(s))")
+                  : std::string(" (distributed.memory_budget_mb)");
+  std::printf("memory budget: %s per rank%s\n", bytes(budget).c_str(), budget_source.c_str());
+
+  // ---- table ----
+  std::string chosen;
+  std::string failure;
+  try {
+    chosen = strategy::choose_strategy(in, budget).strategy;
+  } catch (const ConfigError& e) {
+    failure = e.what();
+  }
+  std::string configured = dc.strategy;
+  if (configured == "fsdp") configured += "/" + dc.sharding;
+  if (configured == "auto") configured = chosen;
+
+  const std::vector<std::string> head = {"strategy",   "state mixed", "state fp32",  "gathered",
+                                         "activations", "total",      "comm/step", "fits"};
+  std::vector<std::vector<std::string>> cells;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const auto& r = rows[i];
+    const double state_mixed = mixed ? r.model_state_bytes : other[i].model_state_bytes;
+    const double state_fp32 = mixed ? other[i].model_state_bytes : r.model_state_bytes;
+    const bool gathers = r.strategy == "fsdp/full_shard" || r.strategy == "fsdp/hybrid_shard";
+    std::string mark;
+    if (r.strategy == configured) mark = dc.strategy == "auto" ? "  <- auto" : "  <- config";
+    cells.push_back({r.strategy, bytes(state_mixed), bytes(state_fp32),
+                     gathers ? bytes(r.gathered_bytes) : "-", bytes(r.activation_bytes),
+                     bytes(r.total_bytes), fmt("%.2f Ψ", r.comm_volume),
+                     (r.total_bytes <= budget ? "yes" : "no") + mark});
+  }
+  std::vector<size_t> w(head.size());
+  for (size_t c = 0; c < head.size(); ++c) {
+    w[c] = width(head[c]);
+    for (const auto& row : cells) w[c] = std::max(w[c], width(row[c]));
+  }
+  const auto print_row = [&](const std::vector<std::string>& row) {
+    std::string line = pad_right(row[0], w[0]);
+    for (size_t c = 1; c + 1 < row.size(); ++c) line += "  " + pad_left(row[c], w[c]);
+    line += "  " + row.back();
+    std::printf("%s\n", line.c_str());
+  };
+  std::printf("\nper rank; total = state %s + gathered + activations; comm in Ψ elements per "
+              "optimizer step\n",
+              mixed ? "mixed" : "fp32");
+  print_row(head);
+  for (const auto& row : cells) print_row(row);
+  std::printf("\n");
+
+  if (dc.accumulation == "unsharded") {
+    std::printf("note: accumulation unsharded keeps whole gradients across micro-steps under "
+                "fsdp shard_grad_op, full_shard and hybrid_shard: +%s per rank, not in the "
+                "table\n",
+                bytes(static_cast<double>(psi) * (mixed ? 2.0 : 4.0)).c_str());
+  }
+  if (chosen.empty()) {
+    std::printf("auto would pick: none; %s\n", failure.c_str());
+  } else {
+    const auto& r = *std::find_if(rows.begin(), rows.end(),
+                                  [&](const auto& e) { return e.strategy == chosen; });
+    std::printf("auto would pick: %s (least communication that fits: %.2f Ψ per step, %s of %s)\n",
+                chosen.c_str(), r.comm_volume, bytes(r.total_bytes).c_str(), bytes(budget).c_str());
+  }
+  return 0;
+}
+
+}  // namespace shardtrain::cli
