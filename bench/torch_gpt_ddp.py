@@ -18,6 +18,12 @@ the mean cross entropy. AdamW (decay 0.1 on dim >= 2 parameters only, betas
 With world size > 1 the model is wrapped in DistributedDataParallel (Gloo, CPU,
 25 MB buckets, 1 MB first bucket: PyTorch's defaults, which shardtrain copies)
 and every accumulation micro-step but the last runs under no_sync().
+With --zero1 (world size > 1 only) the AdamW is wrapped in
+torch.distributed.optim.ZeroRedundancyOptimizer (ZeRO-1: each rank keeps the
+Adam state of its share of the parameters, steps it, and broadcasts the
+updated parameters), with the same parameter groups and hyper-parameters;
+gradients are still all-reduced by DDP, as above. Without it (the default,
+what bench/train.sh runs) the optimizer is a plain AdamW on every rank.
 
 Data: data/corpus.txt read as bytes (vocab 256); micro-batches are random
 windows of block_size + 1 bytes from the first (1 - val_fraction) of the file,
@@ -153,6 +159,8 @@ def main():
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--label", default="", help="copied into the JSON line")
     p.add_argument("--json", default="", help="append the result line to this file (rank 0)")
+    p.add_argument("--zero1", action="store_true",
+                   help="wrap AdamW in ZeroRedundancyOptimizer (needs world size > 1)")
     a = p.parse_args()
     if a.steps <= a.warmup or a.warmup < 0:
         sys.exit("torch_gpt_ddp.py: need 0 <= --warmup < --steps")
@@ -162,6 +170,8 @@ def main():
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     threads = a.threads or max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(threads)
+    if a.zero1 and world < 2:
+        sys.exit("torch_gpt_ddp.py: --zero1 needs world size > 1; start it under `shardtrain launch`")
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
 
@@ -191,9 +201,16 @@ def main():
     n_params = sum(t.numel() for t in params)
     decay = [t for t in params if t.dim() >= 2]
     no_decay = [t for t in params if t.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
+    groups = [{"params": decay, "weight_decay": a.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if a.zero1:
+        # Same groups and hyper-parameters; the learning rate set on
+        # opt.param_groups below is copied to the local AdamW at each step().
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW,
+                                      lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
+    else:
+        opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
     ddp = None
     if world > 1:
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
@@ -238,7 +255,7 @@ def main():
     tokens_per_step = a.global_batch * a.block_size
     result = {
         "impl": "pytorch", "label": a.label, "torch": torch.__version__,
-        "strategy": "ddp" if world > 1 else "single", "world_size": world,
+        "strategy": ("zero1" if a.zero1 else "ddp") if world > 1 else "single", "world_size": world,
         "threads_per_rank": threads, "n_layer": a.n_layer, "n_head": a.n_head, "n_embd": a.n_embd,
         "block_size": a.block_size, "num_parameters": n_params,
         "global_batch": a.global_batch, "micro": a.micro, "accumulate": accumulate,
