@@ -148,6 +148,7 @@ class Group {
   uint64_t groups_created = 0;
   ScratchArena scratch;
   std::atomic<uint64_t> seq{0};
+  std::atomic<int64_t> busy_ns{0};  // time the worker spent running collectives
   uint64_t p2p_seq = 0;  // only used to name p2p ops in errors
   // Set by the first failed op; every later op fails fast with it.
   std::mutex broken_mutex;
@@ -417,6 +418,8 @@ int Communicator::rank() const { return group_->rank; }
 int Communicator::size() const { return group_->size; }
 const std::string& Communicator::name() const { return group_->name; }
 const std::vector<int>& Communicator::global_ranks() const { return group_->global_ranks; }
+double Communicator::busy_seconds() const { return static_cast<double>(group_->busy_ns.load()) * 1e-9; }
+
 uint64_t Communicator::sequence_number() const { return group_->seq.load(); }
 
 namespace {
@@ -436,12 +439,16 @@ Work run_collective(detail::Group& g, const char* op, Timeout timeout, bool asyn
           op, " #", seq, " on group '", g.name, "' was not run: the group failed earlier (",
           broken, "). Hint: restart the job; a failed collective leaves peers out of step.")));
     } else {
+      const auto start = std::chrono::steady_clock::now();
       try {
         body(g.op_context(op, seq, timeout));
       } catch (const std::exception& e) {
         g.mark_broken(e.what());
         error = std::current_exception();
       }
+      g.busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                       std::chrono::steady_clock::now() - start)
+                       .count();
     }
     state->finish(error);
   };

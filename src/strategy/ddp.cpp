@@ -16,6 +16,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <chrono>
 #include <unordered_set>
 
 #include "shardtrain/core/error.h"
@@ -415,7 +416,13 @@ void DDPStrategy::set_gradient_sync(bool enabled) {
 void DDPStrategy::finish_gradient_sync() {
   ST_CHECK(reducer_ != nullptr, InvalidArgument,
            "finish_gradient_sync called before setup(); call strategy->setup(model, comm) first");
+  // What backward did not hide: the wait for the buckets (and their copy back).
+  const auto start = std::chrono::steady_clock::now();
   reducer_->finish();
+  const double busy = comm_->busy_seconds();
+  stats_.exposed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  stats_.busy_s = busy - busy_at_finish_;
+  busy_at_finish_ = busy;
 }
 
 double DDPStrategy::clip_grad_norm(double max_norm) {

@@ -107,6 +107,7 @@ class DDPStrategy final : public Strategy {
   void reload_parameters() override {}
   std::string name() const override { return "ddp"; }
   int64_t gradient_collectives() const override;
+  CommStats comm_stats() const override { return stats_; }
 
   // ---- for tests and diagnostics ----
   /// Number of buckets planned in setup.
@@ -124,6 +125,8 @@ class DDPStrategy final : public Strategy {
   std::shared_ptr<Reducer> reducer_;  // hooks hold it weakly
   std::vector<at::Tensor> params_;
   std::vector<HookHandle> hooks_;  // one post-hook per parameter
+  CommStats stats_;
+  double busy_at_finish_ = 0.0;
 
   void remove_hooks();
 };

@@ -325,6 +325,11 @@ class ShardedEngine : public std::enable_shared_from_this<ShardedEngine> {
   void wait_timed(const comm::Work& w);
   long next_in_order(size_t u, int direction) const;
   bool primary_params() const;
+  double comm_busy() const {
+    double s = shard_comm_ ? shard_comm_->busy_seconds() : 0.0;
+    if (replica_comm_ && replica_comm_ != shard_comm_) s += replica_comm_->busy_seconds();
+    return s;
+  }
 
   StrategyOptions options_;
   ShardingMode mode_;
@@ -349,6 +354,7 @@ class ShardedEngine : public std::enable_shared_from_this<ShardedEngine> {
   int64_t prefetches_ = 0;
   int64_t collectives_ = 0;
   double exposed_s_ = 0.0;
+  double busy_at_finish_ = 0.0;
   CommStats last_stats_;
   bool checked_units_ = false;
 };
@@ -642,7 +648,6 @@ at::Tensor ShardedEngine::post_forward(size_t u, const at::Tensor& output) {
 void ShardedEngine::start_window() {
   // First backward after a finish (or ever): drop the last window's sums.
   window_open_ = true;
-  exposed_s_ = 0.0;
   for (auto& fl : flats_) fl.claimed = fl.accumulated = false;
 }
 
@@ -834,7 +839,12 @@ void ShardedEngine::finish() {
     }
   }
   window_open_ = false;
+  // Finish to finish: this step's gathers, reductions and waits.
+  const double busy = comm_busy();
+  last_stats_.busy_s = busy - busy_at_finish_;
   last_stats_.exposed_s = exposed_s_;
+  busy_at_finish_ = busy;
+  exposed_s_ = 0.0;
   if (!checked_units_) {
     checked_units_ = true;
     std::string missing;

@@ -55,11 +55,12 @@ WrapPolicy module_type_policy(std::vector<std::string> type_names) {
   return [types = std::move(type_names)](const std::string& name, const torch::nn::Module& module,
                                          int64_t) {
     if (name.empty()) return false;
-    const std::string& t = module.name();
-    return std::any_of(types.begin(), types.end(), [&](const std::string& suffix) {
-      return !suffix.empty() && t.size() >= suffix.size() &&
-             t.compare(t.size() - suffix.size(), suffix.size(), suffix) == 0;
-    });
+    // The class name without its namespaces: "BlockImpl" matches
+    // shardtrain::models::BlockImpl but not MLPBlockImpl.
+    const std::string& full = module.name();
+    const size_t colon = full.rfind("::");
+    const std::string t = colon == std::string::npos ? full : full.substr(colon + 2);
+    return std::find(types.begin(), types.end(), t) != types.end();
   };
 }
 

@@ -150,12 +150,8 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
   precision_ = precision::Precision::create(config_.precision, scaler, torch::cuda::is_available());
   precision_->prepare_model(*task_.model);
 
-  strategy::StrategyOptions so;
-  so.name = config_.distributed.strategy;
-  so.bucket_cap_bytes = static_cast<int64_t>(config_.distributed.bucket_cap_mb * (1 << 20));
-  so.first_bucket_bytes = static_cast<int64_t>(config_.distributed.first_bucket_mb * (1 << 20));
-  so.find_unused_parameters = config_.distributed.find_unused_parameters;
-  so.reduce_dtype = config_.distributed.reduce_dtype;
+  const strategy::StrategyOptions so =
+      strategy_options(config_, *task_.model, comm_->size(), env.local_world_size);
   strategy_ = strategy::make_strategy(so);
   strategy_->setup(*task_.model, comm_);
   // After setup: the optimizer must see the parameters as the strategy left them.
@@ -290,6 +286,11 @@ void Trainer::run_step() {
   m.set("peak_rss_mb", rss);
   m.set("world_size", static_cast<int64_t>(comm_->size()));
   m.set("strategy", strategy_->name());
+  // Communication of the gradient path: time the comm threads worked and
+  // the part the training thread waited for (the rest overlapped compute).
+  const strategy::CommStats cs = strategy_->comm_stats();
+  m.set("comm_busy_s", cs.busy_s);
+  m.set("comm_exposed_s", cs.exposed_s);
   m.set("precision", config_.precision);
   m.set("loss_scale", precision_->loss_scale());
   m.set("skipped", static_cast<int64_t>(skipped ? 1 : 0));

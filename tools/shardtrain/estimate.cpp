@@ -10,7 +10,6 @@
 #include <cstring>
 #include <string>
 #include <thread>
-#include <unordered_set>
 #include <vector>
 
 #include "commands.h"
@@ -133,15 +132,6 @@ std::shared_ptr<torch::nn::Module> build_model(const config::Config& config) {
   return std::make_shared<models::GPTImpl>(g);
 }
 
-int64_t trainable_parameters(torch::nn::Module& model) {
-  std::unordered_set<const void*> seen;
-  int64_t n = 0;
-  for (const auto& p : model.parameters()) {
-    if (p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second) n += p.numel();
-  }
-  return n;
-}
-
 std::string join(const std::vector<std::string>& items, const char* sep) {
   std::string out;
   for (size_t i = 0; i < items.size(); ++i) out += (i ? sep : "") + items[i];
@@ -170,45 +160,20 @@ int estimate_main(int argc, char** argv) {
   if (dc.strategy == "single") nproc = nnodes = 1;
   const int world = nproc * nnodes;
 
-  // ---- model and units ----
+  // ---- model, units and the estimator's input (the same as strategy auto uses) ----
   auto model = build_model(config);
-  const int64_t psi = trainable_parameters(*model);
   strategy::StrategyOptions options;
   options.auto_wrap_policy = dc.auto_wrap_policy;
   options.wrap_module_types = dc.wrap_module_types;
   options.min_num_params = dc.min_num_params;
   const std::vector<strategy::UnitPlan> units =
       strategy::plan_units(*model, strategy::policy_from_options(options));
-  std::vector<int64_t> sizes;
-  for (const auto& u : units) sizes.push_back(u.numel);
-  std::sort(sizes.rbegin(), sizes.rend());
-
-  // ---- precision ----
+  strategy::EstimateInput in = train::estimate_input(config, *model, world, nproc);
+  const int64_t psi = in.num_params;
+  const bool mixed = in.mixed_precision;
   const bool half_params = dc.param_dtype == "bf16" || dc.param_dtype == "fp16";
-  const bool mixed = half_params || config.precision == "fp16-mixed";
-  const bool half_activations = half_params || config.precision != "fp32";
-  const int act_bytes = half_activations ? 2 : 4;
-  int64_t micro = 0;
-  if (config.batch.micro) {
-    micro = *config.batch.micro;
-  } else {
-    micro = config.resolve_batch(world).micro;
-  }
-  int64_t activations = 0;
-  if (config.model.type == "mlp") {
-    activations = strategy::mlp_activation_bytes(config.model.mlp_sizes, micro, act_bytes);
-  } else {
-    activations = strategy::gpt_activation_bytes(train::gpt_config(config.model), micro, act_bytes);
-  }
-
-  strategy::EstimateInput in;
-  in.num_params = psi;
-  in.largest_unit_params = sizes.size() > 0 ? sizes[0] : 0;
-  in.second_unit_params = sizes.size() > 1 ? sizes[1] : 0;
-  in.world_size = world;
-  in.local_world_size = nproc;
-  in.mixed_precision = mixed;
-  in.activation_bytes = activations;
+  const int act_bytes = half_params || config.precision != "fp32" ? 2 : 4;
+  const int64_t micro = config.batch.micro ? *config.batch.micro : config.resolve_batch(world).micro;
   const auto rows = strategy::estimate_all(in);
   in.mixed_precision = !mixed;
   const auto other = strategy::estimate_all(in);  // the other state column

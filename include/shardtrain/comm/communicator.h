@@ -161,6 +161,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   const std::vector<int>& global_ranks() const;
   /// Collectives issued so far on this communicator.
   uint64_t sequence_number() const;
+  /// Seconds the communication thread has spent running collectives so far
+  /// (transfers, reductions and waiting for peers); with the time the caller
+  /// waited on Work, it tells how much communication compute hid.
+  double busy_seconds() const;
 
   /// In place: every rank ends with the reduction of all ranks' tensors.
   Work all_reduce(const at::Tensor& tensor, const AllReduceOptions& options = {});

@@ -24,8 +24,8 @@ struct StrategyOptions;
 using WrapPolicy = std::function<bool(const std::string& name, const torch::nn::Module& module,
                                       int64_t unwrapped_params)>;
 
-/// Modules whose type name (Module::name(), e.g. "shardtrain::models::BlockImpl")
-/// ends with one of `type_names` (e.g. "BlockImpl" or "Block").
+/// Modules whose class name, without namespaces (Module::name() is e.g.
+/// "shardtrain::models::BlockImpl"), is one of `type_names` ("BlockImpl").
 WrapPolicy module_type_policy(std::vector<std::string> type_names);
 
 /// Modules with children (not leaf layers such as Linear) whose unwrapped

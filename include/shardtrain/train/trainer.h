@@ -27,6 +27,8 @@ class Communicator;
 }
 namespace shardtrain::strategy {
 class Strategy;
+struct StrategyOptions;
+struct EstimateInput;
 }
 namespace shardtrain::precision {
 class Precision;
@@ -70,6 +72,17 @@ models::GPTConfig gpt_config(const config::ModelConfig& model);
 /// regression set. The same seed gives the same initial weights on every rank;
 /// `world_size` fixes the batch plan the data order is built for.
 TrainTask make_task(const config::Config& config, int world_size);
+
+/// The memory estimator's input (strategy/estimate.h) for `model` trained
+/// as the config says at `world_size` ranks, `local_world_size` per node.
+strategy::EstimateInput estimate_input(const config::Config& config, torch::nn::Module& model,
+                                       int world_size, int local_world_size);
+
+/// The strategy options the config's distributed section asks for; strategy
+/// "auto" becomes the one choose_strategy() picks for the memory budget
+/// (distributed.memory_budget_mb, or MemAvailable / local ranks).
+strategy::StrategyOptions strategy_options(const config::Config& config, torch::nn::Module& model,
+                                           int world_size, int local_world_size);
 
 /// Target id the built-in losses skip (padding), as in PyTorch.
 constexpr int64_t kIgnoreIndex = -100;
