@@ -16,7 +16,7 @@ BENCH_PACKAGES := python3-torch
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all deps bench-deps configure build test train bench-comm bench-train bench-precision install clean
+.PHONY: all deps bench-deps configure build test train bench-comm bench-train bench-sharding bench-precision install clean
 
 all: build
 
@@ -59,6 +59,9 @@ bench-comm: build bench-deps
 
 bench-train: build bench-deps
 	bash bench/train.sh
+
+bench-sharding: build bench-deps
+	bash bench/sharding.sh
 
 bench-precision: build
 	bash bench/precision.sh
