@@ -81,6 +81,59 @@ constexpr double kLossAtol = 2e-5;
 constexpr double kParamRtol = 1e-4;
 constexpr double kParamAtol = 2e-5;
 
+// Loss and clipped norm of every step, and the final weights (gathered to
+// rank 0 through full_state_dict), against a reference run.
+void expect_same_run(train::Trainer& got, const Recorder& got_rec, train::Trainer& ref,
+                     const Recorder& ref_rec, const std::string& what) {
+  ASSERT_EQ(got_rec.steps.size(), ref_rec.steps.size()) << what;
+  for (size_t i = 0; i < ref_rec.steps.size(); ++i) {
+    EXPECT_NEAR(got_rec.steps[i].loss, ref_rec.steps[i].loss, kLossAtol) << what << " step " << i + 1;
+    EXPECT_NEAR(got_rec.steps[i].grad_norm, ref_rec.steps[i].grad_norm,
+                1e-4 * ref_rec.steps[i].grad_norm) << what << " step " << i + 1;
+  }
+  const auto state = got.strategy().full_state_dict();
+  if (g_world->rank() != 0) return;
+  const auto want = ref.model()->named_parameters();
+  ASSERT_EQ(state.size(), want.size()) << what;
+  for (const auto& [name, value] : state) {
+    const auto& other = want[name];
+    EXPECT_TRUE(torch::allclose(value, other, kParamRtol, kParamAtol))
+        << what << " " << name << " differs by " << (value - other).abs().max().item<double>();
+  }
+}
+
+// Every sharded strategy through the Trainer on the GPT, whose blocks are
+// the units: the same run as the single process, with accumulation 2.
+TEST(TrainerParity, ShardedStrategiesMatchSingleProcessStepByStep) {
+  const int n = g_world->size();
+  const std::string data = corpus_file();
+  auto one = comm::Communicator::create(comm::CommOptions());
+  const auto ref_config = parity_config(data, 12, "single");
+  train::Trainer ref(ref_config, train::make_task(ref_config, 1), one);
+  auto ref_rec = std::make_shared<Recorder>(&ref);
+  ref.add_callback(ref_rec);
+  ref.fit();
+
+  struct Variant {
+    std::string strategy, sharding;
+    bool checkpointing;
+  };
+  for (const Variant& v : {Variant{"zero1", "full_shard", false}, Variant{"fsdp", "full_shard", false},
+                           Variant{"fsdp", "full_shard", true}, Variant{"fsdp", "shard_grad_op", true},
+                           Variant{"fsdp", "no_shard", false}}) {
+    auto c = parity_config(data, 12 / (2 * n), v.strategy);
+    c.distributed.sharding = v.sharding;
+    c.model.activation_checkpointing = v.checkpointing;
+    train::Trainer t(c, train::make_task(c, n), g_world);
+    auto rec = std::make_shared<Recorder>(&t);
+    t.add_callback(rec);
+    t.fit();
+    expect_same_run(t, *rec, ref, *ref_rec,
+                    t.strategy().name() + (v.checkpointing ? " +activation checkpointing" : ""));
+  }
+  fs::remove(data);
+}
+
 TEST(TrainerParity, DdpMatchesSingleProcessStepByStep) {
   const int n = g_world->size();
   const std::string data = corpus_file();

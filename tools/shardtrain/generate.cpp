@@ -27,6 +27,30 @@ const char kUsage[] =
 
 }  // namespace
 
+std::shared_ptr<models::GPTImpl> load_gpt(const std::string& checkpoint) {
+  fs::path dir(checkpoint);
+  if (!fs::exists(dir / "model.pt") && fs::exists(dir / "checkpoint" / "model.pt")) dir /= "checkpoint";
+  ST_CHECK(fs::exists(dir / "model.pt") && fs::exists(dir / "config.yaml"), CheckpointError,
+           "no model checkpoint at '", checkpoint,
+           "': expected model.pt and config.yaml there or in its checkpoint/ directory. Hint: pass "
+           "the run directory `shardtrain train` printed.");
+  const config::Config config = config::Config::load((dir / "config.yaml").string());
+  ST_CHECK(config.model.type == "gpt", ConfigError, "the checkpoint at '", dir.string(),
+           "' holds a '", config.model.type, "' model; generate needs a gpt");
+  auto model = std::make_shared<models::GPTImpl>(train::gpt_config(config.model));
+  try {
+    torch::serialize::InputArchive archive;
+    archive.load_from((dir / "model.pt").string());
+    model->load(archive);
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what();
+    throw CheckpointError("cannot load '" + (dir / "model.pt").string() + "': " +
+                          msg.substr(0, msg.find('\n')) +
+                          ". Hint: the file is damaged or was written for another model config.");
+  }
+  return model;
+}
+
 int generate_main(int argc, char** argv) {
   std::string checkpoint, prompt = "\n";
   int64_t max_new_tokens = 200, top_k = 40;
@@ -52,26 +76,7 @@ int generate_main(int argc, char** argv) {
   ST_CHECK(max_new_tokens >= 0, ConfigError, "--max-new-tokens must be >= 0");
   ST_CHECK(temperature > 0, ConfigError, "--temperature must be > 0");
 
-  fs::path dir(checkpoint);
-  if (!fs::exists(dir / "model.pt") && fs::exists(dir / "checkpoint" / "model.pt")) dir /= "checkpoint";
-  ST_CHECK(fs::exists(dir / "model.pt") && fs::exists(dir / "config.yaml"), CheckpointError,
-           "no model checkpoint at '", checkpoint,
-           "': expected model.pt and config.yaml there or in its checkpoint/ directory. Hint: pass "
-           "the run directory `shardtrain train` printed.");
-  const config::Config config = config::Config::load((dir / "config.yaml").string());
-  ST_CHECK(config.model.type == "gpt", ConfigError, "the checkpoint at '", dir.string(),
-           "' holds a '", config.model.type, "' model; generate needs a gpt");
-  auto model = std::make_shared<models::GPTImpl>(train::gpt_config(config.model));
-  try {
-    torch::serialize::InputArchive archive;
-    archive.load_from((dir / "model.pt").string());
-    model->load(archive);
-  } catch (const c10::Error& e) {
-    const std::string msg = e.what();
-    throw CheckpointError("cannot load '" + (dir / "model.pt").string() + "': " +
-                          msg.substr(0, msg.find('\n')) +
-                          ". Hint: the file is damaged or was written for another model config.");
-  }
+  auto model = load_gpt(checkpoint);
   std::printf("%s\n", sample_text(*model, prompt, max_new_tokens, seed, temperature, top_k).c_str());
   return 0;
 }

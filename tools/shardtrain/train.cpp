@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
@@ -128,8 +129,10 @@ int train_main(int argc, char** argv) {
   const train::TrainerState& state = trainer.fit();
 
   if (comm->rank() == 0) {
-    auto gpt = std::dynamic_pointer_cast<models::GPTImpl>(trainer.model());
-    if (gpt && config.trainer.sample_tokens > 0) {
+    // From the saved model: under a sharded strategy no rank holds the
+    // whole model, and sampling on rank 0 alone must not communicate.
+    if (config.model.type == "gpt" && config.trainer.sample_tokens > 0) {
+      auto gpt = load_gpt((std::filesystem::path(state.run_dir) / "checkpoint").string());
       std::printf("sample:\n%s\n", sample_text(*gpt, "\n", config.trainer.sample_tokens,
                                                 config.run.seed).c_str());
     }
