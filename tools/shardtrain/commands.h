@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 namespace shardtrain::models {
@@ -24,6 +25,14 @@ int estimate_main(int argc, char** argv);
 
 /// `shardtrain generate --checkpoint PATH --prompt TEXT --max-new-tokens N`.
 int generate_main(int argc, char** argv);
+
+/// `shardtrain checkpoint inspect|consolidate|list DIR ...`.
+int checkpoint_main(int argc, char** argv);
+
+/// The GPT saved in a run's checkpoint directory (model.pt and config.yaml
+/// in `checkpoint` or its checkpoint/ subdirectory); CheckpointError if
+/// there is none or it does not load.
+std::shared_ptr<models::GPTImpl> load_gpt(const std::string& checkpoint);
 
 /// Samples `max_new_tokens` bytes after `prompt` from a trained GPT and
 /// returns prompt + continuation as text.
