@@ -10,3 +10,8 @@ foreach(n 1 2 3 4)
            COMMAND ${SHARDTRAIN_CLI} launch --nproc-per-node ${n} -- $<TARGET_FILE:dist_fsdp_tests>)
   set_tests_properties(dist.fsdp.world${n} PROPERTIES TIMEOUT 600 ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=120;OMP_NUM_THREADS=1")
 endforeach()
+add_test(NAME dist.fsdp.hybrid.two-nodes
+         COMMAND ${CMAKE_CURRENT_LIST_DIR}/run_without_launcher.sh two-nodes 4 ${SHARDTRAIN_CLI}
+                 $<TARGET_FILE:dist_fsdp_tests> --gtest_filter=Sharded.HybridShardTwoNodesOfTwo)
+set_tests_properties(dist.fsdp.hybrid.two-nodes PROPERTIES TIMEOUT 300
+                     ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=60;OMP_NUM_THREADS=1")

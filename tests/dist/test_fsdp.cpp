@@ -17,6 +17,10 @@
 #include <sys/resource.h>
 #include <torch/torch.h>
 
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+
+#include <atomic>
 #include <fstream>
 
 #include "shardtrain/comm/communicator.h"
@@ -293,11 +297,227 @@ TEST(Sharded, HybridShardTwoNodesOfTwo) {
   if (world_size() != 4) GTEST_SKIP() << "hybrid_shard is tested with 2 nodes x 2 ranks";
   Case c;
   c.sharding = "hybrid_shard";
-  c.local_world_size = 2;
+  // Started as two launcher nodes of 2, the node size comes from
+  // LOCAL_WORLD_SIZE; started as one node of 4, it is set to 2 here.
+  const char* local = std::getenv("LOCAL_WORLD_SIZE");
+  c.local_world_size = local != nullptr && std::string(local) == "2" ? 0 : 2;
   run_parity(c);
   c.bf16 = true;
   run_parity(c);
   c.bf16 = false;
   c.accumulate = 2;
   run_parity(c);
+}
+
+// ---- memory --------------------------------------------------------------------------------
+
+namespace {
+
+// Counts the bytes of every CPU tensor allocated while it is installed.
+class CountingAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t n) const override {
+    void* data = c10::alloc_cpu(n);
+    add(static_cast<int64_t>(n));
+    return {data, new Block{data, n}, &release, c10::Device(c10::kCPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+
+  static int64_t live() { return live_.load(); }
+  static int64_t peak() { return peak_.load(); }
+  static void reset_peak() { peak_ = live_.load(); }
+
+ private:
+  struct Block {
+    void* data;
+    size_t bytes;
+  };
+  static void add(int64_t n) {
+    const int64_t now = live_ += n;
+    int64_t p = peak_.load();
+    while (now > p && !peak_.compare_exchange_weak(p, now)) {
+    }
+  }
+  static void release(void* ctx) {
+    auto* b = static_cast<Block*>(ctx);
+    c10::free_cpu(b->data);
+    live_ -= static_cast<int64_t>(b->bytes);
+    delete b;
+  }
+  static inline std::atomic<int64_t> live_{0};
+  static inline std::atomic<int64_t> peak_{0};
+};
+
+// 16 units of 65,792 parameters and no root parameters; activations of a
+// 2-row batch are a few KB.
+struct StackImpl : torch::nn::Module {
+  StackImpl() {
+    for (int i = 0; i < 16; ++i) layers.push_back(register_module("l" + std::to_string(i), torch::nn::Linear(256, 256)));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& l : layers) x = unit_forward(l, [&] { return torch::tanh(l(x)); });
+    return x;
+  }
+  std::vector<torch::nn::Linear> layers;
+};
+TORCH_MODULE(Stack);
+
+}  // namespace
+
+// Model state per rank under FULL_SHARD at world size 4: the ZeRO-3 formula
+// 16Ψ/N (fp32 master shard 4, gradient shard 4, Adam 8) plus the two
+// largest gathered units (parameters 4 and gradients 4 bytes per element).
+// Measured: the peak of every CPU tensor allocation plus the flat buffers
+// (mmap) over steps 2-3, an upper bound of their joint peak.
+TEST(Sharded, FullShardModelStateMemoryMatchesTheFormula) {
+  if (world_size() != 4) GTEST_SKIP() << "measured at world size 4";
+  static CountingAllocator counting;
+  c10::SetCPUAllocator(&counting, /*priority=*/100);
+  int64_t psi = 0, unit = 0;
+  {
+    torch::manual_seed(7);
+    Stack model;
+    for (const auto& p : model->parameters()) psi += p.numel();
+    unit = psi / 16;
+    StrategyOptions o;
+    o.name = "fsdp";
+    o.sharding = "full_shard";
+    o.wrap_module_types = {"LinearImpl"};
+    auto strategy = strategy::make_strategy(o);
+    strategy->setup(*model, g_world);
+    auto opt = make_optimizer(strategy->optimizer_parameters(), false);
+    const auto x = torch::randn({2, 256});
+    const auto step = [&] {
+      model->forward(x).square().mean().backward();
+      strategy->finish_gradient_sync();
+      strategy->clip_grad_norm(1.0);
+      strategy->optimizer_step(*opt);
+      opt->zero_grad();
+    };
+    step();  // Adam state exists from here on
+    // Between steps no unit is gathered: every flat buffer went back.
+    EXPECT_EQ(strategy::detail::flat_memory_stats().live_bytes, 0);
+    CountingAllocator::reset_peak();
+    strategy::detail::reset_flat_memory_peak();
+    step();
+    step();
+    const double measured = static_cast<double>(CountingAllocator::peak()) +
+                            static_cast<double>(strategy::detail::flat_memory_stats().peak_bytes);
+    const double shard = std::ceil(static_cast<double>(psi) / 4.0);
+    const double expected = 16.0 * shard + 2.0 * 8.0 * static_cast<double>(unit);
+    std::printf("[memory] rank %d: measured %.2f MB, formula 16*Psi/N + 2 units %.2f MB (%.1f%%)\n", rank(),
+                measured / 1e6, expected / 1e6, 100.0 * (measured - expected) / expected);
+    EXPECT_NEAR(measured, expected, 0.15 * expected);
+    EXPECT_EQ(strategy::detail::flat_memory_stats().live_bytes, 0);
+  }
+  c10::SetCPUAllocator(c10::GetDefaultCPUAllocator(), /*priority=*/101);
+}
+
+// ---- errors --------------------------------------------------------------------------------
+
+namespace {
+
+// l2 is a unit by policy but its forward bypasses unit_forward.
+struct BypassImpl : torch::nn::Module {
+  BypassImpl() {
+    l1 = register_module("l1", torch::nn::Linear(4, 4));
+    l2 = register_module("l2", torch::nn::Linear(4, 4));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = unit_forward(l1, [&] { return l1(x); });
+    return l2(h);
+  }
+  torch::nn::Linear l1{nullptr}, l2{nullptr};
+};
+TORCH_MODULE(Bypass);
+
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "(no ConfigError)";
+}
+
+}  // namespace
+
+TEST(Sharded, UnitNotCalledThroughUnitForwardIsAnErrorNamingIt) {
+  Bypass model;
+  StrategyOptions o;
+  o.name = "fsdp";
+  o.wrap_module_types = {"LinearImpl"};
+  auto strategy = strategy::make_strategy(o);
+  strategy->setup(*model, g_world);
+  const std::string msg = error_of([&] {
+    model->forward(torch::randn({2, 4})).sum().backward();
+    strategy->finish_gradient_sync();
+  });
+  EXPECT_NE(msg.find("'l2'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("unit_forward"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("'l1'"), std::string::npos) << msg;
+}
+
+// Two units registering one tensor (weight tying across units).
+struct HolderImpl : torch::nn::Module {
+  explicit HolderImpl(const torch::Tensor& w) { weight = register_parameter("weight", w); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(Holder);
+
+struct TiedImpl : torch::nn::Module {
+  TiedImpl() {
+    const auto w = torch::randn({4, 4});
+    a = register_module("a", Holder(w));
+    b = register_module("b", Holder(w));
+  }
+  Holder a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(Tied);
+
+TEST(Sharded, TiedParameterAcrossUnitsIsAnErrorNamingIt) {
+  Tied model;
+  StrategyOptions o;
+  o.name = "fsdp";
+  o.wrap_module_types = {"HolderImpl"};
+  auto strategy = strategy::make_strategy(o);
+  const std::string msg = error_of([&] { strategy->setup(*model, g_world); });
+  EXPECT_NE(msg.find("'a.weight'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("unit 'b'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("tied"), std::string::npos) << msg;
+}
+
+TEST(Sharded, BadOptionsAreConfigErrors) {
+  StrategyOptions o;
+  o.name = "fsdp";
+  o.sharding = "full";
+  EXPECT_NE(error_of([&] { strategy::make_strategy(o); }).find("full_shard"), std::string::npos);
+  o.sharding = "full_shard";
+  o.auto_wrap_policy = "blocks";
+  EXPECT_NE(error_of([&] { strategy::make_strategy(o); }).find("module_type"), std::string::npos);
+  o.auto_wrap_policy = "module_type";
+  o.accumulation = "lazy";
+  EXPECT_NE(error_of([&] { strategy::make_strategy(o); }).find("unsharded"), std::string::npos);
+}
+
+TEST(Sharded, PrefetchStaysWithinTheGatherLimit) {
+  for (const char* p : {"backward_pre", "backward_post", "none"}) {
+    for (bool fwd : {false, true}) {
+      Case c;
+      c.prefetch = p;
+      c.forward_prefetch = fwd;
+      auto model = make_net(false);
+      auto strategy = strategy::make_strategy(options_for(c));
+      strategy->setup(*model, g_world);
+      auto& sharded = dynamic_cast<ShardedStrategy&>(*strategy);
+      for (int s = 0; s < 3; ++s) {
+        model->forward(torch::randn({4, kIn})).sum().backward();
+        strategy->finish_gradient_sync();
+      }
+      const bool expect_prefetch = std::string(p) != "none" || fwd;
+      EXPECT_EQ(sharded.prefetches() > 0, expect_prefetch) << p << " fwd " << fwd;
+      EXPECT_LE(sharded.max_gathers_in_flight(), 2) << p << " fwd " << fwd;
+    }
+  }
 }
