@@ -1,0 +1,236 @@
+// metadata.json: writing it, and reading it back with every field checked,
+// so a foreign or damaged file is a CheckpointError and never a crash.
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <limits>
+#include <set>
+#include <unordered_map>
+
+#include "checkpoint/detail.h"
+#include "shardtrain/core/error.h"
+
+namespace shardtrain::checkpoint {
+
+int64_t TensorInfo::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+const TensorInfo* Metadata::find_tensor(const std::string& name) const {
+  for (const auto& t : tensors) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+const FileInfo* Metadata::find_file(const std::string& name) const {
+  for (const auto& f : files) {
+    if (f.name == name) return &f;
+  }
+  return nullptr;
+}
+
+namespace detail {
+
+using Json = nlohmann::ordered_json;
+
+namespace {
+
+constexpr char kFormatName[] = "shardtrain-checkpoint";
+
+Json file_to_json(const FileInfo& f) {
+  Json j;
+  j["name"] = f.name;
+  j["rank"] = f.rank;
+  j["bytes"] = f.bytes;
+  j["crc32c"] = f.crc32c;
+  j["chunk_bytes"] = f.chunk_bytes;
+  j["chunk_crc32c"] = f.chunk_crc32c;
+  j["rank_state_offset"] = f.rank_state_offset;
+  j["rank_state_bytes"] = f.rank_state_bytes;
+  return j;
+}
+
+Json tensor_to_json(const TensorInfo& t) {
+  Json j;
+  j["name"] = t.name;
+  j["shape"] = t.shape;
+  j["dtype"] = t.dtype;
+  j["kind"] = t.kind;
+  Json slices = Json::array();
+  for (const auto& s : t.slices) {
+    slices.push_back(Json{{"rank", s.rank},
+                          {"file", s.file},
+                          {"offset", s.offset},
+                          {"count", s.count},
+                          {"byte_offset", s.byte_offset}});
+  }
+  j["slices"] = std::move(slices);
+  return j;
+}
+
+// Checked reads of one field; the messages say which field of what.
+template <typename T>
+T get(const Json& j, const char* key, const std::string& where) {
+  ST_CHECK(j.is_object() && j.contains(key), CheckpointError, where, " has no '", key, "'");
+  try {
+    return j.at(key).get<T>();
+  } catch (const Json::exception& e) {
+    ST_CHECK(false, CheckpointError, where, ": '", key, "' has the wrong type (", e.what(), ")");
+  }
+  return T{};
+}
+
+bool mul_overflows(int64_t a, int64_t b, int64_t* out) { return __builtin_mul_overflow(a, b, out); }
+
+bool safe_file_name(const std::string& name) {
+  return !name.empty() && name.find('/') == std::string::npos && name != "." && name != "..";
+}
+
+}  // namespace
+
+std::string tensor_kind(const ShardedTensor& tensor) {
+  if (tensor.name.rfind("optim.", 0) == 0) return "optimizer";
+  return tensor.is_parameter ? "parameter" : "buffer";
+}
+
+std::string metadata_to_json(const Metadata& m) {
+  Json j;
+  j["format"] = kFormatName;
+  j["format_version"] = m.format_version;
+  j["byte_order"] = "little";
+  j["world_size"] = m.world_size;
+  j["strategy"] = m.strategy;
+  j["step"] = m.step;
+  Json files = Json::array();
+  for (const auto& f : m.files) files.push_back(file_to_json(f));
+  j["files"] = std::move(files);
+  Json tensors = Json::array();
+  for (const auto& t : m.tensors) tensors.push_back(tensor_to_json(t));
+  j["tensors"] = std::move(tensors);
+  return j.dump(1) + "\n";
+}
+
+Metadata metadata_from_json(const std::string& text, const std::string& path) {
+  Json j;
+  try {
+    j = Json::parse(text);
+  } catch (const Json::exception& e) {
+    ST_CHECK(false, CheckpointError, "'", path, "' is not valid JSON (", e.what(),
+             "). Hint: it is not a shardtrain checkpoint's metadata, or it is damaged.");
+  }
+  const std::string where = "'" + path + "'";
+  ST_CHECK(j.is_object() && j.value("format", std::string()) == kFormatName, CheckpointError,
+           where, " is not shardtrain checkpoint metadata (no \"format\": \"", kFormatName,
+           "\")");
+  Metadata m;
+  m.format_version = get<int>(j, "format_version", where);
+  ST_CHECK(m.format_version == kFormatVersion, CheckpointError, where,
+           " has format version ", m.format_version, "; this build reads version ",
+           kFormatVersion, ". Hint: use the shardtrain release that wrote it.");
+  ST_CHECK(get<std::string>(j, "byte_order", where) == "little", CheckpointError, where,
+           " stores big-endian data, which this build does not read");
+  m.world_size = get<int>(j, "world_size", where);
+  ST_CHECK(m.world_size >= 1, CheckpointError, where, " has world_size ", m.world_size);
+  m.strategy = get<std::string>(j, "strategy", where);
+  m.step = get<int64_t>(j, "step", where);
+
+  const Json& files = j.contains("files") ? j.at("files") : Json();
+  ST_CHECK(files.is_array(), CheckpointError, where, " has no 'files' list");
+  std::unordered_map<std::string, size_t> file_index;
+  std::vector<bool> rank_seen(static_cast<size_t>(m.world_size), false);
+  for (const auto& jf : files) {
+    FileInfo f;
+    f.name = get<std::string>(jf, "name", where + " files[]");
+    const std::string fw = where + " file '" + f.name + "'";
+    ST_CHECK(safe_file_name(f.name), CheckpointError, fw, " is not a plain file name");
+    f.rank = get<int>(jf, "rank", fw);
+    f.bytes = get<int64_t>(jf, "bytes", fw);
+    f.crc32c = get<uint32_t>(jf, "crc32c", fw);
+    f.chunk_bytes = get<int64_t>(jf, "chunk_bytes", fw);
+    f.chunk_crc32c = get<std::vector<uint32_t>>(jf, "chunk_crc32c", fw);
+    f.rank_state_offset = get<int64_t>(jf, "rank_state_offset", fw);
+    f.rank_state_bytes = get<int64_t>(jf, "rank_state_bytes", fw);
+    ST_CHECK(f.bytes >= 0 && f.chunk_bytes >= 1 && f.chunk_bytes <= (int64_t{1} << 30),
+             CheckpointError, fw, " has impossible sizes (bytes ", f.bytes, ", chunk_bytes ",
+             f.chunk_bytes, ")");
+    const int64_t chunks = (f.bytes + f.chunk_bytes - 1) / f.chunk_bytes;
+    ST_CHECK(static_cast<int64_t>(f.chunk_crc32c.size()) == chunks, CheckpointError, fw, " lists ",
+             f.chunk_crc32c.size(), " chunk checksums for ", chunks, " chunks");
+    ST_CHECK(f.rank_state_offset >= 0 && f.rank_state_bytes >= 0 &&
+                 f.rank_state_offset + f.rank_state_bytes <= f.bytes,
+             CheckpointError, fw, " has its rank state outside the file");
+    if (f.rank >= 0) {
+      ST_CHECK(f.rank < m.world_size && f.name == rank_file_name(f.rank), CheckpointError, fw,
+               " does not belong to a rank of a world of ", m.world_size);
+      rank_seen[static_cast<size_t>(f.rank)] = true;
+    } else {
+      ST_CHECK(f.name == kTrainStateFile, CheckpointError, fw, " is not a known file");
+    }
+    ST_CHECK(file_index.emplace(f.name, m.files.size()).second, CheckpointError, where,
+             " lists file '", f.name, "' twice");
+    m.files.push_back(std::move(f));
+  }
+  for (int r = 0; r < m.world_size; ++r) {
+    ST_CHECK(rank_seen[static_cast<size_t>(r)], CheckpointError, where, " lists no file for rank ",
+             r, " of ", m.world_size);
+  }
+  ST_CHECK(file_index.count(kTrainStateFile), CheckpointError, where, " lists no ",
+           kTrainStateFile);
+
+  const Json& tensors = j.contains("tensors") ? j.at("tensors") : Json();
+  ST_CHECK(tensors.is_array(), CheckpointError, where, " has no 'tensors' list");
+  std::set<std::string> names;
+  for (const auto& jt : tensors) {
+    TensorInfo t;
+    t.name = get<std::string>(jt, "name", where + " tensors[]");
+    const std::string tw = where + " tensor '" + t.name + "'";
+    ST_CHECK(names.insert(t.name).second, CheckpointError, where, " lists tensor '", t.name,
+             "' twice");
+    t.shape = get<std::vector<int64_t>>(jt, "shape", tw);
+    t.dtype = get<std::string>(jt, "dtype", tw);
+    t.kind = get<std::string>(jt, "kind", tw);
+    const int64_t esize = dtype_bytes(t.dtype);
+    ST_CHECK(esize > 0, CheckpointError, tw, " has unknown dtype '", t.dtype, "'");
+    int64_t numel = 1;
+    for (int64_t d : t.shape) {
+      ST_CHECK(d >= 0 && !mul_overflows(numel, d, &numel), CheckpointError, tw,
+               " has an impossible shape");
+    }
+    int64_t total_bytes = 0;
+    ST_CHECK(!mul_overflows(numel, esize, &total_bytes), CheckpointError, tw, " is too large");
+    const Json& slices = jt.contains("slices") ? jt.at("slices") : Json();
+    ST_CHECK(slices.is_array(), CheckpointError, tw, " has no 'slices' list");
+    for (const auto& js : slices) {
+      SliceInfo s;
+      s.rank = get<int>(js, "rank", tw);
+      s.file = get<std::string>(js, "file", tw);
+      s.offset = get<int64_t>(js, "offset", tw);
+      s.count = get<int64_t>(js, "count", tw);
+      s.byte_offset = get<int64_t>(js, "byte_offset", tw);
+      auto it = file_index.find(s.file);
+      ST_CHECK(it != file_index.end() && m.files[it->second].rank >= 0, CheckpointError, tw,
+               " is stored in unknown file '", s.file, "'");
+      const FileInfo& f = m.files[it->second];
+      ST_CHECK(s.offset >= 0 && s.count >= 0 && s.offset <= numel - s.count, CheckpointError, tw,
+               " has a slice [", s.offset, ", +", s.count, ") outside its ", numel, " elements");
+      ST_CHECK(s.byte_offset >= 0 && s.byte_offset <= f.bytes - s.count * esize, CheckpointError,
+               tw, " has a slice outside its file '", s.file, "'");
+      t.slices.push_back(std::move(s));
+    }
+    std::sort(t.slices.begin(), t.slices.end(),
+              [](const SliceInfo& a, const SliceInfo& b) { return a.offset < b.offset; });
+    for (size_t i = 1; i < t.slices.size(); ++i) {
+      const auto& prev = t.slices[i - 1];
+      ST_CHECK(prev.offset + prev.count <= t.slices[i].offset, CheckpointError, tw,
+               " has overlapping slices (ranks ", prev.rank, " and ", t.slices[i].rank, ")");
+    }
+    m.tensors.push_back(std::move(t));
+  }
+  return m;
+}
+
+}  // namespace detail
+}  // namespace shardtrain::checkpoint
