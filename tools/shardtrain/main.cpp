@@ -21,6 +21,7 @@ const Command kCommands[] = {
     {"train", shardtrain::cli::train_main, "train the model a YAML config describes"},
     {"estimate", shardtrain::cli::estimate_main, "memory and communication of each strategy"},
     {"generate", shardtrain::cli::generate_main, "sample text from a trained GPT"},
+    {"checkpoint", shardtrain::cli::checkpoint_main, "inspect or export a sharded checkpoint"},
     {"bench-comm", shardtrain::cli::bench_comm_main, "measure a collective's bandwidth"},
 };
 
