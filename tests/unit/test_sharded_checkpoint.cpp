@@ -260,7 +260,7 @@ TEST(ShardedCheckpoint, EveryElementIsStoredOnce) {
 TEST(ShardedCheckpoint, SaveRejectsBadPrimaryFlagsAndDisagreeingRanks) {
   TempDir tmp;
   auto ranks = all_ranks(2, 0);
-  // wte.weight is WholeOnRank0 with salt 0? Find a whole tensor and make both ranks primary.
+  // A whole tensor (rank 0 primary) of several elements: make both ranks primary.
   const auto all = syn::specs();
   size_t whole = 0;
   while (syn::layout_for(whole, 0) != syn::Layout::WholeOnRank0 || all[whole].shape.empty() ||
