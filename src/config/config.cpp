@@ -497,6 +497,12 @@ class Loader {
 
     choice("distributed.reduce_dtype", d.reduce_dtype, {"fp32", "bf16", "fp16"});
     choice("distributed.param_dtype", d.param_dtype, {"auto", "fp32", "bf16", "fp16"});
+    require(d.param_dtype == "auto" || (d.strategy != "single" && d.strategy != "ddp"),
+            "distributed.param_dtype", d.param_dtype,
+            "auto with strategy " + d.strategy +
+                ": a separate gathered copy needs zero1 or fsdp (fsdp with sharding no_shard is "
+                "ddp through that path); or use precision bf16-mixed",
+            {"distributed.strategy"});
     // The fsdp keys are checked whatever the strategy, so a file stays valid
     // when the strategy is switched.
     choice("distributed.sharding", d.sharding,

@@ -72,6 +72,7 @@ WrapPolicy size_policy(int64_t min_num_params) {
 }
 
 WrapPolicy policy_from_options(const StrategyOptions& options) {
+  if (options.wrap_policy) return options.wrap_policy;
   if (options.auto_wrap_policy == "module_type") return module_type_policy(options.wrap_module_types);
   if (options.auto_wrap_policy == "size") {
     ST_CHECK(options.min_num_params >= 1, ConfigError, "distributed.min_num_params must be >= 1, got ",

@@ -282,6 +282,23 @@ TEST(Sharded, AccumulationInBothModesMatchesOneBigBatch) {
   }
 }
 
+TEST(Sharded, UserWrapPredicate) {
+  Case c;
+  auto o = options_for(c);
+  o.wrap_policy = [](const std::string& name, const torch::nn::Module&, int64_t) {
+    return name == "l1" || name == "l3";  // l2 stays in the root unit
+  };
+  auto model = make_net(false);
+  auto strategy = strategy::make_strategy(o);
+  strategy->setup(*model, g_world);
+  const auto units = dynamic_cast<ShardedStrategy&>(*strategy).units();
+  ASSERT_EQ(units.size(), 3u);
+  EXPECT_EQ(units[0].first, "");
+  EXPECT_EQ(units[0].second, 48 * 48 + 48 + 2);  // l2 and the root's own parameters
+  EXPECT_EQ(units[1].first, "l1");
+  EXPECT_EQ(units[2].first, "l3");
+}
+
 TEST(Sharded, PrefetchVariantsMatchAndStayWithinTheGatherLimit) {
   for (const char* p : {"backward_pre", "backward_post", "none"}) {
     for (bool fwd : {false, true}) {

@@ -168,8 +168,8 @@ TEST(Config, EveryKeyRoundTrips) {
   c.trainer.early_stopping.patience = 11;
   c.trainer.early_stopping.min_delta = 1e-3;
   c.trainer.early_stopping.mode = "max";
-  c.distributed.strategy = "single";
-  c.distributed.nproc_per_node = 1;
+  c.distributed.strategy = "fsdp";
+  c.distributed.nproc_per_node = 3;
   c.distributed.bucket_cap_mb = 0.5;
   c.distributed.first_bucket_mb = 100.0;
   c.distributed.find_unused_parameters = true;
@@ -424,6 +424,7 @@ TEST(ConfigErrors, OutOfRange) {
        "one of: single, ddp, zero1, fsdp, auto"},
       {"distributed: {sharding: zero2}", "distributed.sharding: got 'zero2'",
        "one of: full_shard, shard_grad_op, no_shard, hybrid_shard"},
+      {"distributed: {strategy: ddp, param_dtype: bf16}", "needs zero1 or fsdp"},
       {"distributed: {param_dtype: fp64}", "distributed.param_dtype: got 'fp64'",
        "one of: auto, fp32, bf16, fp16"},
       {"distributed: {auto_wrap_policy: transformer}",

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -87,6 +88,10 @@ struct StrategyOptions {
   std::string auto_wrap_policy = "module_type";
   std::vector<std::string> wrap_module_types = {"BlockImpl"};
   int64_t min_num_params = int64_t{1} << 20;
+  /// fsdp: a user predicate that replaces auto_wrap_policy when set:
+  /// (dotted module path, module, parameters no nested unit claimed) -> make
+  /// it a unit. See strategy/wrap.h.
+  std::function<bool(const std::string&, const torch::nn::Module&, int64_t)> wrap_policy;
   /// fsdp: "backward_pre" (gather the next unit before computing this
   /// one's gradients), "backward_post" (after), or "none".
   std::string backward_prefetch = "backward_pre";

@@ -32,7 +32,8 @@ WrapPolicy module_type_policy(std::vector<std::string> type_names);
 /// parameters number at least `min_num_params`.
 WrapPolicy size_policy(int64_t min_num_params);
 
-/// The policy StrategyOptions describes (auto_wrap_policy and its fields);
+/// The policy StrategyOptions describes (its wrap_policy when set, else
+/// auto_wrap_policy and its fields);
 /// ConfigError for an unknown policy name.
 WrapPolicy policy_from_options(const StrategyOptions& options);
 
