@@ -9,6 +9,8 @@
       peak_rss_mb is the largest value logged (max over ranks).
   render_sharding.py fail --world 4 --impl shardtrain --mode hybrid_shard --exit-code 1 --log L --json R
       appends a "failed" line with the exit code and the last lines of L.
+  render_sharding.py note --world 2 --impl pytorch --mode ddp --text T --log L --json R
+      appends a note on a measured row (shown under the table with L's last lines).
   render_sharding.py render --results R --out BENCHMARKS.md --date ... --command ...
       replaces the text between <!-- sharding:begin --> and <!-- sharding:end -->
       in --out; when the markers are missing, appends a "## Sharding (issue 5)"
@@ -97,18 +99,27 @@ def summarize(a):
     })
 
 
-def fail(a):
+def log_tail(path):
     try:
-        with open(a.log, errors="replace") as f:
-            tail = [l.rstrip("\n") for l in f.readlines()[-TAIL_LINES:]]
+        with open(path, errors="replace") as f:
+            return [l.rstrip("\n") for l in f.readlines()[-TAIL_LINES:]]
     except OSError as e:
-        tail = [f"(no log: {e})"]
+        return [f"(no log: {e})"]
+
+
+def fail(a):
+    tail = log_tail(a.log)
     reason = a.reason
     if not reason:
         reason = (f"timed out after {a.timeout} s" if a.exit_code in (124, 137)
                   else f"exit code {a.exit_code}")
     append(a.json, {"impl": a.impl, "mode": a.mode, "world_size": a.world, "failed": True,
                     "exit_code": a.exit_code, "reason": reason, "log": a.log, "log_tail": tail})
+
+
+def note(a):
+    append(a.json, {"impl": a.impl, "mode": a.mode, "world_size": a.world, "note": a.text,
+                    "log": a.log, "log_tail": log_tail(a.log)})
 
 
 def human_params(n):
@@ -120,6 +131,8 @@ def ratio(x, base):
 
 
 def render(rows, a):
+    notes = {(r["world_size"], r["impl"], r["mode"]): r for r in rows if "note" in r}
+    rows = [r for r in rows if "note" not in r]
     by_key = {(r["world_size"], r["impl"], r["mode"]): r for r in rows}
     worlds = sorted({r["world_size"] for r in rows})
     ok = [r for r in rows if not r.get("failed")]
@@ -160,7 +173,7 @@ def render(rows, a):
     out.append("| world | program | mode | tokens/s | vs PyTorch DDP | step s | peak RSS/rank MB "
                "| vs shardtrain ddp | comm busy s/step | exposed s/step | hidden |")
     out.append("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    failures = []
+    failures, noted = [], []
     for w in worlds:
         base_tps = by_key.get((w, "pytorch", "ddp"), {})
         base_tps = None if base_tps.get("failed") else base_tps.get("tokens_per_s")
@@ -184,17 +197,30 @@ def render(rows, a):
                          "n/a" if h is None else f"{h:.0%}"]
             else:
                 cols += ["n/a", "n/a", "n/a"]
+            n = notes.get((w, impl, mode))
+            if n:
+                noted.append((w, prog, name, n))
+                name += f" ({len(noted)})"
             out.append(f"| {w} | {prog} | {name} | " + " | ".join(cols) + " |")
     out.append("")
+    def with_tail(head, r):
+        out.append(f"{head}; last lines of `{os.path.basename(r['log'])}`:")
+        out.append("")
+        out.append("   ```")
+        out.extend("   " + l for l in r["log_tail"])
+        out.append("   ```")
+
+    if noted:
+        out.append("Notes (full logs under the benchmark's output directory):")
+        out.append("")
+        for i, (w, prog, name, r) in enumerate(noted, 1):
+            with_tail(f"{i}. world {w}, {prog} {name}: {r['note']}", r)
+        out.append("")
     if failures:
         out.append("Failed runs (full logs under the benchmark's output directory):")
         out.append("")
         for w, prog, name, r in failures:
-            out.append(f"- world {w}, {prog} {name}: {r['reason']}; last lines of `{os.path.basename(r['log'])}`:")
-            out.append("")
-            out.append("  ```")
-            out.extend("  " + l for l in r["log_tail"])
-            out.append("  ```")
+            with_tail(f"- world {w}, {prog} {name}: {r['reason']}", r)
         out.append("")
     out.append(END)
     return "\n".join(out), mismatched
@@ -222,6 +248,13 @@ def main():
     f.add_argument("--reason", default="", help="instead of the exit code's meaning")
     f.add_argument("--log", required=True)
     f.add_argument("--json", required=True)
+    n = sub.add_parser("note")
+    n.add_argument("--world", type=int, required=True)
+    n.add_argument("--impl", choices=("shardtrain", "pytorch"), required=True)
+    n.add_argument("--mode", required=True)
+    n.add_argument("--text", required=True)
+    n.add_argument("--log", required=True)
+    n.add_argument("--json", required=True)
     r = sub.add_parser("render")
     r.add_argument("--results", required=True)
     r.add_argument("--out", required=True)
@@ -238,8 +271,8 @@ def main():
     if a.cmd == "summarize":
         summarize(a)
         return
-    if a.cmd == "fail":
-        fail(a)
+    if a.cmd in ("fail", "note"):
+        (fail if a.cmd == "fail" else note)(a)
         return
 
     section, mismatched = render(load(a.results), a)

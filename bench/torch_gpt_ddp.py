@@ -37,8 +37,15 @@ not measured; step_time_s is the median over the rest and tokens_per_s =
 global_batch * block_size / step_time_s. peak_rss_mb is ru_maxrss of each rank
 at the end, max over ranks. Rank 0 prints one JSON line and appends it to
 --json when given.
+
+Teardown (barrier, destroy_process_group, interpreter exit) runs after the
+result is written and is given --teardown-timeout seconds: Gloo's teardown
+occasionally hangs (pytorch/pytorch#75097; seen once here on a loaded machine),
+and then faulthandler prints every thread's stack and the rank exits with
+code 1 instead of stalling the benchmark until its time limit.
 """
 import argparse
+import faulthandler
 import json
 import math
 import os
@@ -159,6 +166,8 @@ def main():
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--label", default="", help="copied into the JSON line")
     p.add_argument("--json", default="", help="append the result line to this file (rank 0)")
+    p.add_argument("--teardown-timeout", type=float, default=60.0,
+                   help="seconds teardown may take after the result is written (world size > 1)")
     p.add_argument("--zero1", action="store_true",
                    help="wrap AdamW in ZeroRedundancyOptimizer (needs world size > 1)")
     a = p.parse_args()
@@ -271,6 +280,7 @@ def main():
             with open(a.json, "a") as f:
                 f.write(line + "\n")
     if world > 1:
+        faulthandler.dump_traceback_later(a.teardown_timeout, exit=True)  # see the docstring
         dist.barrier()
         dist.destroy_process_group()
 
