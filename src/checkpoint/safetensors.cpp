@@ -331,7 +331,11 @@ void load_safetensors_into(torch::nn::Module& module, const std::string& path,
   }
   if (options.strict()) {
     for (const auto& e : file.entries()) {
-      if (!wanted.count(e.name)) unexpected.push_back(e.name);
+      // Hugging Face GPT-2 files carry the causal masks as buffers
+      // (h.N.attn.bias, h.N.attn.masked_bias); our GPT builds its mask.
+      const bool hf_mask = options.transpose_conv1d() &&
+                           (ends_with(e.name, ".attn.bias") || ends_with(e.name, ".attn.masked_bias"));
+      if (!wanted.count(e.name) && !hf_mask) unexpected.push_back(e.name);
     }
   }
   if (!missing.empty() || !mismatched.empty() || !unexpected.empty()) {

@@ -291,6 +291,7 @@ class Loader {
     get(model, "model.vocab_size", c.model.vocab_size);
     get(model, "model.activation_checkpointing", c.model.activation_checkpointing);
     get(model, "model.mlp_sizes", c.model.mlp_sizes);
+    get(model, "model.init_from", c.model.init_from);
 
     const YAML::Node data = section(root, "data");
     get(data, "data.train", c.data.train);
@@ -358,6 +359,16 @@ class Loader {
     get(scaler, "loss_scaler.hysteresis", ls.hysteresis);
     get(scaler, "loss_scaler.min_loss_scale", ls.min_loss_scale);
     get(scaler, "loss_scaler.max_skips_at_min", ls.max_skips_at_min);
+
+    const YAML::Node ckpt = section(root, "checkpoint");
+    CheckpointConfig& k = c.checkpoint;
+    get(ckpt, "checkpoint.every_n_steps", k.every_n_steps);
+    get(ckpt, "checkpoint.every_n_minutes", k.every_n_minutes);
+    get(ckpt, "checkpoint.keep", k.keep);
+    get(ckpt, "checkpoint.monitor", k.monitor);
+    get(ckpt, "checkpoint.mode", k.mode);
+    get(ckpt, "checkpoint.resume", k.resume);
+    get(ckpt, "checkpoint.save_on_signal", k.save_on_signal);
 
     if (root["precision"].IsDefined()) {
       const YAML::Node node = root["precision"];
@@ -463,6 +474,13 @@ class Loader {
             "a number >= 0; 0 disables clipping");
     choice("trainer.progress", t.progress, {"auto", "bar", "plain", "none"});
     non_negative("trainer.sample_tokens", t.sample_tokens);
+    const CheckpointConfig& k = c.checkpoint;
+    non_negative("checkpoint.every_n_steps", k.every_n_steps);
+    require(k.every_n_minutes >= 0.0, "checkpoint.every_n_minutes", format_double(k.every_n_minutes),
+            "a number of minutes >= 0; 0 turns time-based saving off");
+    non_negative("checkpoint.keep", k.keep);
+    choice("checkpoint.mode", k.mode, {"min", "max"});
+
     const EarlyStoppingConfig& e = t.early_stopping;
     require(!e.monitor.empty(), "trainer.early_stopping.monitor", "''",
             "a metric name from the evaluation lines, e.g. eval_loss");
@@ -855,7 +873,8 @@ std::string Config::to_yaml() const {
     << "  block_size: " << model.block_size << "\n"
     << "  vocab_size: " << model.vocab_size << "\n"
     << "  activation_checkpointing: " << yaml_bool(model.activation_checkpointing) << "\n"
-    << "  mlp_sizes: " << yaml_int_list(model.mlp_sizes) << "\n";
+    << "  mlp_sizes: " << yaml_int_list(model.mlp_sizes) << "\n"
+    << "  init_from: " << s(model.init_from) << "\n";
   y << "data:\n"
     << "  train: " << s(data.train) << "\n"
     << "  val_fraction: " << d(data.val_fraction) << "\n"
@@ -911,6 +930,14 @@ std::string Config::to_yaml() const {
     << "  limit_all_gathers: " << distributed.limit_all_gathers << "\n"
     << "  accumulation: " << s(distributed.accumulation) << "\n"
     << "  memory_budget_mb: " << d(distributed.memory_budget_mb) << "\n";
+  y << "checkpoint:\n"
+    << "  every_n_steps: " << checkpoint.every_n_steps << "\n"
+    << "  every_n_minutes: " << d(checkpoint.every_n_minutes) << "\n"
+    << "  keep: " << checkpoint.keep << "\n"
+    << "  monitor: " << s(checkpoint.monitor) << "\n"
+    << "  mode: " << s(checkpoint.mode) << "\n"
+    << "  resume: " << s(checkpoint.resume) << "\n"
+    << "  save_on_signal: " << yaml_bool(checkpoint.save_on_signal) << "\n";
   y << "precision: " << s(precision) << "\n";
   y << "loss_scaler:\n"
     << "  initial_scale_power: " << loss_scaler.initial_scale_power << "\n"

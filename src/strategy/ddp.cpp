@@ -437,7 +437,7 @@ void DDPStrategy::optimizer_step(torch::optim::Optimizer& optimizer) { optimizer
 
 std::vector<ShardedTensor> DDPStrategy::optimizer_parameters() {
   ST_CHECK(model_ != nullptr, InvalidArgument, "optimizer_parameters called before setup()");
-  return whole_optimizer_parameters(*model_);
+  return whole_optimizer_parameters(*model_, comm_->rank());
 }
 
 std::vector<ShardedTensor> DDPStrategy::sharded_state_dict() {

@@ -50,8 +50,9 @@ std::vector<std::vector<size_t>> plan_buckets(const std::vector<at::Tensor>& ten
 /// strategies where every rank holds the whole model: primary on rank 0.
 std::vector<ShardedTensor> whole_model_state(torch::nn::Module& model, int rank);
 
-/// The trainable parameters as optimizer_parameters() of a whole-model strategy.
-std::vector<ShardedTensor> whole_optimizer_parameters(torch::nn::Module& model);
+/// The trainable parameters as optimizer_parameters() of a whole-model
+/// strategy (primary on rank 0).
+std::vector<ShardedTensor> whole_optimizer_parameters(torch::nn::Module& model, int rank);
 
 /// full_state_dict() of a whole-model strategy: the tensors themselves on
 /// rank 0, nothing elsewhere.

@@ -59,7 +59,7 @@ std::vector<ShardedTensor> whole_model_state(torch::nn::Module& model, int rank)
   return out;
 }
 
-std::vector<ShardedTensor> whole_optimizer_parameters(torch::nn::Module& model) {
+std::vector<ShardedTensor> whole_optimizer_parameters(torch::nn::Module& model, int rank) {
   std::vector<ShardedTensor> out;
   auto named = trainable_parameters(model);
   for (size_t i = 0; i < named.tensors.size(); ++i) {
@@ -67,6 +67,7 @@ std::vector<ShardedTensor> whole_optimizer_parameters(torch::nn::Module& model) 
     s.name = named.names[i];
     s.global_shape = named.tensors[i].sizes().vec();
     s.local = named.tensors[i];
+    s.primary = rank == 0;  // every rank holds the same: rank 0 writes it
     out.push_back(std::move(s));
   }
   return out;
@@ -121,7 +122,7 @@ class SingleStrategy final : public Strategy {
   void optimizer_step(torch::optim::Optimizer& optimizer) override { optimizer.step(); }
   std::vector<ShardedTensor> optimizer_parameters() override {
     check_setup("optimizer_parameters");
-    return detail::whole_optimizer_parameters(*model_);
+    return detail::whole_optimizer_parameters(*model_, comm_ ? comm_->rank() : 0);
   }
   std::vector<at::Tensor> gradients() override { return detail::defined_grads(params_); }
   std::vector<ShardedTensor> sharded_state_dict() override {

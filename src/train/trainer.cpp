@@ -12,6 +12,7 @@
 #include <thread>
 #include <unordered_set>
 
+#include "shardtrain/checkpoint/safetensors.h"
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/dist/env.h"
@@ -148,6 +149,13 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
   scaler.min_loss_scale = config_.loss_scaler.min_loss_scale;
   scaler.max_skips_at_min = config_.loss_scaler.max_skips_at_min;
   precision_ = precision::Precision::create(config_.precision, scaler, torch::cuda::is_available());
+  // Fine-tuning: weights from a safetensors file (Hugging Face GPT-2 names;
+  // its Conv1D weights are stored transposed), before the strategy shards
+  // them. Every rank reads it; setup would broadcast rank 0's anyway.
+  if (!config_.model.init_from.empty()) {
+    checkpoint::load_safetensors_into(*task_.model, config_.model.init_from,
+                                      checkpoint::SafetensorsLoadOptions().transpose_conv1d(true));
+  }
   precision_->prepare_model(*task_.model);
 
   const strategy::StrategyOptions so =
@@ -303,6 +311,15 @@ void Trainer::run_step() {
   control_.should_log = t.log_every > 0 && (state_.step % t.log_every == 0 || last);
   control_.should_evaluate = t.eval_every > 0 && task_.eval_batch &&
                              (state_.step % t.eval_every == 0 || last);
+  // Checkpoint cadence (any rank's clock or signal counts: the flags are
+  // OR-ed over ranks next).
+  const auto& k = config_.checkpoint;
+  if (k.every_n_steps > 0 && state_.step % k.every_n_steps == 0) control_.should_save = true;
+  if (k.every_n_minutes > 0 &&
+      std::chrono::duration<double>(Clock::now() - last_save_).count() >= 60.0 * k.every_n_minutes) {
+    control_.should_save = true;
+  }
+  if (SignalGuard::received() != 0) control_.should_save = control_.should_training_stop = true;
   for_each_callback([&](Callback& c) { c.on_step_end(state_, control_); });
   agree_on_control();
 }
@@ -362,13 +379,21 @@ std::string Trainer::save(const std::string& dir) {
 }
 
 const TrainerState& Trainer::fit() {
+  // SIGTERM / SIGINT only set a flag; the step in progress finishes, every
+  // rank agrees (control flags), a checkpoint is written and fit returns.
+  const SignalGuard signals(config_.checkpoint.save_on_signal);
+  if (!config_.checkpoint.resume.empty()) resume(config_.checkpoint.resume);
+
   const auto epoch_of = [this](int64_t step) { return task_.epoch_of ? task_.epoch_of(step) : 0; };
   const auto run_evaluation = [this] {
     evaluate();
     for_each_callback([&](Callback& c) { c.on_evaluate(state_, control_, state_.eval_metrics); });
+    note_evaluation();
   };
-  const auto run_save = [this] {
-    const std::string path = save((fs::path(config_.run.dir) / "checkpoint").string());
+  int64_t saved_at = -1;
+  const auto run_checkpoint = [&] {
+    const std::string path = save_checkpoint();
+    saved_at = state_.step;
     for_each_callback([&](Callback& c) { c.on_save(state_, control_, path); });
   };
 
@@ -390,15 +415,20 @@ const TrainerState& Trainer::fit() {
     if (control_.should_evaluate) {
       run_evaluation();
       evaluated_at = state_.step;
-      agree_on_control();  // an evaluation callback may have asked to stop
+      agree_on_control();  // an evaluation callback may have asked to stop or save
     }
-    if (control_.should_save) run_save();
+    if (control_.should_save) run_checkpoint();
   }
+  state_.signal = SignalGuard::received();
   for_each_callback([&](Callback& c) { c.on_epoch_end(state_, control_); });
-  if (config_.trainer.eval_every > 0 && task_.eval_batch && evaluated_at != state_.step) {
-    run_evaluation();
+  if (state_.signal == 0) {
+    if (config_.trainer.eval_every > 0 && task_.eval_batch && evaluated_at != state_.step) {
+      run_evaluation();
+    }
+    // The whole model for `generate` and the final sharded checkpoint.
+    save((fs::path(config_.run.dir) / "checkpoint").string());
   }
-  run_save();
+  if (saved_at != state_.step) run_checkpoint();
   for_each_callback([&](Callback& c) { c.on_train_end(state_, control_); });
   return state_;
 }

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/config/config.h"
 #include "shardtrain/strategy/strategy.h"
@@ -32,7 +33,12 @@ std::string corpus_file() {
 
 config::Config parity_config(const std::string& data, int64_t micro, const std::string& strategy) {
   config::Config c;
-  c.run.dir = (fs::temp_directory_path() / ("shardtrain_parity_run_" + std::to_string(getpid()))).string();
+  // One directory for all ranks of this job (checkpoints are written by
+  // every rank): named after the job's rendezvous port.
+  const char* port = std::getenv("MASTER_PORT");
+  c.run.dir = (fs::temp_directory_path() /
+               ("shardtrain_parity_run_" + std::string(port ? port : std::to_string(getpid()))))
+                  .string();
   c.model.n_layer = 2;
   c.model.n_head = 2;
   c.model.n_embd = 32;
@@ -108,7 +114,8 @@ TEST(TrainerParity, ShardedStrategiesMatchSingleProcessStepByStep) {
   const int n = g_world->size();
   const std::string data = corpus_file();
   auto one = comm::Communicator::create(comm::CommOptions());
-  const auto ref_config = parity_config(data, 12, "single");
+  auto ref_config = parity_config(data, 12, "single");
+  ref_config.run.dir += "_reference_" + std::to_string(getpid());  // every rank runs its own
   train::Trainer ref(ref_config, train::make_task(ref_config, 1), one);
   auto ref_rec = std::make_shared<Recorder>(&ref);
   ref.add_callback(ref_rec);
@@ -148,7 +155,8 @@ TEST(TrainerParity, DdpMatchesSingleProcessStepByStep) {
 
   // The reference: one process, one micro-batch of the whole global batch.
   auto one = comm::Communicator::create(comm::CommOptions());
-  const auto ref_config = parity_config(data, 12, "single");
+  auto ref_config = parity_config(data, 12, "single");
+  ref_config.run.dir += "_reference_" + std::to_string(getpid());  // every rank runs its own
   train::Trainer ref(ref_config, train::make_task(ref_config, 1), one);
   auto ref_rec = std::make_shared<Recorder>(&ref);
   ref.add_callback(ref_rec);
@@ -173,6 +181,50 @@ TEST(TrainerParity, DdpMatchesSingleProcessStepByStep) {
     const auto& other = b[item.key()];
     EXPECT_TRUE(torch::allclose(item.value(), other, kParamRtol, kParamAtol))
         << item.key() << " differs by " << (item.value() - other).abs().max().item<double>();
+  }
+  fs::remove(data);
+}
+
+// Resume at the same world size and strategy continues bit-exactly: every
+// later step's loss equals the uninterrupted run's. The same checkpoint
+// resumed under another strategy continues within rounding.
+TEST(TrainerResume, SameLayoutIsBitExactOtherStrategyIsClose) {
+  const int n = g_world->size();
+  const std::string data = corpus_file();
+  for (const char* strategy : {"ddp", "fsdp"}) {
+    auto c = parity_config(data, 12 / (2 * n), strategy);
+    c.run.dir += std::string("_resume_") + strategy;
+    c.trainer.max_steps = 8;
+    c.trainer.eval_every = 0;
+    c.checkpoint.every_n_steps = 4;
+    train::Trainer whole(c, train::make_task(c, n), g_world);
+    auto whole_rec = std::make_shared<Recorder>(&whole);
+    whole.add_callback(whole_rec);
+    whole.fit();
+
+    const std::string from = checkpoint::checkpoint_dir(c.run.dir, 4);
+    for (const char* other : {"ddp", "fsdp"}) {
+      auto r = c;
+      r.distributed.strategy = other;
+      r.checkpoint.resume = from;
+      r.run.dir += std::string("_as_") + other;
+      train::Trainer resumed(r, train::make_task(r, n), g_world);
+      auto rec = std::make_shared<Recorder>(&resumed);
+      resumed.add_callback(rec);
+      resumed.fit();
+      ASSERT_EQ(rec->steps.size(), 4u);
+      for (size_t i = 0; i < 4; ++i) {
+        const double want = whole_rec->steps[4 + i].loss;
+        if (std::string(other) == strategy) {
+          EXPECT_EQ(rec->steps[i].loss, want) << strategy << " step " << 5 + i;
+        } else {
+          EXPECT_NEAR(rec->steps[i].loss, want, kLossAtol) << strategy << " as " << other << " step " << 5 + i;
+        }
+      }
+      if (g_world->rank() == 0) fs::remove_all(r.run.dir);
+    }
+    g_world->barrier();
+    if (g_world->rank() == 0) fs::remove_all(c.run.dir);
   }
   fs::remove(data);
 }

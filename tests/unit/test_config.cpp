@@ -79,6 +79,14 @@ void expect_same(const Config& a, const Config& b) {
   EXPECT_EQ(a.loss_scaler.hysteresis, b.loss_scaler.hysteresis);
   EXPECT_EQ(a.loss_scaler.min_loss_scale, b.loss_scaler.min_loss_scale);
   EXPECT_EQ(a.loss_scaler.max_skips_at_min, b.loss_scaler.max_skips_at_min);
+  EXPECT_EQ(a.model.init_from, b.model.init_from);
+  EXPECT_EQ(a.checkpoint.every_n_steps, b.checkpoint.every_n_steps);
+  EXPECT_EQ(a.checkpoint.every_n_minutes, b.checkpoint.every_n_minutes);
+  EXPECT_EQ(a.checkpoint.keep, b.checkpoint.keep);
+  EXPECT_EQ(a.checkpoint.monitor, b.checkpoint.monitor);
+  EXPECT_EQ(a.checkpoint.mode, b.checkpoint.mode);
+  EXPECT_EQ(a.checkpoint.resume, b.checkpoint.resume);
+  EXPECT_EQ(a.checkpoint.save_on_signal, b.checkpoint.save_on_signal);
   EXPECT_EQ(a.to_yaml(), b.to_yaml());
 }
 
@@ -168,6 +176,14 @@ TEST(Config, EveryKeyRoundTrips) {
   c.trainer.early_stopping.patience = 11;
   c.trainer.early_stopping.min_delta = 1e-3;
   c.trainer.early_stopping.mode = "max";
+  c.model.init_from = "weights/gpt2 small.safetensors";
+  c.checkpoint.every_n_steps = 50;
+  c.checkpoint.every_n_minutes = 12.5;
+  c.checkpoint.keep = 0;
+  c.checkpoint.monitor = "eval_loss";
+  c.checkpoint.mode = "max";
+  c.checkpoint.resume = "auto";
+  c.checkpoint.save_on_signal = false;
   c.distributed.strategy = "fsdp";
   c.distributed.nproc_per_node = 3;
   c.distributed.bucket_cap_mb = 0.5;
@@ -425,6 +441,8 @@ TEST(ConfigErrors, OutOfRange) {
       {"distributed: {sharding: zero2}", "distributed.sharding: got 'zero2'",
        "one of: full_shard, shard_grad_op, no_shard, hybrid_shard"},
       {"distributed: {strategy: ddp, param_dtype: bf16}", "needs zero1 or fsdp"},
+      {"checkpoint: {mode: lowest}", "checkpoint.mode: got 'lowest'", "one of: min, max"},
+      {"checkpoint: {every_n_minutes: -1}", "checkpoint.every_n_minutes: got -1"},
       {"distributed: {param_dtype: fp64}", "distributed.param_dtype: got 'fp64'",
        "one of: auto, fp32, bf16, fp16"},
       {"distributed: {auto_wrap_policy: transformer}",

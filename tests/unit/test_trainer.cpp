@@ -6,6 +6,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include "shardtrain/checkpoint/checkpoint.h"
+#include "shardtrain/checkpoint/safetensors.h"
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/config/config.h"
 #include "shardtrain/core/error.h"
@@ -375,4 +377,93 @@ TEST(Precision, Bf16MixedTrainsLikeFp32) {
   EXPECT_GT(fp32_drop, 0.5);
   // Stated margin: bf16-mixed achieves at least 85% of fp32's improvement.
   EXPECT_GT(bf16_drop, 0.85 * fp32_drop);
+}
+
+// Checkpoints through the trainer, one process (multi-rank resume is in
+// tests/dist/test_trainer_parity.cpp).
+
+TEST(TrainerCheckpoints, CadenceRetentionAndBest) {
+  auto c = mlp_config("cadence");
+  c.trainer.max_steps = 7;
+  c.trainer.eval_every = 1;
+  c.checkpoint.every_n_steps = 2;
+  c.checkpoint.keep = 2;
+  c.checkpoint.monitor = "eval_loss";
+  c.checkpoint.mode = "max";  // the worst loss is "best": the first evaluation, step 1
+  train::Trainer t(c, train::make_task(c, 1), world_of_one());
+  t.fit();
+  std::vector<int64_t> steps;
+  for (const auto& e : checkpoint::list_complete(c.run.dir)) steps.push_back(e.step);
+  // The newest two (7 is the end of training, 6 the cadence) and the best (1).
+  EXPECT_EQ(steps, (std::vector<int64_t>{7, 6, 1}));
+}
+
+TEST(TrainerCheckpoints, ResumeContinuesBitExactly) {
+  auto c = mlp_config("exact");
+  c.optimizer.name = "adamw";
+  c.trainer.max_steps = 6;
+  c.checkpoint.every_n_steps = 3;
+  std::vector<double> whole, resumed;
+  struct Losses : train::Callback {
+    std::vector<double>* out;
+    explicit Losses(std::vector<double>* o) : out(o) {}
+    void on_step_end(train::TrainerState& s, train::TrainerControl&) override { out->push_back(s.loss); }
+  };
+  {
+    train::Trainer t(c, train::make_task(c, 1), world_of_one());
+    t.add_callback(std::make_shared<Losses>(&whole));
+    t.fit();
+  }
+  c.checkpoint.resume = checkpoint::checkpoint_dir(c.run.dir, 3);
+  c.run.dir = temp_dir("exact_resumed");
+  train::Trainer t(c, train::make_task(c, 1), world_of_one());
+  t.add_callback(std::make_shared<Losses>(&resumed));
+  t.fit();
+  ASSERT_EQ(whole.size(), 6u);
+  ASSERT_EQ(resumed.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(resumed[i], whole[3 + i]) << "step " << 4 + i;
+  EXPECT_EQ(t.state().step, 6);
+}
+
+TEST(TrainerCheckpoints, ResumeAutoWithoutCheckpointStartsFresh) {
+  auto c = mlp_config("fresh");
+  c.checkpoint.resume = "auto";
+  c.trainer.max_steps = 1;
+  train::Trainer t(c, train::make_task(c, 1), world_of_one());
+  EXPECT_EQ(t.resume("auto"), "");
+  t.fit();
+  EXPECT_EQ(t.state().step, 1);
+}
+
+TEST(TrainerCheckpoints, ResumeFromAnotherModelIsACheckpointError) {
+  auto c = mlp_config("other");
+  c.trainer.max_steps = 1;
+  {
+    train::Trainer t(c, train::make_task(c, 1), world_of_one());
+    t.fit();
+  }
+  auto other = c;
+  other.model.mlp_sizes = {8, 32, 4};
+  train::Trainer t(other, train::make_task(other, 1), world_of_one());
+  try {
+    t.resume(checkpoint::checkpoint_dir(c.run.dir, 1));
+    FAIL() << "expected a CheckpointError";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("shape"), std::string::npos) << e.what();
+  }
+}
+
+TEST(TrainerCheckpoints, InitFromSafetensors) {
+  auto c = mlp_config("init_from");
+  auto task = train::make_task(c, 1);
+  std::vector<std::pair<std::string, at::Tensor>> weights;
+  for (const auto& p : task.model->named_parameters()) weights.emplace_back(p.key(), p.value().detach() + 1.5);
+  const std::string file = temp_dir("init_from_file") + ".safetensors";
+  checkpoint::save_safetensors(file, weights);
+  c.model.init_from = file;
+  train::Trainer t(c, train::make_task(c, 1), world_of_one());
+  for (const auto& [name, value] : weights) {
+    EXPECT_TRUE(torch::equal(t.model()->named_parameters()[name], value)) << name;
+  }
+  fs::remove(file);
 }

@@ -127,6 +127,15 @@ int train_main(int argc, char** argv) {
     std::fflush(stdout);
   }
   const train::TrainerState& state = trainer.fit();
+  if (state.signal != 0) {
+    if (comm->rank() == 0) {
+      std::printf("stopped by signal %d after step %lld; resume with --set checkpoint.resume=auto "
+                  "(checkpoints in %s/checkpoints)\n",
+                  state.signal, (long long)state.step, state.run_dir.c_str());
+    }
+    comm->barrier();
+    return 128 + state.signal;
+  }
 
   if (comm->rank() == 0) {
     // From the saved model: under a sharded strategy no rank holds the

@@ -31,6 +31,30 @@ struct ModelConfig {
   bool activation_checkpointing = false;
   // mlp: layer widths {in, hidden..., out}
   std::vector<int64_t> mlp_sizes = {64, 128, 64};
+  /// A safetensors file (Hugging Face GPT-2 names) to initialise the
+  /// weights from, for fine-tuning; "" starts from the seed.
+  std::string init_from;
+};
+
+/// Sharded checkpoints under <run.dir>/checkpoints/step-NNNNNN.
+struct CheckpointConfig {
+  /// Save every this many optimizer steps; 0: only at the end (and on
+  /// SIGTERM / SIGINT).
+  int64_t every_n_steps = 0;
+  /// Save when this many minutes passed since the last save; 0: off.
+  double every_n_minutes = 0.0;
+  /// Complete checkpoints kept (the newest); 0 keeps all.
+  int64_t keep = 3;
+  /// Also keep the best checkpoint by this metric of the evaluation lines
+  /// (e.g. "eval_loss"); "" keeps none for that reason.
+  std::string monitor;
+  /// "min" or "max": which value of `monitor` is best.
+  std::string mode = "min";
+  /// "" starts fresh; "auto" resumes from the newest complete checkpoint of
+  /// run.dir if there is one; any other value is a checkpoint directory.
+  std::string resume;
+  /// Save before exiting when SIGTERM or SIGINT arrives.
+  bool save_on_signal = true;
 };
 
 struct DataConfig {
@@ -163,6 +187,7 @@ struct Config {
   /// "fp32", "bf16-mixed", "fp16-mixed" (needs CUDA) or "bf16-true".
   std::string precision = "fp32";
   LossScalerConfig loss_scaler;
+  CheckpointConfig checkpoint;
 
   /// Reads a YAML file, applies "a.b=c" overrides, validates.
   static Config load(const std::string& path, const std::vector<std::string>& overrides = {});

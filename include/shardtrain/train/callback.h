@@ -71,6 +71,8 @@ struct TrainerState {
   Metrics eval_metrics;
   /// Run directory (config run.dir).
   std::string run_dir;
+  /// SIGTERM or SIGINT that stopped training (after a checkpoint), or 0.
+  int signal = 0;
 };
 
 /// Requests callbacks make of the trainer; reset at each step's start,

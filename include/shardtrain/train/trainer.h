@@ -6,6 +6,9 @@
 // built-in models from the config.
 #pragma once
 
+#include <signal.h>
+
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -94,6 +97,23 @@ int64_t count_non_ignored(const data::Batch& batch);
 /// then constant, linear decay to min_lr at max_steps, or cosine to min_lr.
 double scheduled_lr(const config::Config& config, int64_t step);
 
+/// Installs SIGTERM/SIGINT handlers that only record the signal (when
+/// enabled) and restores the previous handlers when destroyed.
+class SignalGuard {
+ public:
+  explicit SignalGuard(bool enabled);
+  ~SignalGuard();
+  SignalGuard(const SignalGuard&) = delete;
+  SignalGuard& operator=(const SignalGuard&) = delete;
+  /// The signal received since construction, or 0.
+  static int received();
+
+ private:
+  bool enabled_;
+  struct sigaction previous_term_ {};
+  struct sigaction previous_int_ {};
+};
+
 class Trainer {
  public:
   /// `comm` is the world (Communicator::create). Builds the precision plugin
@@ -115,9 +135,26 @@ class Trainer {
   /// no evaluation data.
   double evaluate();
 
-  /// Writes the model (rank 0) to `dir`/model.pt with the config beside it,
+  /// Writes the whole model (gathered to rank 0 by the strategy) to
+  /// `dir`/model.pt with the config beside it,
   /// through a temporary directory and a rename; returns `dir`.
   std::string save(const std::string& dir);
+
+  /// Collective: writes a sharded checkpoint of the current step to
+  /// <run.dir>/checkpoints/step-NNNNNN (checkpoint/checkpoint.h: every rank
+  /// its shards, rank 0 the metadata and training state, a commit marker
+  /// last), then keeps the newest checkpoint.keep ones and the best. Returns
+  /// its directory.
+  std::string save_checkpoint();
+
+  /// Collective: continues from a checkpoint written by any strategy at any
+  /// world size: "auto" takes the newest complete one of run.dir (none: a
+  /// fresh start, returns ""), anything else is a checkpoint directory.
+  /// Restores parameters, optimizer state, step, epoch, loss scaler, best
+  /// value and (same world size) each rank's RNG. CheckpointError for a
+  /// missing, torn, corrupt or mismatched checkpoint. Returns its directory.
+  /// fit() calls it when checkpoint.resume is set.
+  std::string resume(const std::string& spec);
 
   const TrainerState& state() const { return state_; }
   const std::shared_ptr<torch::nn::Module>& model() const { return task_.model; }
@@ -132,6 +169,8 @@ class Trainer {
   void for_each_callback(const std::function<void(Callback&)>& f);
   // OR-s the control flags over ranks so every rank acts alike.
   void agree_on_control();
+  // After an evaluation: tracks the best checkpoint.monitor value.
+  void note_evaluation();
 
   config::Config config_;
   TrainTask task_;
@@ -143,6 +182,9 @@ class Trainer {
   std::vector<std::shared_ptr<Callback>> callbacks_;
   TrainerState state_;
   TrainerControl control_;
+  double best_value_ = 0.0;
+  int64_t best_step_ = -1;  // step of the best monitored value; -1: none yet
+  std::chrono::steady_clock::time_point last_save_ = std::chrono::steady_clock::now();
 };
 
 /// Intra-op threads for this rank: `requested` when positive, else the

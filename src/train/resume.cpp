@@ -1,0 +1,181 @@
+// The trainer's sharded checkpoints: what a save holds besides the model and
+// optimizer shards, where resume finds it, and the signal that asks for one.
+//
+// A checkpoint of step s holds everything the loop needs to run step s+1 as
+// an uninterrupted run would: parameters and optimizer state (sharded, any
+// world size), the step (the data order, the learning rate and the epoch are
+// pure functions of it), the loss scaler, each rank's RNG state, the best
+// monitored value, and the config.
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <csignal>
+#include <cstring>
+#include <filesystem>
+#include <mutex>
+#include <nlohmann/json.hpp>
+
+#include "shardtrain/checkpoint/checkpoint.h"
+#include "shardtrain/checkpoint/optimizer_state.h"
+#include "shardtrain/comm/communicator.h"
+#include "shardtrain/core/error.h"
+#include "shardtrain/precision/precision.h"
+#include "shardtrain/strategy/strategy.h"
+#include "shardtrain/train/trainer.h"
+
+namespace shardtrain::train {
+
+namespace fs = std::filesystem;
+namespace ck = ::shardtrain::checkpoint;
+
+namespace {
+
+constexpr int kTrainStateFormat = 1;
+
+std::atomic<int> g_signal{0};
+
+extern "C" void remember_signal(int sig) { g_signal.store(sig); }
+
+std::string rng_state() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  const at::Tensor state = gen.get_state();
+  return std::string(static_cast<const char*>(state.data_ptr()), static_cast<size_t>(state.nbytes()));
+}
+
+void set_rng_state(const std::string& bytes) {
+  auto state = torch::empty({static_cast<int64_t>(bytes.size())}, torch::kUInt8);
+  std::memcpy(state.data_ptr(), bytes.data(), bytes.size());
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+}  // namespace
+
+SignalGuard::SignalGuard(bool enabled) : enabled_(enabled) {
+  if (!enabled_) return;
+  g_signal.store(0);
+  struct sigaction action {};
+  action.sa_handler = remember_signal;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGTERM, &action, &previous_term_);
+  sigaction(SIGINT, &action, &previous_int_);
+}
+
+SignalGuard::~SignalGuard() {
+  if (!enabled_) return;
+  sigaction(SIGTERM, &previous_term_, nullptr);
+  sigaction(SIGINT, &previous_int_, nullptr);
+}
+
+int SignalGuard::received() { return g_signal.load(); }
+
+std::string Trainer::save_checkpoint() {
+  const std::string dir = ck::checkpoint_dir(config_.run.dir, state_.step);
+  std::vector<strategy::ShardedTensor> tensors = strategy_->sharded_state_dict();
+  for (auto& e : ck::optimizer_state(*optimizer_, strategy_->optimizer_parameters())) {
+    tensors.push_back(std::move(e));
+  }
+  // Only rank 0's blob is kept; building it everywhere keeps the code simple.
+  nlohmann::json state;
+  state["format"] = kTrainStateFormat;
+  state["step"] = state_.step;
+  state["epoch"] = state_.epoch;
+  state["world_size"] = comm_->size();
+  state["strategy"] = strategy_->name();
+  if (const auto* scaler = precision_->scaler()) {
+    const auto& s = scaler->state();
+    state["loss_scaler"] = {{"scale", s.scale},
+                            {"iteration", s.iteration},
+                            {"last_overflow_iteration", s.last_overflow_iteration},
+                            {"hysteresis_left", s.hysteresis_left},
+                            {"skips_at_min", s.skips_at_min},
+                            {"skipped_steps", s.skipped_steps}};
+  }
+  if (best_step_ >= 0) {
+    state["best"] = {{"monitor", config_.checkpoint.monitor}, {"value", best_value_}, {"step", best_step_}};
+  }
+  state["config"] = config_.to_yaml();
+  ck::save_sharded(dir, *comm_, tensors, state.dump(), rng_state(),
+                   ck::SaveOptions().strategy(strategy_->name()).step(state_.step));
+  last_save_ = std::chrono::steady_clock::now();
+  if (comm_->rank() == 0 && config_.checkpoint.keep > 0) {
+    std::vector<std::string> protect;
+    if (best_step_ >= 0) protect.push_back(ck::checkpoint_dir(config_.run.dir, best_step_));
+    ck::prune(config_.run.dir, static_cast<int>(config_.checkpoint.keep), protect);
+  }
+  comm_->barrier();  // nobody saves again while rank 0 still prunes
+  return dir;
+}
+
+std::string Trainer::resume(const std::string& spec) {
+  std::string dir = spec;
+  if (spec == "auto") {
+    // Rank 0 decides, so every rank loads the same one even if their views
+    // of a shared filesystem differ for a moment.
+    int64_t step = -1;
+    if (comm_->rank() == 0) {
+      if (const auto latest = ck::latest_complete(config_.run.dir)) step = latest->step;
+    }
+    auto t = torch::tensor({step}, torch::kLong);
+    comm_->broadcast(t);
+    step = t.item<int64_t>();
+    if (step < 0) return "";  // nothing to resume from: a fresh start
+    dir = ck::checkpoint_dir(config_.run.dir, step);
+  }
+  std::vector<strategy::ShardedTensor> targets = strategy_->sharded_state_dict();
+  const ck::LoadResult loaded = ck::load_sharded(dir, *comm_, targets);
+  strategy_->reload_parameters();
+  ck::load_optimizer_state(dir, *comm_, *optimizer_, strategy_->optimizer_parameters());
+
+  nlohmann::json state;
+  try {
+    state = nlohmann::json::parse(loaded.train_state);
+  } catch (const nlohmann::json::exception& e) {
+    throw CheckpointError(::shardtrain::detail::str_cat(
+        "cannot resume from '", dir, "': its training state (train_state.bin) is not the trainer's: ",
+        e.what(), ". Hint: this checkpoint was not written by the Trainer; load it with "
+        "checkpoint::load_sharded instead"));
+  }
+  ST_CHECK(state.value("format", 0) == kTrainStateFormat, CheckpointError, "cannot resume from '", dir,
+           "': training-state format ", state.value("format", 0), ", this build reads ",
+           kTrainStateFormat);
+  state_.step = state.at("step").get<int64_t>();
+  state_.epoch = state.at("epoch").get<int64_t>();
+  if (auto* scaler = precision_->scaler(); scaler && state.contains("loss_scaler")) {
+    const auto& j = state["loss_scaler"];
+    precision::LossScalerState s;
+    s.scale = j.at("scale").get<double>();
+    s.iteration = j.at("iteration").get<int64_t>();
+    s.last_overflow_iteration = j.at("last_overflow_iteration").get<int64_t>();
+    s.hysteresis_left = j.at("hysteresis_left").get<int>();
+    s.skips_at_min = j.at("skips_at_min").get<int64_t>();
+    s.skipped_steps = j.at("skipped_steps").get<int64_t>();
+    scaler->load_state(s);
+  }
+  if (state.contains("best") && state["best"].value("monitor", "") == config_.checkpoint.monitor) {
+    best_value_ = state["best"].at("value").get<double>();
+    best_step_ = state["best"].at("step").get<int64_t>();
+  }
+  // The same rank layout continues its own random streams; another one
+  // starts them from the seed (the data order does not depend on them).
+  if (loaded.rank_state_restored && !loaded.rank_state.empty()) set_rng_state(loaded.rank_state);
+  return dir;
+}
+
+void Trainer::note_evaluation() {
+  const std::string& monitor = config_.checkpoint.monitor;
+  if (monitor.empty()) return;
+  const std::optional<double> v = state_.eval_metrics.number(monitor);
+  if (!v) return;
+  const bool better =
+      best_step_ < 0 || (config_.checkpoint.mode == "min" ? *v < best_value_ : *v > best_value_);
+  if (!better) return;
+  best_value_ = *v;
+  best_step_ = state_.step;
+  control_.should_save = true;  // the best is this step's state: keep it on disk
+}
+
+}  // namespace shardtrain::train
