@@ -130,10 +130,14 @@ def ratio(x, base):
     return f"{x / base:.2f}×" if base else "—"
 
 
+def mode_of(r):
+    return r.get("mode") or r["strategy"]  # torch_gpt_ddp.py's lines name it "strategy"
+
+
 def render(rows, a):
     notes = {(r["world_size"], r["impl"], r["mode"]): r for r in rows if "note" in r}
     rows = [r for r in rows if "note" not in r]
-    by_key = {(r["world_size"], r["impl"], r["mode"]): r for r in rows}
+    by_key = {(r["world_size"], r["impl"], mode_of(r)): r for r in rows}
     worlds = sorted({r["world_size"] for r in rows})
     ok = [r for r in rows if not r.get("failed")]
     if not ok:
