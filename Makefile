@@ -16,7 +16,7 @@ BENCH_PACKAGES := python3-torch
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all deps bench-deps configure build test train bench-comm bench-train bench-sharding bench-precision install clean
+.PHONY: all deps bench-deps configure build test train bench-comm bench-train bench-sharding bench-precision bench-checkpoint install clean
 
 all: build
 
@@ -65,6 +65,9 @@ bench-sharding: build bench-deps
 
 bench-precision: build
 	bash bench/precision.sh
+
+bench-checkpoint: build
+	BUILD_DIR=$(BUILD_DIR) bash bench/checkpoint.sh
 
 install: build
 	cmake --install $(BUILD_DIR)
