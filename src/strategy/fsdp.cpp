@@ -259,6 +259,15 @@ class ShardedEngine : public std::enable_shared_from_this<ShardedEngine> {
     for (auto& h : post_hooks_) h.accumulator->del_post_hook(h.key);
     // Reductions still in flight write into buffers they keep alive.
     drain();
+    // Parameters of units left sharded point at released storage: make them
+    // empty, so a later use fails with a shape error instead of reading freed
+    // memory. (Gathering them back would need every rank here at once.)
+    for (const auto& u : units_) {
+      if (u.state != Unit::State::Sharded) continue;
+      for (size_t f : u.flats) {
+        for (auto& p : flats_[f].params) p.var.set_data(at::empty({0}, p.var.options()));
+      }
+    }
   }
 
   // After an error: wait for what was issued (without rethrowing) and forget it.

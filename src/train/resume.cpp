@@ -84,6 +84,10 @@ std::string Trainer::save_checkpoint() {
   state["step"] = state_.step;
   state["epoch"] = state_.epoch;
   state["world_size"] = comm_->size();
+  // The data order and the learning rate are functions of the step; these
+  // say so explicitly for readers of the checkpoint.
+  state["sampler"] = {{"seed", config_.run.seed}, {"position", state_.step}};
+  state["lr_schedule"] = {{"name", config_.schedule.name}, {"step", state_.step}, {"lr", state_.lr}};
   state["strategy"] = strategy_->name();
   if (const auto* scaler = precision_->scaler()) {
     const auto& s = scaler->state();

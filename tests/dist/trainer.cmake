@@ -13,3 +13,8 @@ endforeach()
 add_test(NAME cli.train_default_job
          COMMAND ${CMAKE_CURRENT_LIST_DIR}/train_default_job.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
 set_tests_properties(cli.train_default_job PROPERTIES TIMEOUT 600 ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=120")
+
+# SIGTERM saves a checkpoint and exits 143; resume auto continues from it.
+add_test(NAME cli.train_sigterm_resume
+         COMMAND ${CMAKE_CURRENT_LIST_DIR}/train_signal.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
+set_tests_properties(cli.train_sigterm_resume PROPERTIES TIMEOUT 300 ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=60")

@@ -274,14 +274,14 @@ TEST(Safetensors, MissingUnexpectedAndMismatchedNamesAreListed) {
   auto tensors = named(*a);
   tensors.erase(tensors.begin() + 3);  // one missing
   const std::string gone = named(*a)[3].first;
-  tensors.emplace_back("h.0.attn.bias", torch::ones({1, 1, 6, 6}));  // HF's mask buffer
+  tensors.emplace_back("h.0.attn.gate", torch::ones({1, 1, 6, 6}));  // not in the model
   ck::save_safetensors(tmp / "x.safetensors", tensors, true);
   GPT b(tiny_gpt());
   std::string msg = checkpoint_error([&] {
     ck::load_safetensors_into(*b, tmp / "x.safetensors", ck::SafetensorsLoadOptions().transpose_conv1d(true));
   });
   EXPECT_NE(msg.find(gone), std::string::npos) << msg;
-  EXPECT_NE(msg.find("h.0.attn.bias"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("h.0.attn.gate"), std::string::npos) << msg;
 
   GPTConfig wider = tiny_gpt();
   wider.vocab_size = 12;
@@ -292,7 +292,16 @@ TEST(Safetensors, MissingUnexpectedAndMismatchedNamesAreListed) {
   });
   EXPECT_NE(msg.find("wte.weight (file [12, 8], model [11, 8])"), std::string::npos) << msg;
 
-  // strict(false) ignores extra tensors such as HF's attention masks.
+  // Hugging Face GPT-2 files carry attention masks (h.N.attn.bias and
+  // .masked_bias): a GPT-2 import (transpose_conv1d) skips them even when strict.
+  tensors = named(*a);
+  tensors.emplace_back("h.0.attn.bias", torch::ones({1, 1, 6, 6}));
+  tensors.emplace_back("h.0.attn.masked_bias", torch::ones({}));
+  ck::save_safetensors(tmp / "masks.safetensors", tensors, true);
+  ck::load_safetensors_into(*b, tmp / "masks.safetensors", ck::SafetensorsLoadOptions().transpose_conv1d(true));
+  expect_same_parameters(*a, *b);
+
+  // strict(false) ignores any extra tensors.
   tensors = named(*a);
   tensors.emplace_back("h.0.attn.bias", torch::ones({1, 1, 6, 6}));
   ck::save_safetensors(tmp / "hf.safetensors", tensors, true);

@@ -398,6 +398,18 @@ TEST(TrainerCheckpoints, CadenceRetentionAndBest) {
   EXPECT_EQ(steps, (std::vector<int64_t>{7, 6, 1}));
 }
 
+TEST(TrainerCheckpoints, EveryNMinutes) {
+  auto c = mlp_config("minutes");
+  c.trainer.max_steps = 3;
+  c.checkpoint.every_n_minutes = 1e-9;  // due after every step
+  c.checkpoint.keep = 0;                // keep all
+  train::Trainer t(c, train::make_task(c, 1), world_of_one());
+  t.fit();
+  std::vector<int64_t> steps;
+  for (const auto& e : checkpoint::list_complete(c.run.dir)) steps.push_back(e.step);
+  EXPECT_EQ(steps, (std::vector<int64_t>{3, 2, 1}));
+}
+
 TEST(TrainerCheckpoints, ResumeContinuesBitExactly) {
   auto c = mlp_config("exact");
   c.optimizer.name = "adamw";

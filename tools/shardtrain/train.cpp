@@ -71,6 +71,9 @@ TrainArgs parse(int argc, char** argv) {
 int relaunch(const TrainArgs& args, int nproc) {
   dist::LaunchOptions options;
   options.nproc_per_node = nproc;
+  // On SIGTERM/SIGINT the ranks finish their step and save a checkpoint
+  // before exiting; give them time before the launcher's SIGKILL.
+  options.stop_grace_s = 300.0;
   char self[4096] = {0};
   const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
   ST_CHECK(n > 0, Error, "cannot find this program's path to start its ranks");

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# SIGTERM during `shardtrain train` on 2 ranks: every rank finishes its step,
+# a complete checkpoint is written and the command exits 143; a second run
+# with checkpoint.resume=auto continues from that step.
+#   train_signal.sh SHARDTRAIN_CLI SOURCE_DIR
+set -euo pipefail
+cli=$1 src=$2
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+common=(--nproc-per-node 2
+  --set run.dir="$dir/run" --set data.train="$src/data/corpus.txt"
+  --set trainer.progress=none --set trainer.sample_tokens=0 --set trainer.eval_every=0
+  --set model.n_layer=1 --set model.n_head=2 --set model.n_embd=32 --set model.block_size=32
+  --set batch.global=8 --set batch.micro=2 --set batch.accumulate=null
+  --set distributed.strategy=fsdp --set distributed.threads_per_rank=1)
+
+"$cli" train "$src/configs/default.yaml" "${common[@]}" --set trainer.max_steps=1000000 \
+  > "$dir/first.log" 2>&1 &
+pid=$!
+for _ in $(seq 1 1200); do
+  [ "$(wc -l < "$dir/run/metrics.jsonl" 2>/dev/null || echo 0)" -ge 3 ] && break
+  sleep 0.1
+done
+kill -TERM "$pid"
+rc=0
+wait "$pid" || rc=$?
+if [ "$rc" -ne 143 ]; then
+  echo "FAIL: exit code $rc after SIGTERM, expected 143"; cat "$dir/first.log"; exit 1
+fi
+latest=$(ls -d "$dir"/run/checkpoints/step-* 2>/dev/null | sort | tail -1)
+if [ -z "$latest" ] || [ ! -f "$latest/COMMITTED" ]; then
+  echo "FAIL: no complete checkpoint after SIGTERM"; ls -R "$dir/run"; cat "$dir/first.log"; exit 1
+fi
+grep -q "stopped by signal 15 after step" "$dir/first.log" || { echo "FAIL: no stop message"; cat "$dir/first.log"; exit 1; }
+step=$((10#${latest##*step-}))
+echo "SIGTERM: checkpoint at step $step"
+
+"$cli" train "$src/configs/default.yaml" "${common[@]}" --set trainer.max_steps=$((step + 2)) \
+  --set checkpoint.resume=auto > "$dir/second.log" 2>&1 || { echo "FAIL: resume run"; cat "$dir/second.log"; exit 1; }
+# The resumed run's first step is the one after the checkpoint.
+after=$(grep -c "\"step\": $((step + 1)), " "$dir/run/metrics.jsonl" || true)
+[ "$after" -eq 1 ] || { echo "FAIL: step $((step + 1)) logged $after times"; cat "$dir/run/metrics.jsonl"; exit 1; }
+[ -f "$dir/run/checkpoints/step-$(printf %06d $((step + 2)))/COMMITTED" ] || { echo "FAIL: no final checkpoint"; exit 1; }
+echo "resumed from step $step to $((step + 2))"
