@@ -134,8 +134,6 @@ for r in rows:
 for f in failures:
     out.append(f"- failed: {f}")
 out.append("")
-out.append("Reading: (to be written from these figures)")
-out.append("")
 out.append("<!-- checkpoint:end -->")
 block = "\n".join(out) + "\n"
 print(block)
@@ -150,7 +148,9 @@ if begin in text and end in text:
         b += 1
     text = text[:a] + block + text[b:]
 else:
-    text = text.rstrip("\n") + "\n\n" + block
+    # First run: the hand-written reading goes after the markers, where a
+    # rerun does not overwrite it.
+    text = text.rstrip("\n") + "\n\n" + block + "\nReading: (to be written from these figures)\n"
 open(md, "w").write(text)
 EOF
 [ ${#failures[@]} -eq 0 ] || die "${#failures[@]} run(s) failed (see the notes under the table)"
