@@ -64,7 +64,14 @@ std::vector<CheckpointEntry> list_complete(const std::string& run_dir) {
   for (const auto& e : fs::directory_iterator(root, ec)) {
     std::string suffix;
     const int64_t step = parse_step(e.path().filename().string(), &suffix);
-    if (step < 0 || !suffix.empty() || !is_complete(e.path().string())) continue;
+    if (step < 0 || !is_complete(e.path().string())) continue;
+    if (suffix == ".old") {
+      // A complete checkpoint moved aside by a save of the same step that
+      // has not committed yet: it stands in until that save commits.
+      if (is_complete(checkpoint_dir(run_dir, step))) continue;
+    } else if (!suffix.empty()) {
+      continue;
+    }
     out.push_back({e.path().string(), step});
   }
   std::sort(out.begin(), out.end(), [](const CheckpointEntry& a, const CheckpointEntry& b) {
@@ -102,6 +109,12 @@ std::vector<std::string> prune(const std::string& run_dir, int keep,
       const bool ours = suffix.empty() || suffix == ".tmp" || suffix == ".old";
       if (!ours) continue;
       if (suffix.empty() && is_complete(e.path().string())) continue;
+      // A complete aside copy whose replacement never committed is a
+      // checkpoint (list_complete returns it; keep decided above).
+      if (suffix == ".old" && is_complete(e.path().string()) &&
+          !is_complete(checkpoint_dir(run_dir, parse_step(name, &suffix)))) {
+        continue;
+      }
       if (protected_paths.count(canonical_or_self(e.path().string()))) continue;
       victims.push_back(e.path().string());
     }

@@ -246,20 +246,30 @@ std::string finish_on_rank0(const std::string& tmp_dir, const std::string& dir, 
   write_file_atomically((fs::path(tmp_dir) / kMetadataFile).string(), text);
   fsync_dir(tmp_dir);
 
-  // A previous checkpoint of the same name is moved aside (it loses its
-  // marker first) and deleted once the new one is committed.
+  // A previous complete checkpoint of the same name is moved aside, marker
+  // and all, and deleted only once the new one is committed; until then
+  // list_complete() offers the aside copy (step-N.old) in its place. A torn
+  // directory of that name is simply replaced.
   const std::string final_dir = normal_dir(dir);
+  const std::string old = previous_dir(final_dir);
   std::error_code ec;
+  bool moved_aside = false;
   if (fs::exists(final_dir)) {
-    const std::string old = previous_dir(final_dir);
-    remove_tree(old);
-    fs::remove(fs::path(final_dir) / kCommitFile, ec);
-    fsync_dir(final_dir);
-    fs::rename(final_dir, old, ec);
-    ST_CHECK(!ec, CheckpointError, "cannot move the previous checkpoint '", final_dir, "' aside: ",
-             ec.message());
+    if (is_complete(final_dir)) {
+      remove_tree(old);
+      fs::rename(final_dir, old, ec);
+      ST_CHECK(!ec, CheckpointError, "cannot move the previous checkpoint '", final_dir, "' aside: ",
+               ec.message());
+      moved_aside = true;
+    } else {
+      remove_tree(final_dir);
+    }
   }
   fs::rename(tmp_dir, final_dir, ec);
+  if (ec && moved_aside) {
+    std::error_code back;
+    fs::rename(old, final_dir, back);  // the previous checkpoint stays the current one
+  }
   ST_CHECK(!ec, CheckpointError, "cannot rename '", tmp_dir, "' to '", final_dir, "': ",
            ec.message());
   fsync_dir(fs::path(final_dir).parent_path().string());

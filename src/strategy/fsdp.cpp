@@ -34,6 +34,7 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <functional>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -166,6 +167,9 @@ struct ParamInfo {
   int64_t numel = 0;
   std::vector<int64_t> shape;
   size_t order = 0;  // position in the model's named_parameters()
+  // Its part of this rank's shard: elements [shard_begin, shard_begin +
+  // shard_count) of the shard hold its elements from param_offset on.
+  int64_t shard_begin = 0, shard_count = 0, param_offset = 0;
 };
 
 struct Flat {
@@ -185,7 +189,6 @@ struct Flat {
   bool grad_shard_is_view = false;
   std::vector<at::Tensor> opt_params;  // per parameter: its slice of shard
   std::vector<at::Tensor> opt_grads;   // per parameter: its slice of grad_shard
-  std::vector<int64_t> opt_offsets;    // element of the parameter where the slice starts
 
   bool claimed = false;      // a reduction of this window writes grad_shard directly
   bool accumulated = false;  // grad_shard holds this window's sum so far
@@ -330,10 +333,21 @@ class ShardedEngine : public std::enable_shared_from_this<ShardedEngine> {
   void complete_front();
   void fold(const Reduction& r);
   void complete_all();
+  void check_reduction_order();
   void start_window();
   void wait_timed(const comm::Work& w);
   long next_in_order(size_t u, int direction) const;
   bool primary_params() const;
+  // The parameters of the flats `which` selects, in the model's order, with
+  // `local` as each one's tensor.
+  std::vector<ShardedTensor> in_model_order(
+      const std::function<bool(const Flat&)>& which,
+      const std::function<at::Tensor(const Flat&, size_t)>& local) const;
+  // p's elements in this rank's master shard (its own shape when whole).
+  at::Tensor shard_slice(const Flat& fl, const ParamInfo& p) const {
+    at::Tensor slice = fl.shard.narrow(0, p.shard_begin, p.shard_count);
+    return shard_n_ == 1 ? slice.view(p.shape) : slice;
+  }
   double comm_busy() const {
     double s = shard_comm_ ? shard_comm_->busy_seconds() : 0.0;
     if (replica_comm_ && replica_comm_ != shard_comm_) s += replica_comm_->busy_seconds();
@@ -362,6 +376,7 @@ class ShardedEngine : public std::enable_shared_from_this<ShardedEngine> {
   int max_in_flight_ = 0;
   int64_t prefetches_ = 0;
   int64_t collectives_ = 0;
+  int64_t order_hash_ = 0;  // of the flats reduced since the last finish, in launch order
   double exposed_s_ = 0.0;
   double busy_at_finish_ = 0.0;
   CommStats last_stats_;
@@ -500,6 +515,14 @@ void ShardedEngine::build_flat(size_t u, std::vector<ParamInfo> params, bool tra
   fl.padded = (fl.numel + shard_n_ - 1) / shard_n_ * shard_n_;
   fl.shard_numel = fl.padded / shard_n_;
   fl.shard_offset = static_cast<int64_t>(shard_rank_) * fl.shard_numel;
+  for (auto& p : params) {
+    const int64_t shard_end = fl.shard_offset + fl.shard_numel;
+    const int64_t lo = std::min(std::max(p.offset, fl.shard_offset), shard_end);
+    const int64_t hi = std::max(std::min(p.offset + p.numel, shard_end), lo);
+    p.shard_begin = lo - fl.shard_offset;
+    p.shard_count = hi - lo;
+    p.param_offset = p.shard_count > 0 ? lo - p.offset : 0;
+  }
 
   // The master values, padded with zeros.
   at::Tensor master = at::zeros({fl.padded}, at::TensorOptions().dtype(dtype));
@@ -523,18 +546,11 @@ void ShardedEngine::build_flat(size_t u, std::vector<ParamInfo> params, bool tra
                         ? fl.grad_full.narrow(0, fl.shard_offset, fl.shard_numel)
                         : at::zeros({fl.shard_numel}, at::TensorOptions().dtype(dtype));
     for (const auto& p : params) {
-      const int64_t lo = std::max(p.offset, fl.shard_offset);
-      const int64_t hi = std::min(p.offset + p.numel, fl.shard_offset + fl.shard_numel);
-      const int64_t begin = std::min(lo, fl.shard_offset + fl.shard_numel) - fl.shard_offset;
-      const int64_t count = std::max<int64_t>(0, hi - lo);
-      at::Tensor slice = fl.shard.narrow(0, begin, count);
-      if (shard_n_ == 1) slice = slice.view(p.shape);  // whole parameters: keep their shape
-      at::Tensor grad = alias_of(fl.grad_shard, begin,
-                                 shard_n_ == 1 ? at::IntArrayRef(p.shape) : at::IntArrayRef({count}));
+      at::Tensor slice = shard_slice(fl, p);
+      at::Tensor grad = alias_of(fl.grad_shard, p.shard_begin, slice.sizes());
       slice.mutable_grad() = grad;
       fl.opt_params.push_back(slice);
       fl.opt_grads.push_back(grad);
-      fl.opt_offsets.push_back(count > 0 ? lo - p.offset : 0);
     }
     units_[u].trainable_params += static_cast<int>(params.size());
   }
@@ -763,6 +779,7 @@ void ShardedEngine::launch_reduction(size_t f) {
   }
   fl.reduced = true;
   ++collectives_;
+  order_hash_ = order_hash_ * 1000003 + static_cast<int64_t>(f) + 1;
   pending_.push_back(std::move(r));
   // Finished reductions are folded in at once; at most two stay in flight
   // with their whole-gradient buffers (bounded memory under sharding).
@@ -817,6 +834,24 @@ void ShardedEngine::complete_all() {
   }
 }
 
+// Every rank must reduce the same flats in the same order, or collectives
+// pair up wrongly (silently, when sizes match). That holds when every rank
+// uses the same parameters in each step; this checks it, for one tiny
+// all-reduce per step, and names the likely cause.
+void ShardedEngine::check_reduction_order() {
+  const int64_t mine = order_hash_;
+  order_hash_ = 0;
+  if (world_->size() == 1) return;
+  auto t = torch::tensor({mine, -mine}, torch::kLong);
+  world_->all_reduce(t, comm::AllReduceOptions().op(comm::ReduceOp::Max));
+  const auto v = t.accessor<int64_t, 1>();
+  ST_CHECK(v[0] == mine && v[1] == -mine, ConfigError,
+           "fsdp: the ranks reduced gradients of their units in different orders in this step, so "
+           "the reductions were paired wrongly. This happens when some parameters get no gradient "
+           "on some ranks only (data-dependent control flow). Every rank must use the same "
+           "parameters in each step, or such parameters must be frozen or left to the root unit");
+}
+
 void ShardedEngine::finish() {
   if (!sync_) return;  // accumulation micro-step: nothing is final yet
   try {
@@ -834,6 +869,7 @@ void ShardedEngine::finish() {
       launch_reduction(f);
     }
     complete_all();
+    check_reduction_order();
   } catch (...) {
     drain();
     throw;
@@ -877,16 +913,19 @@ bool ShardedEngine::primary_params() const {
   return true;
 }
 
-std::vector<ShardedTensor> ShardedEngine::optimizer_parameters() {
+std::vector<ShardedTensor> ShardedEngine::in_model_order(
+    const std::function<bool(const Flat&)>& which,
+    const std::function<at::Tensor(const Flat&, size_t)>& local) const {
   std::vector<std::pair<size_t, ShardedTensor>> out;
-  for (auto& fl : flats_) {
-    for (size_t i = 0; i < fl.opt_params.size(); ++i) {
+  for (const auto& fl : flats_) {
+    if (!which(fl)) continue;
+    for (size_t i = 0; i < fl.params.size(); ++i) {
       const ParamInfo& p = fl.params[i];
       ShardedTensor s;
       s.name = p.name;
       s.global_shape = p.shape;
-      s.offset = fl.opt_offsets[i];
-      s.local = fl.opt_params[i];
+      s.offset = p.param_offset;
+      s.local = local(fl, i);
       s.primary = primary_params();
       out.emplace_back(p.order, std::move(s));
     }
@@ -895,6 +934,11 @@ std::vector<ShardedTensor> ShardedEngine::optimizer_parameters() {
   std::vector<ShardedTensor> result;
   for (auto& e : out) result.push_back(std::move(e.second));
   return result;
+}
+
+std::vector<ShardedTensor> ShardedEngine::optimizer_parameters() {
+  return in_model_order([](const Flat& fl) { return fl.trainable; },
+                        [](const Flat& fl, size_t i) { return fl.opt_params[i]; });
 }
 
 std::vector<at::Tensor> ShardedEngine::gradients() {
@@ -955,27 +999,10 @@ void ShardedEngine::reload() {
 }
 
 std::vector<ShardedTensor> ShardedEngine::sharded_state_dict() {
-  std::vector<std::pair<size_t, ShardedTensor>> out;
-  for (auto& fl : flats_) {
-    for (size_t i = 0; i < fl.params.size(); ++i) {
-      const ParamInfo& p = fl.params[i];
-      const int64_t lo = std::max(p.offset, fl.shard_offset);
-      const int64_t hi = std::min(p.offset + p.numel, fl.shard_offset + fl.shard_numel);
-      const int64_t count = std::max<int64_t>(0, hi - lo);
-      const int64_t begin = std::min(lo, fl.shard_offset + fl.shard_numel) - fl.shard_offset;
-      ShardedTensor s;
-      s.name = p.name;
-      s.global_shape = p.shape;
-      s.offset = count > 0 ? lo - p.offset : 0;
-      s.local = fl.shard.narrow(0, begin, count);
-      if (shard_n_ == 1) s.local = s.local.view(p.shape);
-      s.primary = primary_params();
-      out.emplace_back(p.order, std::move(s));
-    }
-  }
-  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-  std::vector<ShardedTensor> result;
-  for (auto& e : out) result.push_back(std::move(e.second));
+  // Every parameter (frozen ones too): this rank's slice of its master.
+  std::vector<ShardedTensor> result =
+      in_model_order([](const Flat&) { return true; },
+                     [this](const Flat& fl, size_t i) { return shard_slice(fl, fl.params[i]); });
   std::unordered_set<const void*> seen;
   for (const auto& b : model_->named_buffers(true)) {
     if (!b.value().defined() || !seen.insert(b.value().unsafeGetTensorImpl()).second) continue;

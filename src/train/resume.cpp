@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <csignal>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <mutex>
@@ -35,7 +36,14 @@ constexpr int kTrainStateFormat = 1;
 
 std::atomic<int> g_signal{0};
 
-extern "C" void remember_signal(int sig) { g_signal.store(sig); }
+// The first SIGTERM/SIGINT is remembered (training saves and stops); a
+// second one gets the default action, so a stuck job can still be stopped.
+extern "C" void remember_signal(int sig) {
+  if (g_signal.exchange(sig) != 0) {
+    std::signal(sig, SIG_DFL);
+    std::raise(sig);
+  }
+}
 
 std::string rng_state() {
   auto gen = at::detail::getDefaultCPUGenerator();
@@ -59,6 +67,7 @@ SignalGuard::SignalGuard(bool enabled) : enabled_(enabled) {
   g_signal.store(0);
   struct sigaction action {};
   action.sa_handler = remember_signal;
+  action.sa_flags = SA_RESTART;  // system calls in progress resume
   sigemptyset(&action.sa_mask);
   sigaction(SIGTERM, &action, &previous_term_);
   sigaction(SIGINT, &action, &previous_int_);
@@ -108,7 +117,12 @@ std::string Trainer::save_checkpoint() {
   if (comm_->rank() == 0 && config_.checkpoint.keep > 0) {
     std::vector<std::string> protect;
     if (best_step_ >= 0) protect.push_back(ck::checkpoint_dir(config_.run.dir, best_step_));
-    ck::prune(config_.run.dir, static_cast<int>(config_.checkpoint.keep), protect);
+    try {
+      ck::prune(config_.run.dir, static_cast<int>(config_.checkpoint.keep), protect);
+    } catch (const std::exception& e) {
+      // Old checkpoints left behind cost disk, not the run.
+      std::fprintf(stderr, "warning: could not remove old checkpoints: %s\n", e.what());
+    }
   }
   comm_->barrier();  // nobody saves again while rank 0 still prunes
   return dir;

@@ -353,7 +353,8 @@ double Trainer::evaluate() {
 std::string Trainer::save(const std::string& dir) {
   // Sharded strategies gather the model unit by unit, to rank 0 only.
   const auto state = strategy_->full_state_dict();
-  if (comm_->rank() == 0) {
+  std::string failure;  // rank 0's, shared with every rank before anyone throws
+  if (comm_->rank() == 0) try {
     // Written aside and renamed into place: a reader never sees half a save.
     const fs::path final_dir(dir);
     const fs::path tmp = final_dir.string() + ".tmp-" + std::to_string(getpid());
@@ -373,8 +374,14 @@ std::string Trainer::save(const std::string& dir) {
     if (fs::exists(final_dir)) fs::rename(final_dir, old);
     fs::rename(tmp, final_dir);
     fs::remove_all(old);
+  } catch (const std::exception& e) {
+    failure = e.what();
   }
-  comm_->barrier();
+  auto failed = torch::tensor({failure.empty() ? 0L : 1L}, torch::kLong);
+  comm_->broadcast(failed);  // also the barrier: nobody goes on before the model is in place
+  ST_CHECK(failed.item<int64_t>() == 0, CheckpointError, "saving the model to '", dir, "' failed",
+           comm_->rank() == 0 ? ": " + failure : std::string(" on rank 0 (see its error)"),
+           ". Hint: check that run.dir is writable and the disk is not full");
   return dir;
 }
 
@@ -382,7 +389,10 @@ const TrainerState& Trainer::fit() {
   // SIGTERM / SIGINT only set a flag; the step in progress finishes, every
   // rank agrees (control flags), a checkpoint is written and fit returns.
   const SignalGuard signals(config_.checkpoint.save_on_signal);
-  if (!config_.checkpoint.resume.empty()) resume(config_.checkpoint.resume);
+  int64_t saved_at = -1;  // step of the last checkpoint written or loaded
+  if (!config_.checkpoint.resume.empty() && !resume(config_.checkpoint.resume).empty()) {
+    saved_at = state_.step;  // never rewrite the checkpoint we resumed from
+  }
 
   const auto epoch_of = [this](int64_t step) { return task_.epoch_of ? task_.epoch_of(step) : 0; };
   const auto run_evaluation = [this] {
@@ -390,7 +400,6 @@ const TrainerState& Trainer::fit() {
     for_each_callback([&](Callback& c) { c.on_evaluate(state_, control_, state_.eval_metrics); });
     note_evaluation();
   };
-  int64_t saved_at = -1;
   const auto run_checkpoint = [&] {
     const std::string path = save_checkpoint();
     saved_at = state_.step;
@@ -419,7 +428,13 @@ const TrainerState& Trainer::fit() {
     }
     if (control_.should_save) run_checkpoint();
   }
-  state_.signal = SignalGuard::received();
+  // Every rank takes the same branch below: a signal seen by any rank
+  // (perhaps after the last agreement) counts for all.
+  {
+    auto sig = torch::tensor({static_cast<int64_t>(SignalGuard::received())}, torch::kLong);
+    comm_->all_reduce(sig, comm::AllReduceOptions().op(comm::ReduceOp::Max));
+    state_.signal = static_cast<int>(sig.item<int64_t>());
+  }
   for_each_callback([&](Callback& c) { c.on_epoch_end(state_, control_); });
   if (state_.signal == 0) {
     if (config_.trainer.eval_every > 0 && task_.eval_batch && evaluated_at != state_.step) {

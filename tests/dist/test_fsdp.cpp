@@ -538,3 +538,41 @@ TEST(Sharded, PrefetchStaysWithinTheGatherLimit) {
     }
   }
 }
+
+// Three equal units; ranks other than 0 skip the middle one, so they reduce
+// in another order than rank 0 (with equal sizes the collectives would pair
+// up silently). finish_gradient_sync must say so on every rank.
+struct SkipImpl : torch::nn::Module {
+  SkipImpl() {
+    for (int i = 0; i < 3; ++i) layers.push_back(register_module("l" + std::to_string(i), torch::nn::Linear(8, 8)));
+  }
+  torch::Tensor forward(torch::Tensor x, bool skip_middle) {
+    for (int i = 0; i < 3; ++i) {
+      if (skip_middle && i == 1) continue;
+      auto& l = layers[static_cast<size_t>(i)];
+      x = unit_forward(l, [&] { return l(x); });
+    }
+    return x;
+  }
+  std::vector<torch::nn::Linear> layers;
+};
+TORCH_MODULE(Skip);
+
+TEST(Sharded, RanksUsingDifferentUnitsIsAnErrorNotSilentlyWrong) {
+  if (world_size() == 1) GTEST_SKIP() << "needs two ranks";
+  Skip model;
+  StrategyOptions o;
+  o.name = "fsdp";
+  // In the first step every unit is still gathered from setup and
+  // shard_grad_op does not free it after forward, so only the reductions
+  // differ between ranks (same count, same sizes): the silent case.
+  o.sharding = "shard_grad_op";
+  o.wrap_module_types = {"LinearImpl"};
+  auto strategy = strategy::make_strategy(o);
+  strategy->setup(*model, g_world);
+  const std::string msg = error_of([&] {
+    model->forward(torch::randn({2, 8}), rank() != 0).sum().backward();
+    strategy->finish_gradient_sync();
+  });
+  EXPECT_NE(msg.find("different orders"), std::string::npos) << msg;
+}

@@ -815,3 +815,30 @@ TEST(OptimizerState, ShardedAdamWReshards) {
 }
 
 }  // namespace
+
+// A save of a step that already has a complete checkpoint moves the old one
+// aside with its marker; if the new one never commits (a crash), the aside
+// copy stands in for that step, prune keeps it, and the next save of that
+// step replaces both.
+TEST(Retention, CheckpointMovedAsideStandsInUntilItsReplacementCommits) {
+  TempDir run;
+  const std::string dir = ck::checkpoint_dir(run.path(), 5);
+  save_world(dir, 1);
+  // What a crash between "move aside" and "commit" leaves behind.
+  fs::rename(dir, dir + ".old");
+  fs::create_directories(dir);  // the new one, renamed into place, no marker yet
+  std::ofstream(fs::path(dir) / "metadata.json") << "{}";
+
+  auto all = ck::list_complete(run.path());
+  ASSERT_EQ(all.size(), 1u);
+  EXPECT_EQ(all[0].step, 5);
+  EXPECT_EQ(all[0].path, dir + ".old");
+  EXPECT_TRUE(ck::prune(run.path(), 1).size() == 1u);  // the torn step-000005 only
+  EXPECT_TRUE(ck::is_complete(dir + ".old"));
+
+  save_world(dir, 1);  // the same step again: commits, then drops the aside copy
+  all = ck::list_complete(run.path());
+  ASSERT_EQ(all.size(), 1u);
+  EXPECT_EQ(all[0].path, dir);
+  EXPECT_FALSE(fs::exists(dir + ".old"));
+}
