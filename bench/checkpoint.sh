@@ -139,18 +139,11 @@ block = "\n".join(out) + "\n"
 print(block)
 if not rows:
     sys.exit("no run succeeded: BENCHMARKS.md left as it was")
-text = open(md).read()
-begin, end = "<!-- checkpoint:begin -->", "<!-- checkpoint:end -->"
-if begin in text and end in text:
-    a = text.index(begin)
-    b = text.index(end) + len(end)
-    if text[b:b + 1] == "\n":
-        b += 1
-    text = text[:a] + block + text[b:]
-else:
-    # First run: the hand-written reading goes after the markers, where a
-    # rerun does not overwrite it.
-    text = text.rstrip("\n") + "\n\n" + block + "\nReading: (to be written from these figures)\n"
-open(md, "w").write(text)
+sys.path.insert(0, "bench")
+import benchlib
+# On a first run the hand-written reading goes after the markers, where a
+# rerun does not overwrite it.
+benchlib.write_section(md, "<!-- checkpoint:begin -->", "<!-- checkpoint:end -->", block.rstrip("\n"),
+                       "bench/checkpoint.sh", after="\nReading: (to be written from these figures)\n")
 EOF
 [ ${#failures[@]} -eq 0 ] || die "${#failures[@]} run(s) failed (see the notes under the table)"

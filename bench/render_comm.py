@@ -6,22 +6,13 @@ appends the section when the markers are missing, and creates the file (with a
 short header) when it does not exist. Text outside the markers is kept.
 """
 import argparse
-import json
-import os
 import sys
+
+import benchlib
 
 BEGIN, END = "<!-- comm:begin -->", "<!-- comm:end -->"
 SUP = "¹²³⁴⁵"
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-
-HEADER = """# Benchmarks
-
-Every figure here comes from the command shown with its section, run on the
-machine described there. These are shared 2-core build machines, so absolute
-numbers move from run to run; the ratios within one run (shardtrain against
-PyTorch, against memcpy) are what to read.
-"""
-
 
 def human_bytes(b):
     for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
@@ -41,19 +32,6 @@ def gbps(x):
 def usec(x):
     return f"{x:,.1f}" if x < 1000 else f"{x:,.0f}"
 
-
-def load(path):
-    rows = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                sys.exit(f"render_comm.py: {path}:{i}: not JSON: {e}")
-    return rows
 
 
 def render(rows, a):
@@ -138,18 +116,8 @@ def main():
     ap.add_argument("--context", default="", help="free text shown after the command (timing, load)")
     a = ap.parse_args()
 
-    section = render(load(a.results), a)
-    text = open(a.out).read() if os.path.exists(a.out) else HEADER
-    b, e = text.find(BEGIN), text.find(END)
-    if b != -1 and e > b:
-        text = text[:b] + section + text[e + len(END):]
-    elif b == -1 and e == -1:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    else:
-        sys.exit(f"render_comm.py: {a.out} has one comm marker without the other; fix it by hand")
-    with open(a.out + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(a.out + ".tmp", a.out)
+    section = render(benchlib.load_jsonl(a.results, "render_comm.py"), a)
+    benchlib.write_section(a.out, BEGIN, END, section, "render_comm.py")
     print(section)
     print(f"wrote {a.out}")
 

@@ -7,6 +7,8 @@ import json
 import os
 import statistics
 
+import benchlib
+
 BEGIN, END = "<!-- precision:begin -->", "<!-- precision:end -->"
 
 
@@ -49,12 +51,7 @@ def main():
                     f"{ratio:.2f}× | {r['rss']:.0f} |")
     text += ["", END]
     block = "\n".join(text)
-    doc = open(a.out).read() if os.path.exists(a.out) else "# Benchmarks\n"
-    if BEGIN in doc and END in doc:
-        doc = doc[:doc.index(BEGIN)] + block + doc[doc.index(END) + len(END):]
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + block + "\n"
-    open(a.out, "w").write(doc)
+    benchlib.write_section(a.out, BEGIN, END, block, "render_precision.py")
     print(block)
 
 

@@ -18,10 +18,11 @@
       Text outside the markers is kept.
 """
 import argparse
-import json
 import os
 import statistics
 import sys
+
+import benchlib
 
 BEGIN, END = "<!-- sharding:begin -->", "<!-- sharding:end -->"
 HEADING = "## Sharding (issue 5)"
@@ -41,25 +42,6 @@ ORDER = [
 ]
 
 
-def load(path):
-    rows = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                sys.exit(f"render_sharding.py: {path}:{i}: not JSON: {e}")
-    return rows
-
-
-def append(path, row):
-    line = json.dumps(row)
-    print(line)
-    with open(path, "a") as f:
-        f.write(line + "\n")
 
 
 def hidden_fraction(step):
@@ -70,7 +52,7 @@ def hidden_fraction(step):
 
 
 def summarize(a):
-    steps = [s for s in load(a.metrics) if "step_time_s" in s]
+    steps = [s for s in benchlib.load_jsonl(a.metrics, "render_sharding.py") if "step_time_s" in s]
     if len(steps) <= a.warmup:
         sys.exit(f"render_sharding.py: {a.metrics} has {len(steps)} steps, need more than --warmup {a.warmup}")
     measured = steps[a.warmup:]
@@ -83,7 +65,7 @@ def summarize(a):
     world = int(last["world_size"])
     if world != a.world:
         sys.exit(f"render_sharding.py: {a.metrics} reports world size {world}, expected {a.world}")
-    append(a.json, {
+    benchlib.append_jsonl(a.json, {
         "impl": "shardtrain", "mode": a.mode, "strategy": last.get("strategy"), "world_size": world,
         "threads_per_rank": a.threads, "block_size": a.block_size,
         "num_parameters": last.get("num_parameters"),
@@ -113,17 +95,14 @@ def fail(a):
     if not reason:
         reason = (f"timed out after {a.timeout} s" if a.exit_code in (124, 137)
                   else f"exit code {a.exit_code}")
-    append(a.json, {"impl": a.impl, "mode": a.mode, "world_size": a.world, "failed": True,
+    benchlib.append_jsonl(a.json, {"impl": a.impl, "mode": a.mode, "world_size": a.world, "failed": True,
                     "exit_code": a.exit_code, "reason": reason, "log": a.log, "log_tail": tail})
 
 
 def note(a):
-    append(a.json, {"impl": a.impl, "mode": a.mode, "world_size": a.world, "note": a.text,
+    benchlib.append_jsonl(a.json, {"impl": a.impl, "mode": a.mode, "world_size": a.world, "note": a.text,
                     "log": a.log, "log_tail": log_tail(a.log)})
 
-
-def human_params(n):
-    return f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n / 1e3:.0f} K"
 
 
 def ratio(x, base):
@@ -153,7 +132,7 @@ def render(rows, a):
     accum = ", ".join(f"{first['global_batch'] // (first['micro'] * w)} per rank at world {w}" for w in worlds)
     out.append(
         f"- Model: bench/train.sh's `gpt-25m` (n_layer 8, n_head 8, n_embd 512, block size "
-        f"{first['block_size']}; {' / '.join(human_params(p) for p in sorted(params))} parameters"
+        f"{first['block_size']}; {' / '.join(benchlib.human_params(p) for p in sorted(params))} parameters"
         + (", **the two programs' counts differ**" if mismatched else "") +
         f"), fp32, byte data from data/corpus.txt; global batch {first['global_batch']} sequences "
         f"(micro {first['micro']}; accumulate {accum}); {steps} steps, the last {measured} measured.")
@@ -279,18 +258,9 @@ def main():
         (fail if a.cmd == "fail" else note)(a)
         return
 
-    section, mismatched = render(load(a.results), a)
-    text = open(a.out).read() if os.path.exists(a.out) else "# Benchmarks\n"
-    b, e = text.find(BEGIN), text.find(END)
-    if b != -1 and e > b:
-        text = text[:b] + section + text[e + len(END):]
-    elif b == -1 and e == -1:
-        text = text.rstrip("\n") + f"\n\n{HEADING}\n\n{section}\n\n{READING_PLACEHOLDER}\n"
-    else:
-        sys.exit(f"render_sharding.py: {a.out} has one sharding marker without the other; fix it by hand")
-    with open(a.out + ".tmp", "w") as fh:
-        fh.write(text)
-    os.replace(a.out + ".tmp", a.out)
+    section, mismatched = render(benchlib.load_jsonl(a.results, "render_sharding.py"), a)
+    benchlib.write_section(a.out, BEGIN, END, section, "render_sharding.py",
+                           before=f"{HEADING}\n\n", after=f"\n{READING_PLACEHOLDER}\n")
     print(section)
     print(f"wrote {a.out}")
     if mismatched:

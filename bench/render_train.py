@@ -12,39 +12,17 @@
       markers is kept.
 """
 import argparse
-import json
-import os
 import statistics
 import sys
+
+import benchlib
 
 BEGIN, END = "<!-- train:begin -->", "<!-- train:end -->"
 MODEL_ORDER = ("default", "gpt-25m")
 
-HEADER = """# Benchmarks
-
-Every figure here comes from the command shown with its section, run on the
-machine described there. These are shared 2-core build machines, so absolute
-numbers move from run to run; the ratios within one run (shardtrain against
-PyTorch, against memcpy) are what to read.
-"""
-
-
-def load(path):
-    rows = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                sys.exit(f"render_train.py: {path}:{i}: not JSON: {e}")
-    return rows
-
 
 def summarize(a):
-    steps = load(a.metrics)
+    steps = benchlib.load_jsonl(a.metrics, "render_train.py")
     if len(steps) <= a.warmup:
         sys.exit(f"render_train.py: {a.metrics} has {len(steps)} steps, need more than --warmup {a.warmup}")
     measured = [s["step_time_s"] for s in steps[a.warmup:]]
@@ -62,14 +40,8 @@ def summarize(a):
         "peak_rss_mb": max(s["peak_rss_mb"] for s in steps),
         "first_loss": steps[0]["loss"], "last_loss": last["loss"],
     }
-    line = json.dumps(row)
-    print(line)
-    with open(a.json, "a") as f:
-        f.write(line + "\n")
+    benchlib.append_jsonl(a.json, row)
 
-
-def human_params(n):
-    return f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n / 1e3:.0f} K"
 
 
 def mode_text(r):
@@ -120,10 +92,10 @@ def render(rows, a):
     out.append("|---|---:|---|---:|---:|---:|---:|---:|")
     for k in keys:
         s, p = st[k], pt.get(k)
-        params = human_params(s["num_parameters"]) if s.get("num_parameters") else "?"
+        params = benchlib.human_params(s["num_parameters"]) if s.get("num_parameters") else "?"
         if p and s.get("num_parameters") != p.get("num_parameters"):
             mismatched.append((k, s.get("num_parameters"), p.get("num_parameters")))
-            params += " ≠ PyTorch " + human_params(p["num_parameters"])
+            params += " ≠ PyTorch " + benchlib.human_params(p["num_parameters"])
         if p:
             cols = [f"{p['tokens_per_s']:,.0f}", f"{s['tokens_per_s'] / p['tokens_per_s']:.2f}×",
                     f"{s['peak_rss_mb']:,.0f}", f"{p['peak_rss_mb']:,.0f}"]
@@ -163,18 +135,8 @@ def main():
         summarize(a)
         return
 
-    section, mismatched = render(load(a.results), a)
-    text = open(a.out).read() if os.path.exists(a.out) else HEADER
-    b, e = text.find(BEGIN), text.find(END)
-    if b != -1 and e > b:
-        text = text[:b] + section + text[e + len(END):]
-    elif b == -1 and e == -1:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    else:
-        sys.exit(f"render_train.py: {a.out} has one train marker without the other; fix it by hand")
-    with open(a.out + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(a.out + ".tmp", a.out)
+    section, mismatched = render(benchlib.load_jsonl(a.results, "render_train.py"), a)
+    benchlib.write_section(a.out, BEGIN, END, section, "render_train.py")
     print(section)
     print(f"wrote {a.out}")
     for k, ns, np_ in mismatched:
