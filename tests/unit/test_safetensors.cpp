@@ -21,6 +21,7 @@
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/gpt.h"
+#include "temp_dir.h"
 
 #ifndef SHARDTRAIN_CLI_PATH
 #error "SHARDTRAIN_CLI_PATH must be the absolute path of the shardtrain binary"
@@ -36,20 +37,9 @@ using shardtrain::models::GPT;
 using shardtrain::models::GPTConfig;
 using shardtrain::strategy::ShardedTensor;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "shardtrain_st_XXXXXX").string();
-    path_ = ::mkdtemp(tmpl.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string operator/(const std::string& name) const { return (fs::path(path_) / name).string(); }
-
- private:
-  std::string path_;
+// Each test's files go to its own fresh directory.
+struct TempDir : shardtrain::testing::TempDir {
+  TempDir() : shardtrain::testing::TempDir("shardtrain_st") {}
 };
 
 GPTConfig tiny_gpt() {

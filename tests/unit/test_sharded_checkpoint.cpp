@@ -26,6 +26,7 @@
 #include "shardtrain/checkpoint/optimizer_state.h"
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/core/error.h"
+#include "temp_dir.h"
 
 namespace {
 
@@ -36,21 +37,9 @@ namespace syn = shardtrain::testing::synthetic;
 using shardtrain::CheckpointError;
 using shardtrain::strategy::ShardedTensor;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "shardtrain_ckpt_XXXXXX").string();
-    path_ = ::mkdtemp(tmpl.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string operator/(const std::string& name) const { return (fs::path(path_) / name).string(); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
+// Each test's files go to its own fresh directory.
+struct TempDir : shardtrain::testing::TempDir {
+  TempDir() : shardtrain::testing::TempDir("shardtrain_ckpt") {}
 };
 
 std::shared_ptr<shardtrain::comm::Communicator> world_of_one() {
