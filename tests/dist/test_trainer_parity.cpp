@@ -79,6 +79,30 @@ class Recorder : public train::Callback {
   train::Trainer* trainer_;
 };
 
+// One run of the trainer to its end, with every step recorded.
+struct TrainedRun {
+  std::unique_ptr<train::Trainer> trainer;
+  std::shared_ptr<Recorder> recorder;
+  const std::vector<StepRecord>& steps() const { return recorder->steps; }
+};
+
+TrainedRun train_run(const config::Config& c, const std::shared_ptr<comm::Communicator>& comm) {
+  TrainedRun run;
+  run.trainer = std::make_unique<train::Trainer>(c, train::make_task(c, comm->size()), comm);
+  run.recorder = std::make_shared<Recorder>(run.trainer.get());
+  run.trainer->add_callback(run.recorder);
+  run.trainer->fit();
+  return run;
+}
+
+// The reference: one process, one micro-batch of the whole global batch, in
+// a run directory of this rank's own (every rank runs it).
+TrainedRun reference_run(const std::string& data) {
+  auto c = parity_config(data, 12, "single");
+  c.run.dir += "_reference_" + std::to_string(getpid());
+  return train_run(c, comm::Communicator::create(comm::CommOptions()));
+}
+
 }  // namespace
 
 // Tolerances: fp32 throughout; ranks sum gradients in another order than the
@@ -89,17 +113,16 @@ constexpr double kParamAtol = 2e-5;
 
 // Loss and clipped norm of every step, and the final weights (gathered to
 // rank 0 through full_state_dict), against a reference run.
-void expect_same_run(train::Trainer& got, const Recorder& got_rec, train::Trainer& ref,
-                     const Recorder& ref_rec, const std::string& what) {
-  ASSERT_EQ(got_rec.steps.size(), ref_rec.steps.size()) << what;
-  for (size_t i = 0; i < ref_rec.steps.size(); ++i) {
-    EXPECT_NEAR(got_rec.steps[i].loss, ref_rec.steps[i].loss, kLossAtol) << what << " step " << i + 1;
-    EXPECT_NEAR(got_rec.steps[i].grad_norm, ref_rec.steps[i].grad_norm,
-                1e-4 * ref_rec.steps[i].grad_norm) << what << " step " << i + 1;
+void expect_same_run(const TrainedRun& got, const TrainedRun& ref, const std::string& what) {
+  ASSERT_EQ(got.steps().size(), ref.steps().size()) << what;
+  for (size_t i = 0; i < ref.steps().size(); ++i) {
+    EXPECT_NEAR(got.steps()[i].loss, ref.steps()[i].loss, kLossAtol) << what << " step " << i + 1;
+    EXPECT_NEAR(got.steps()[i].grad_norm, ref.steps()[i].grad_norm,
+                1e-4 * ref.steps()[i].grad_norm) << what << " step " << i + 1;
   }
-  const auto state = got.strategy().full_state_dict();
+  const auto state = got.trainer->strategy().full_state_dict();
   if (g_world->rank() != 0) return;
-  const auto want = ref.model()->named_parameters();
+  const auto want = ref.trainer->model()->named_parameters();
   ASSERT_EQ(state.size(), want.size()) << what;
   for (const auto& [name, value] : state) {
     const auto& other = want[name];
@@ -113,13 +136,7 @@ void expect_same_run(train::Trainer& got, const Recorder& got_rec, train::Traine
 TEST(TrainerParity, ShardedStrategiesMatchSingleProcessStepByStep) {
   const int n = g_world->size();
   const std::string data = corpus_file();
-  auto one = comm::Communicator::create(comm::CommOptions());
-  auto ref_config = parity_config(data, 12, "single");
-  ref_config.run.dir += "_reference_" + std::to_string(getpid());  // every rank runs its own
-  train::Trainer ref(ref_config, train::make_task(ref_config, 1), one);
-  auto ref_rec = std::make_shared<Recorder>(&ref);
-  ref.add_callback(ref_rec);
-  ref.fit();
+  const TrainedRun ref = reference_run(data);
 
   struct Variant {
     std::string strategy, sharding;
@@ -131,12 +148,9 @@ TEST(TrainerParity, ShardedStrategiesMatchSingleProcessStepByStep) {
     auto c = parity_config(data, 12 / (2 * n), v.strategy);
     c.distributed.sharding = v.sharding;
     c.model.activation_checkpointing = v.checkpointing;
-    train::Trainer t(c, train::make_task(c, n), g_world);
-    auto rec = std::make_shared<Recorder>(&t);
-    t.add_callback(rec);
-    t.fit();
-    expect_same_run(t, *rec, ref, *ref_rec,
-                    t.strategy().name() + (v.checkpointing ? " +activation checkpointing" : ""));
+    const TrainedRun run = train_run(c, g_world);
+    expect_same_run(run, ref,
+                    run.trainer->strategy().name() + (v.checkpointing ? " +activation checkpointing" : ""));
   }
   fs::remove(data);
 }
@@ -147,20 +161,11 @@ TEST(TrainerParity, DdpMatchesSingleProcessStepByStep) {
 
   // Accumulation 2 under DDP: micro = 12 / (2 n).
   const auto ddp_config = parity_config(data, 12 / (2 * n), "ddp");
-  train::Trainer ddp(ddp_config, train::make_task(ddp_config, n), g_world);
-  EXPECT_EQ(ddp.batch().accumulate, 2);
-  auto ddp_rec = std::make_shared<Recorder>(&ddp);
-  ddp.add_callback(ddp_rec);
-  ddp.fit();
-
-  // The reference: one process, one micro-batch of the whole global batch.
-  auto one = comm::Communicator::create(comm::CommOptions());
-  auto ref_config = parity_config(data, 12, "single");
-  ref_config.run.dir += "_reference_" + std::to_string(getpid());  // every rank runs its own
-  train::Trainer ref(ref_config, train::make_task(ref_config, 1), one);
-  auto ref_rec = std::make_shared<Recorder>(&ref);
-  ref.add_callback(ref_rec);
-  ref.fit();
+  const TrainedRun ddp = train_run(ddp_config, g_world);
+  EXPECT_EQ(ddp.trainer->batch().accumulate, 2);
+  const TrainedRun ref = reference_run(data);
+  const auto& ddp_rec = ddp.recorder;
+  const auto& ref_rec = ref.recorder;
 
   ASSERT_EQ(ddp_rec->steps.size(), 10u);
   ASSERT_EQ(ref_rec->steps.size(), 10u);
@@ -174,8 +179,8 @@ TEST(TrainerParity, DdpMatchesSingleProcessStepByStep) {
     EXPECT_EQ(ddp_rec->steps[i].collectives - previous, 1) << "step " << i + 1;
     previous = ddp_rec->steps[i].collectives;
   }
-  const auto a = ddp.model()->named_parameters();
-  const auto b = ref.model()->named_parameters();
+  const auto a = ddp.trainer->model()->named_parameters();
+  const auto b = ref.trainer->model()->named_parameters();
   ASSERT_EQ(a.size(), b.size());
   for (const auto& item : a) {
     const auto& other = b[item.key()];
@@ -197,10 +202,7 @@ TEST(TrainerResume, SameLayoutIsBitExactOtherStrategyIsClose) {
     c.trainer.max_steps = 8;
     c.trainer.eval_every = 0;
     c.checkpoint.every_n_steps = 4;
-    train::Trainer whole(c, train::make_task(c, n), g_world);
-    auto whole_rec = std::make_shared<Recorder>(&whole);
-    whole.add_callback(whole_rec);
-    whole.fit();
+    const TrainedRun whole = train_run(c, g_world);
 
     const std::string from = checkpoint::checkpoint_dir(c.run.dir, 4);
     for (const char* other : {"ddp", "fsdp"}) {
@@ -208,17 +210,14 @@ TEST(TrainerResume, SameLayoutIsBitExactOtherStrategyIsClose) {
       r.distributed.strategy = other;
       r.checkpoint.resume = from;
       r.run.dir += std::string("_as_") + other;
-      train::Trainer resumed(r, train::make_task(r, n), g_world);
-      auto rec = std::make_shared<Recorder>(&resumed);
-      resumed.add_callback(rec);
-      resumed.fit();
-      ASSERT_EQ(rec->steps.size(), 4u);
+      const TrainedRun resumed = train_run(r, g_world);
+      ASSERT_EQ(resumed.steps().size(), 4u);
       for (size_t i = 0; i < 4; ++i) {
-        const double want = whole_rec->steps[4 + i].loss;
+        const double want = whole.steps()[4 + i].loss;
         if (std::string(other) == strategy) {
-          EXPECT_EQ(rec->steps[i].loss, want) << strategy << " step " << 5 + i;
+          EXPECT_EQ(resumed.steps()[i].loss, want) << strategy << " step " << 5 + i;
         } else {
-          EXPECT_NEAR(rec->steps[i].loss, want, kLossAtol) << strategy << " as " << other << " step " << 5 + i;
+          EXPECT_NEAR(resumed.steps()[i].loss, want, kLossAtol) << strategy << " as " << other << " step " << 5 + i;
         }
       }
       if (g_world->rank() == 0) fs::remove_all(r.run.dir);
