@@ -10,8 +10,6 @@
 // enum_choices() for "is not one of ..." errors and the docs.
 #pragma once
 
-#include <array>
-#include <cstddef>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -21,20 +19,16 @@
 
 namespace shardtrain {
 
-/// Specialised by ST_ENUM_NAMES; `kNames` lists every value with its name.
-template <class E>
-struct EnumNames;
-
-#define ST_ENUM_NAMES(E, ...)                                                  \
-  template <>                                                                  \
-  struct EnumNames<E> {                                                        \
-    static constexpr std::pair<E, const char*> kNames[] = {__VA_ARGS__};       \
-  }
+/// Declares the name table of enum E; use it in E's own namespace (the
+/// table is found by argument-dependent lookup).
+#define ST_ENUM_NAMES(E, ...)                                                       \
+  inline constexpr std::pair<E, const char*> kEnumNames##E[] = {__VA_ARGS__};      \
+  constexpr const auto& enum_name_table(E) { return kEnumNames##E; }
 
 /// The name of `value` ("?" for a value outside the table).
 template <class E>
 constexpr const char* enum_name(E value) {
-  for (const auto& [v, name] : EnumNames<E>::kNames) {
+  for (const auto& [v, name] : enum_name_table(E{})) {
     if (v == value) return name;
   }
   return "?";
@@ -43,7 +37,7 @@ constexpr const char* enum_name(E value) {
 /// The value named `name`, or nothing.
 template <class E>
 std::optional<E> parse_enum(std::string_view name) {
-  for (const auto& [v, n] : EnumNames<E>::kNames) {
+  for (const auto& [v, n] : enum_name_table(E{})) {
     if (name == n) return v;
   }
   return std::nullopt;
@@ -53,7 +47,7 @@ std::optional<E> parse_enum(std::string_view name) {
 template <class E>
 std::string enum_choices(const char* separator = ", ") {
   std::string out;
-  for (const auto& [v, n] : EnumNames<E>::kNames) {
+  for (const auto& [v, n] : enum_name_table(E{})) {
     if (!out.empty()) out += separator;
     out += n;
   }
