@@ -19,44 +19,31 @@
 #include "shardtrain/precision/precision.h"
 #include "shardtrain/strategy/strategy.h"
 #include "shardtrain/train/callbacks.h"
+#include "shardtrain/train/plan.h"
+#include "shardtrain/train/schedule.h"
+#include "train/signal_guard.h"
 
 namespace shardtrain::train {
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
-int64_t count_non_ignored(const data::Batch& batch) {
-  return batch.target.ne(kIgnoreIndex).sum().item<int64_t>();
-}
+namespace {
 
-double scheduled_lr(const config::Config& config, int64_t step) {
-  const auto& s = config.schedule;
-  const double lr = config.optimizer.lr;
-  if (s.warmup_steps > 0 && step < s.warmup_steps) {
-    return lr * static_cast<double>(step + 1) / static_cast<double>(s.warmup_steps);
-  }
-  if (s.name == "constant") return lr;
-  const int64_t decay_steps = std::max<int64_t>(1, config.trainer.max_steps - s.warmup_steps);
-  const double progress =
-      std::min(1.0, static_cast<double>(step - s.warmup_steps) / static_cast<double>(decay_steps));
-  if (s.name == "linear") return lr + (s.min_lr - lr) * progress;
-  // cosine
-  return s.min_lr + 0.5 * (lr - s.min_lr) * (1.0 + std::cos(M_PI * progress));
-}
-
+// Intra-op threads for this rank: `requested` when positive, else the
+// machine's cores divided by the ranks on this node (at least 1).
 int threads_for_rank(int64_t requested, int local_world_size) {
   if (requested > 0) return static_cast<int>(requested);
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   return std::max(1, static_cast<int>(cores) / std::max(1, local_world_size));
 }
 
+// Peak resident memory of this process so far, in MB.
 double peak_rss_mb() {
   struct rusage usage {};
   getrusage(RUSAGE_SELF, &usage);
   return static_cast<double>(usage.ru_maxrss) / 1024.0;  // ru_maxrss is in KB on Linux
 }
-
-namespace {
 
 // Weight decay for matrices and embeddings only, never for biases and
 // LayerNorm gains: the usual rule for transformers (nanoGPT, HF). Decided by
@@ -319,7 +306,7 @@ void Trainer::run_step() {
       std::chrono::duration<double>(Clock::now() - last_save_).count() >= 60.0 * k.every_n_minutes) {
     control_.should_save = true;
   }
-  if (SignalGuard::received() != 0) control_.should_save = control_.should_training_stop = true;
+  if (detail::SignalGuard::received() != 0) control_.should_save = control_.should_training_stop = true;
   for_each_callback([&](Callback& c) { c.on_step_end(state_, control_); });
   agree_on_control();
 }
@@ -388,7 +375,7 @@ std::string Trainer::save(const std::string& dir) {
 const TrainerState& Trainer::fit() {
   // SIGTERM / SIGINT only set a flag; the step in progress finishes, every
   // rank agrees (control flags), a checkpoint is written and fit returns.
-  const SignalGuard signals(config_.checkpoint.save_on_signal);
+  const detail::SignalGuard signals(config_.checkpoint.save_on_signal);
   int64_t saved_at = -1;  // step of the last checkpoint written or loaded
   if (!config_.checkpoint.resume.empty() && !resume(config_.checkpoint.resume).empty()) {
     saved_at = state_.step;  // never rewrite the checkpoint we resumed from
@@ -431,7 +418,7 @@ const TrainerState& Trainer::fit() {
   // Every rank takes the same branch below: a signal seen by any rank
   // (perhaps after the last agreement) counts for all.
   {
-    auto sig = torch::tensor({static_cast<int64_t>(SignalGuard::received())}, torch::kLong);
+    auto sig = torch::tensor({static_cast<int64_t>(detail::SignalGuard::received())}, torch::kLong);
     comm_->all_reduce(sig, comm::AllReduceOptions().op(comm::ReduceOp::Max));
     state_.signal = static_cast<int>(sig.item<int64_t>());
   }

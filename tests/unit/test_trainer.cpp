@@ -12,6 +12,8 @@
 #include "shardtrain/config/config.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/train/callbacks.h"
+#include "shardtrain/train/schedule.h"
+#include "shardtrain/train/task.h"
 #include "shardtrain/train/trainer.h"
 #include "shardtrain/data/tokens.h"
 

@@ -11,7 +11,7 @@
 #include "shardtrain/config/config.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/gpt.h"
-#include "shardtrain/train/trainer.h"
+#include "shardtrain/train/task.h"
 
 namespace shardtrain::cli {
 namespace {

@@ -20,6 +20,7 @@
 #include "shardtrain/dist/env.h"
 #include "shardtrain/dist/launcher.h"
 #include "shardtrain/models/gpt.h"
+#include "shardtrain/train/task.h"
 #include "shardtrain/train/trainer.h"
 
 namespace shardtrain::cli {
