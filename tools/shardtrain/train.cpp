@@ -71,17 +71,17 @@ TrainArgs parse(int argc, char** argv) {
 // Starts `nproc` copies of this command under the launcher.
 int relaunch(const TrainArgs& args, int nproc) {
   dist::LaunchOptions options;
-  options.nproc_per_node = nproc;
+  options.nproc_per_node(nproc);
   // On SIGTERM/SIGINT the ranks finish their step and save a checkpoint
   // before exiting; give them time before the launcher's SIGKILL.
-  options.stop_grace_s = 300.0;
+  options.stop_grace_s(300.0);
   char self[4096] = {0};
   const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
   ST_CHECK(n > 0, Error, "cannot find this program's path to start its ranks");
-  options.command = {std::string(self, static_cast<size_t>(n)), "train", args.config};
+  options.command({std::string(self, static_cast<size_t>(n)), "train", args.config});
   for (const auto& o : args.overrides) {
-    options.command.push_back("--set");
-    options.command.push_back(o);
+    options.command().push_back("--set");
+    options.command().push_back(o);
   }
   std::printf("starting %d ranks: shardtrain launch --nproc-per-node %d -- shardtrain train %s\n",
               nproc, nproc, args.config.c_str());
