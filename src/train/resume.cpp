@@ -93,6 +93,8 @@ std::string Trainer::save_checkpoint() {
     }
   }
   comm_->barrier();  // nobody saves again while rank 0 still prunes
+  last_checkpoint_ = dir;
+  last_checkpoint_step_ = state_.step;
   return dir;
 }
 

@@ -3,15 +3,14 @@
 
 #include <sys/resource.h>
 #include <torch/torch.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <thread>
-#include <unordered_set>
 
+#include "checkpoint/detail.h"
+#include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/checkpoint/safetensors.h"
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/core/error.h"
@@ -26,6 +25,7 @@
 namespace shardtrain::train {
 
 namespace fs = std::filesystem;
+namespace ck = ::shardtrain::checkpoint;
 using Clock = std::chrono::steady_clock;
 
 namespace {
@@ -78,45 +78,6 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(
   ST_CHECK(o.name == "adamw", ConfigError, "optimizer.name '", o.name,
            "' is not one of adamw, sgd");
   return std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(o.lr));
-}
-
-// Writes named tensors as the archive Module::save() would write for a
-// module with those parameter and buffer names (nested archives per dot), so
-// Module::load() reads it back into a freshly built model.
-void save_module_archive(const std::vector<std::pair<std::string, at::Tensor>>& entries,
-                         const std::vector<bool>& is_buffer, const std::string& path) {
-  struct Node {
-    std::vector<std::pair<std::string, std::pair<at::Tensor, bool>>> tensors;
-    std::vector<std::pair<std::string, std::unique_ptr<Node>>> children;
-    Node& child(const std::string& name) {
-      for (auto& c : children) {
-        if (c.first == name) return *c.second;
-      }
-      children.emplace_back(name, std::make_unique<Node>());
-      return *children.back().second;
-    }
-    void write(torch::serialize::OutputArchive& archive) const {
-      for (const auto& [name, t] : tensors) archive.write(name, t.first, t.second);
-      for (const auto& [name, node] : children) {
-        torch::serialize::OutputArchive sub(archive.compilation_unit());
-        node->write(sub);
-        archive.write(name, sub);
-      }
-    }
-  } root;
-  for (size_t i = 0; i < entries.size(); ++i) {
-    const std::string& name = entries[i].first;
-    Node* node = &root;
-    size_t start = 0;
-    for (size_t dot = name.find('.'); dot != std::string::npos; dot = name.find('.', start)) {
-      node = &node->child(name.substr(start, dot - start));
-      start = dot + 1;
-    }
-    node->tensors.emplace_back(name.substr(start), std::make_pair(entries[i].second, is_buffer[i]));
-  }
-  torch::serialize::OutputArchive archive;
-  root.write(archive);
-  archive.save_to(path);
 }
 
 }  // namespace
@@ -337,39 +298,40 @@ double Trainer::evaluate() {
   return eval_loss;
 }
 
-std::string Trainer::save(const std::string& dir) {
-  // Sharded strategies gather the model unit by unit, to rank 0 only.
-  const auto state = strategy_->full_state_dict();
+std::string Trainer::export_model(const std::string& dir) {
+  const std::string model_path = ck::exported_model_path(dir);
+  // From this step's checkpoint when there is one: rank 0 streams it tensor
+  // by tensor and nobody gathers. Otherwise sharded strategies gather the
+  // model unit by unit, to rank 0 only. Every rank decides alike: the
+  // members below are set by a collective.
+  const bool from_checkpoint = last_checkpoint_step_ == state_.step && !last_checkpoint_.empty();
+  std::vector<std::pair<std::string, at::Tensor>> gathered;
+  if (!from_checkpoint) gathered = strategy_->full_state_dict();
   std::string failure;  // rank 0's, shared with every rank before anyone throws
   if (comm_->rank() == 0) try {
-    // Written aside and renamed into place: a reader never sees half a save.
-    const fs::path final_dir(dir);
-    const fs::path tmp = final_dir.string() + ".tmp-" + std::to_string(getpid());
-    fs::remove_all(tmp);
-    fs::create_directories(tmp);
-    std::vector<bool> is_buffer;
-    std::unordered_set<std::string> buffers;
-    for (const auto& b : task_.model->named_buffers(true)) buffers.insert(b.key());
-    for (const auto& entry : state) is_buffer.push_back(buffers.count(entry.first) > 0);
-    save_module_archive(state, is_buffer, (tmp / "model.pt").string());
-    {
-      std::ofstream out(tmp / "config.yaml");
-      out << config_.to_yaml();
-      ST_CHECK(out.good(), Error, "cannot write ", (tmp / "config.yaml").string());
+    // Each file is written aside and renamed into place, the model last, so a
+    // reader never sees half a file.
+    fs::create_directories(dir);
+    ck::detail::write_file_atomically(ck::exported_config_path(dir), config_.to_yaml());
+    if (from_checkpoint) {
+      ck::consolidate_to_safetensors(last_checkpoint_, model_path, /*transpose_conv1d=*/true);
+    } else {
+      ck::save_safetensors(model_path, gathered, /*transpose_conv1d=*/true,
+                           {{"format", "pt"},
+                            {"producer", "shardtrain"},
+                            {"strategy", strategy_->name()},
+                            {"world_size", std::to_string(comm_->size())},
+                            {"step", std::to_string(state_.step)}});
     }
-    const fs::path old = final_dir.string() + ".old-" + std::to_string(getpid());
-    if (fs::exists(final_dir)) fs::rename(final_dir, old);
-    fs::rename(tmp, final_dir);
-    fs::remove_all(old);
   } catch (const std::exception& e) {
     failure = e.what();
   }
   auto failed = torch::tensor({failure.empty() ? 0L : 1L}, torch::kLong);
   comm_->broadcast(failed);  // also the barrier: nobody goes on before the model is in place
-  ST_CHECK(failed.item<int64_t>() == 0, CheckpointError, "saving the model to '", dir, "' failed",
-           comm_->rank() == 0 ? ": " + failure : std::string(" on rank 0 (see its error)"),
+  ST_CHECK(failed.item<int64_t>() == 0, CheckpointError, "exporting the model to '", dir,
+           "' failed", comm_->rank() == 0 ? ": " + failure : std::string(" on rank 0 (see its error)"),
            ". Hint: check that run.dir is writable and the disk is not full");
-  return dir;
+  return model_path;
 }
 
 const TrainerState& Trainer::fit() {
@@ -427,10 +389,11 @@ const TrainerState& Trainer::fit() {
     if (config_.trainer.eval_every > 0 && task_.eval_batch && evaluated_at != state_.step) {
       run_evaluation();
     }
-    // The whole model for `generate` and the final sharded checkpoint.
-    save((fs::path(config_.run.dir) / "checkpoint").string());
   }
   if (saved_at != state_.step) run_checkpoint();
+  // The whole model for `generate` and fine-tuning, converted from the
+  // checkpoint just written.
+  if (state_.signal == 0) export_model(config_.run.dir);
   for_each_callback([&](Callback& c) { c.on_train_end(state_, control_); });
   return state_;
 }

@@ -7,12 +7,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "commands.h"
+#include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/config/config.h"
 #include "shardtrain/core/error.h"
@@ -142,14 +142,15 @@ int train_main(int argc, char** argv) {
   }
 
   if (comm->rank() == 0) {
-    // From the saved model: under a sharded strategy no rank holds the
+    // From the exported model: under a sharded strategy no rank holds the
     // whole model, and sampling on rank 0 alone must not communicate.
     if (config.model.type == "gpt" && config.trainer.sample_tokens > 0) {
-      auto gpt = load_gpt((std::filesystem::path(state.run_dir) / "checkpoint").string());
+      auto gpt = load_gpt(checkpoint::exported_model_path(state.run_dir));
       std::printf("sample:\n%s\n", sample_text(*gpt, "\n", config.trainer.sample_tokens,
                                                 config.run.seed).c_str());
     }
-    std::printf("run directory: %s (metrics.jsonl, checkpoint/)\n", state.run_dir.c_str());
+    std::printf("run directory: %s (metrics.jsonl, checkpoints/, model.safetensors, config.yaml)\n",
+                state.run_dir.c_str());
   }
   comm->barrier();
   return 0;

@@ -45,7 +45,9 @@ class Trainer {
   void add_callback(std::shared_ptr<Callback> callback);
 
   /// Trains until trainer.max_steps or a callback stops it; evaluates and
-  /// saves as configured. Returns the final state.
+  /// saves as configured, writes a checkpoint of the last step, and (unless
+  /// a signal stopped it) exports the model to run.dir (export_model).
+  /// Returns the final state.
   const TrainerState& fit();
 
   /// Evaluation loss over trainer.eval_batches micro-batches per rank: the
@@ -53,10 +55,15 @@ class Trainer {
   /// no evaluation data.
   double evaluate();
 
-  /// Writes the whole model (gathered to rank 0 by the strategy) to
-  /// `dir`/model.pt with the config beside it,
-  /// through a temporary directory and a rename; returns `dir`.
-  std::string save(const std::string& dir);
+  /// Collective: writes the whole model to `dir`/model.safetensors with
+  /// Hugging Face GPT-2 tensor names (Conv1D weights as [in, out]; the step
+  /// in its metadata) and the config to `dir`/config.yaml, each through a
+  /// temporary file and a rename, the model last. When this trainer saved a
+  /// checkpoint of the current step, rank 0 converts it tensor by tensor;
+  /// otherwise the strategy gathers the model to rank 0. What
+  /// `shardtrain generate` and model.init_from read. Returns the model
+  /// file's path. CheckpointError on every rank when rank 0 cannot write.
+  std::string export_model(const std::string& dir);
 
   /// Collective: writes a sharded checkpoint of the current step to
   /// <run.dir>/checkpoints/step-NNNNNN (checkpoint/checkpoint.h: every rank
@@ -102,6 +109,10 @@ class Trainer {
   TrainerControl control_;
   double best_value_ = 0.0;
   int64_t best_step_ = -1;  // step of the best monitored value; -1: none yet
+  // The checkpoint save_checkpoint() wrote last and its step (-1: none), for
+  // export_model.
+  std::string last_checkpoint_;
+  int64_t last_checkpoint_step_ = -1;
   std::chrono::steady_clock::time_point last_save_ = std::chrono::steady_clock::now();
 };
 
