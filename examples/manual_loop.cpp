@@ -16,9 +16,8 @@ int main(int argc, char** argv) {
   torch::manual_seed(0);
   torch::nn::Sequential model(torch::nn::Linear(8, 32), torch::nn::GELU(), torch::nn::Linear(32, 1));
 
-  shardtrain::strategy::StrategyOptions options;
-  options.name = "ddp";
-  auto strategy = shardtrain::strategy::make_strategy(options);
+  auto strategy = shardtrain::strategy::make_strategy(
+      shardtrain::strategy::StrategyOptions().strategy(shardtrain::strategy::StrategyKind::Ddp));
   strategy->setup(*model.ptr(), comm);  // broadcasts rank 0's weights, plans buckets
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
 

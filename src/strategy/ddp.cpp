@@ -17,96 +17,11 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <chrono>
-#include <unordered_set>
 
 #include "shardtrain/core/error.h"
 #include "strategy/detail.h"
 
 namespace shardtrain::strategy::detail {
-
-namespace {
-
-bool comm_supports(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-    case at::kDouble:
-    case at::kBFloat16:
-    case at::kHalf:
-    case at::kInt:
-    case at::kLong: return true;
-    default: return false;
-  }
-}
-
-// Dtypes the communicator cannot carry but that fit exactly in int32.
-bool stage_as_int32(at::ScalarType t) {
-  return t == at::kBool || t == at::kByte || t == at::kChar || t == at::kShort;
-}
-
-}  // namespace
-
-// ---- planning ---------------------------------------------------------------------
-
-void model_tensors(torch::nn::Module& model, std::vector<at::Tensor>& tensors,
-                   std::vector<std::string>& names) {
-  std::unordered_set<const void*> seen;
-  for (const auto& item : model.named_parameters(true)) {
-    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
-    names.push_back(item.key());
-    tensors.push_back(item.value());
-  }
-  for (const auto& item : model.named_buffers(true)) {
-    if (!item.value().defined()) continue;
-    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
-    names.push_back(item.key());
-    tensors.push_back(item.value());
-  }
-}
-
-// Broadcasts `tensors` from rank 0 in place: all issued first (they run in
-// order on the comm thread), then waited. Tensors the communicator cannot
-// take directly (non-contiguous, or bool/uint8/int8/int16) go through a
-// contiguous staging copy; bool buffers (masks) travel as int32 0/1, which
-// is exact, because Gloo and our communicator have no bool reduction type.
-void broadcast_from_rank0(comm::Communicator& comm, const std::vector<at::Tensor>& tensors,
-                          const std::vector<std::string>& names) {
-  at::NoGradGuard no_grad;
-  std::vector<comm::Work> works;
-  std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;  // (destination, staged)
-  works.reserve(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    at::Tensor t = tensors[i].detach();
-    const auto dtype = t.scalar_type();
-    ST_CHECK(comm_supports(dtype) || stage_as_int32(dtype), InvalidArgument, "DDP cannot broadcast '",
-             names[i], "' of dtype ", c10::toString(dtype),
-             ": supported are float32/64, bfloat16, float16, int8/16/32/64, uint8 and bool; "
-             "convert it or keep it out of the module's parameters and buffers");
-    if (t.numel() == 0) continue;
-    if (comm_supports(dtype) && t.is_contiguous()) {
-      works.push_back(comm.broadcast(t, comm::BroadcastOptions().root(0).async(true)));
-    } else {
-      at::Tensor staged = stage_as_int32(dtype) ? t.to(at::kInt).contiguous() : t.contiguous();
-      works.push_back(comm.broadcast(staged, comm::BroadcastOptions().root(0).async(true)));
-      copy_back.emplace_back(t, staged);
-    }
-  }
-  for (auto& w : works) w.wait();
-  for (auto& [dst, staged] : copy_back) dst.copy_(staged);
-}
-
-
-NamedParams trainable_parameters(torch::nn::Module& model) {
-  NamedParams out;
-  std::unordered_set<const void*> seen;
-  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
-    const at::Tensor& p = item.value();
-    if (!p.requires_grad()) continue;
-    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;  // tied: first name wins
-    out.names.push_back(item.key());
-    out.tensors.push_back(p);
-  }
-  return out;
-}
 
 std::vector<std::vector<size_t>> plan_buckets(const std::vector<at::Tensor>& tensors,
                                               int64_t first_bucket_bytes,
@@ -132,18 +47,6 @@ std::vector<std::vector<size_t>> plan_buckets(const std::vector<at::Tensor>& ten
   return buckets;
 }
 
-// The dtype buckets are reduced in: StrategyOptions::reduce_dtype, or the
-// parameter's own dtype when it is empty.
-at::ScalarType reduce_dtype(const StrategyOptions& options, at::ScalarType param_dtype) {
-  if (options.reduce_dtype.empty()) return param_dtype;
-  if (options.reduce_dtype == "fp32") return at::kFloat;
-  if (options.reduce_dtype == "bf16") return at::kBFloat16;
-  if (options.reduce_dtype == "fp16") return at::kHalf;
-  ST_CHECK(false, ConfigError, "distributed.reduce_dtype '", options.reduce_dtype,
-           "' is not one of fp32, bf16, fp16");
-  return param_dtype;
-}
-
 // ---- the reducer: per-step state, touched by hooks and by finish ---------------------
 
 class Reducer {
@@ -153,8 +56,9 @@ class Reducer {
       : comm_(std::move(comm)),
         names_(std::move(params.names)),
         params_(std::move(params.tensors)),
-        find_unused_(options.find_unused_parameters) {
-    const auto plan = plan_buckets(params_, options.first_bucket_bytes, options.bucket_cap_bytes);
+        find_unused_(options.find_unused_parameters()) {
+    const auto plan = plan_buckets(params_, mib_to_bytes(options.first_bucket_mb()),
+                                   mib_to_bytes(options.bucket_cap_mb()));
     views_.resize(params_.size());
     bucket_of_.resize(params_.size());
     for (const auto& members : plan) {
@@ -164,7 +68,7 @@ class Reducer {
       const auto& first = params_[members.front()];
       // Gradients are reduced in the configured dtype (fp32 by default, so
       // bf16 gradients are summed in fp32); copies in and out convert.
-      b.flat = at::zeros({numel}, first.options().dtype(reduce_dtype(options, first.scalar_type()))
+      b.flat = at::zeros({numel}, first.options().dtype(scalar_type(options.reduce_dtype(), first.scalar_type()))
                                       .requires_grad(false));
       int64_t offset = 0;
       for (size_t i : members) {
@@ -430,7 +334,7 @@ double DDPStrategy::clip_grad_norm(double max_norm) {
            "clip_grad_norm called before setup(); call strategy->setup(model, comm) first");
   // Gradients are identical on every rank after finish_gradient_sync, so the
   // local norm is the global norm and every rank clips by the same factor.
-  return clip_local_grad_norm(params_, max_norm);
+  return detail::clip_grad_norm(defined_grads(params_), max_norm);
 }
 
 void DDPStrategy::optimizer_step(torch::optim::Optimizer& optimizer) { optimizer.step(); }

@@ -16,11 +16,19 @@
 
 namespace shardtrain::strategy::detail {
 
-/// L2 norm over the defined gradients of `params`, and clipping as
+/// The global L2 norm of `grads` and clipping as
 /// torch::nn::utils::clip_grad_norm_ does: each gradient's norm in its own
-/// dtype, the total accumulated in double; gradients are multiplied by
+/// dtype, squares summed in double (and over `sum_over`'s ranks when given:
+/// each rank passes its shards); the gradients are multiplied by
 /// max_norm / (norm + 1e-6) only when max_norm > 0 and that is below 1.
-double clip_local_grad_norm(const std::vector<at::Tensor>& params, double max_norm);
+double clip_grad_norm(const std::vector<at::Tensor>& grads, double max_norm,
+                      comm::Communicator* sum_over = nullptr);
+
+/// The dtype `dtype` names, or `own` for DType::Auto.
+at::ScalarType scalar_type(DType dtype, at::ScalarType own);
+
+/// MiB (config units) to bytes.
+int64_t mib_to_bytes(double mib);
 
 /// The parameters of `model` that require a gradient, in registration order,
 /// each once (tied parameters are listed under their first name).
@@ -70,10 +78,6 @@ void broadcast_from_rank0(comm::Communicator& comm, const std::vector<at::Tensor
 /// The model's parameters (each once) and defined buffers, with names.
 void model_tensors(torch::nn::Module& model, std::vector<at::Tensor>& tensors,
                    std::vector<std::string>& names);
-
-/// The dtype gradients are reduced in: StrategyOptions::reduce_dtype, or
-/// `param_dtype` when that is empty; ConfigError for an unknown name.
-at::ScalarType reduce_dtype(const StrategyOptions& options, at::ScalarType param_dtype);
 
 class Reducer;
 struct HookHandle;

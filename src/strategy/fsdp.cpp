@@ -117,15 +117,6 @@ bool has_storage(const at::Tensor& flat) {
   return flat.storage().nbytes() >= static_cast<size_t>(flat.numel()) * flat.element_size();
 }
 
-at::ScalarType dtype_named(const std::string& name, at::ScalarType fallback, const char* key) {
-  if (name.empty()) return fallback;
-  if (name == "fp32") return at::kFloat;
-  if (name == "bf16") return at::kBFloat16;
-  if (name == "fp16") return at::kHalf;
-  throw ConfigError(::shardtrain::detail::str_cat("distributed.", key, " '", name,
-                                                  "' is not one of fp32, bf16, fp16"));
-}
-
 using Clock = std::chrono::steady_clock;
 
 }  // namespace
@@ -136,22 +127,25 @@ void reset_flat_memory_peak() { g_peak_bytes = g_live_bytes.load(); }
 
 ShardingMode sharding_mode(const StrategyOptions& options) {
   ShardingMode m;
-  if (options.name == "zero1") {
-    m.name = "zero1";
+  m.name = options.display_name();
+  if (options.strategy() == StrategyKind::Zero1) {
     m.shard_optimizer = true;
     return m;
   }
-  ST_CHECK(options.name == "fsdp", ConfigError, "sharded strategy '", options.name,
-           "' is not one of zero1, fsdp");
-  m.name = "fsdp/" + options.sharding;
-  if (options.sharding == "full_shard" || options.sharding == "hybrid_shard") {
-    m.shard_params = m.reshard_after_forward = m.shard_grads = m.shard_optimizer = true;
-    m.hybrid = options.sharding == "hybrid_shard";
-  } else if (options.sharding == "shard_grad_op") {
-    m.shard_params = m.shard_grads = m.shard_optimizer = true;
-  } else {
-    ST_CHECK(options.sharding == "no_shard", ConfigError, "distributed.sharding '",
-             options.sharding, "' is not one of full_shard, shard_grad_op, no_shard, hybrid_shard");
+  ST_CHECK(options.strategy() == StrategyKind::Fsdp, ConfigError, "sharded strategy '",
+           enum_name(options.strategy()), "' is not one of zero1, fsdp");
+  switch (options.sharding()) {
+    case Sharding::HybridShard:
+      m.hybrid = true;
+      [[fallthrough]];
+    case Sharding::FullShard:
+      m.shard_params = m.reshard_after_forward = m.shard_grads = m.shard_optimizer = true;
+      break;
+    case Sharding::ShardGradOp:
+      m.shard_params = m.shard_grads = m.shard_optimizer = true;
+      break;
+    case Sharding::NoShard:
+      break;
   }
   return m;
 }
@@ -432,7 +426,7 @@ void ShardedEngine::setup(torch::nn::Module& model, std::shared_ptr<comm::Commun
   // Groups: who shards with whom, who replicates.
   const int n = world_->size();
   if (mode_.hybrid) {
-    int local = options_.local_world_size;
+    int local = static_cast<int>(options_.local_world_size());
     if (local <= 0) local = dist::ClusterEnv::detect().local_world_size;
     ST_CHECK(local >= 1 && n % local == 0, ConfigError, "hybrid_shard needs the world size (", n,
              ") to be a multiple of the ranks per node (", local,
@@ -506,8 +500,8 @@ void ShardedEngine::build_flat(size_t u, std::vector<ParamInfo> params, bool tra
   fl.trainable = trainable;
   fl.master_dtype = dtype;
   const bool floating = at::isFloatingType(dtype);
-  fl.compute_dtype = floating ? dtype_named(options_.param_dtype, dtype, "param_dtype") : dtype;
-  fl.reduce_dtype = floating ? reduce_dtype(options_, fl.compute_dtype) : dtype;
+  fl.compute_dtype = floating ? scalar_type(options_.param_dtype(), dtype) : dtype;
+  fl.reduce_dtype = floating ? scalar_type(options_.reduce_dtype(), fl.compute_dtype) : dtype;
   for (auto& p : params) {
     p.offset = fl.numel;
     fl.numel += p.numel;
@@ -621,7 +615,7 @@ void ShardedEngine::gather_now(size_t u) {
 
 void ShardedEngine::prefetch(long u) {
   if (u < 0 || units_[static_cast<size_t>(u)].state != Unit::State::Sharded) return;
-  if (in_flight_ >= std::max(1, options_.limit_all_gathers)) return;
+  if (in_flight_ >= options_.limit_all_gathers()) return;
   issue_gather(static_cast<size_t>(u));
   ++prefetches_;
 }
@@ -651,7 +645,7 @@ void ShardedEngine::pre_forward(size_t u) {
     order_.push_back(u);
   }
   gather_now(u);
-  if (options_.forward_prefetch && !in_backward_) prefetch(next_in_order(u, +1));
+  if (options_.forward_prefetch() && !in_backward_) prefetch(next_in_order(u, +1));
 }
 
 at::Tensor ShardedEngine::post_forward(size_t u, const at::Tensor& output) {
@@ -719,11 +713,11 @@ void ShardedEngine::pre_backward(size_t u) {
   for (size_t f : units_[u].flats) {
     if (flats_[f].trainable) ensure_grad_views(f);
   }
-  if (options_.backward_prefetch == "backward_pre") prefetch(next_in_order(u, -1));
+  if (options_.backward_prefetch() == BackwardPrefetch::BackwardPre) prefetch(next_in_order(u, -1));
 }
 
 bool ShardedEngine::reduce_in_backward() const {
-  if (mode_.shard_grads && options_.accumulation == "sharded") return true;  // every micro-step
+  if (mode_.shard_grads && options_.accumulation() == Accumulation::Sharded) return true;  // every micro-step
   return sync_;
 }
 
@@ -736,7 +730,7 @@ void ShardedEngine::param_ready(size_t f, size_t p) {
   Unit& unit = units_[u];
   if (++unit.ready < unit.trainable_params) return;
   // Every trainable parameter of the unit has its gradient.
-  if (options_.backward_prefetch == "backward_post") prefetch(next_in_order(u, -1));
+  if (options_.backward_prefetch() == BackwardPrefetch::BackwardPost) prefetch(next_in_order(u, -1));
   if (reduce_in_backward()) {
     for (size_t g : unit.flats) {
       if (flats_[g].trainable) launch_reduction(g);
@@ -950,28 +944,7 @@ std::vector<at::Tensor> ShardedEngine::gradients() {
 }
 
 double ShardedEngine::clip(double max_norm) {
-  at::NoGradGuard no_grad;
-  double sum_sq = 0.0;
-  for (const auto& fl : flats_) {
-    if (!fl.trainable || fl.shard_numel == 0) continue;
-    const double n = fl.grad_shard.norm(2).item<double>();
-    sum_sq += n * n;
-  }
-  if (shard_comm_ && shard_comm_->size() > 1) {
-    auto t = torch::tensor({sum_sq}, torch::kDouble);
-    shard_comm_->all_reduce(t);
-    sum_sq = t.item<double>();
-  }
-  const double total = std::sqrt(sum_sq);
-  if (max_norm > 0.0) {
-    const double coef = max_norm / (total + 1e-6);
-    if (coef < 1.0) {
-      for (auto& fl : flats_) {
-        if (fl.trainable) fl.grad_shard.mul_(coef);
-      }
-    }
-  }
-  return total;
+  return clip_grad_norm(gradients(), max_norm, shard_comm_.get());
 }
 
 void ShardedEngine::after_optimizer_step() { reload(); }
@@ -1050,14 +1023,6 @@ std::vector<std::pair<std::string, at::Tensor>> ShardedEngine::full_state_dict()
 
 ShardedStrategy::ShardedStrategy(StrategyOptions options)
     : options_(std::move(options)), mode_(sharding_mode(options_)) {
-  ST_CHECK(options_.accumulation == "sharded" || options_.accumulation == "unsharded", ConfigError,
-           "distributed.accumulation '", options_.accumulation, "' is not one of sharded, unsharded");
-  ST_CHECK(options_.backward_prefetch == "backward_pre" || options_.backward_prefetch == "backward_post" ||
-               options_.backward_prefetch == "none",
-           ConfigError, "distributed.backward_prefetch '", options_.backward_prefetch,
-           "' is not one of backward_pre, backward_post, none");
-  ST_CHECK(options_.limit_all_gathers >= 1, ConfigError, "distributed.limit_all_gathers must be >= 1, got ",
-           options_.limit_all_gathers);
   (void)policy_from_options(options_);  // validates the policy's name early
 }
 

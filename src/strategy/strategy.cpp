@@ -1,4 +1,4 @@
-// make_strategy, the shared gradient clipping, and the `single` strategy.
+// make_strategy and the `single` strategy.
 #include "shardtrain/strategy/strategy.h"
 
 #include <torch/torch.h>
@@ -12,87 +12,6 @@
 
 namespace shardtrain::strategy {
 
-namespace detail {
-
-double clip_local_grad_norm(const std::vector<at::Tensor>& params, double max_norm) {
-  at::NoGradGuard no_grad;
-  // Each gradient's norm in its own dtype (as torch does), summed in double
-  // so that many parameters do not lose the small ones.
-  double sum_sq = 0.0;
-  bool any = false;
-  for (const auto& p : params) {
-    const auto& g = p.grad();
-    if (!g.defined()) continue;
-    any = true;
-    const double n = g.norm(2).item<double>();
-    sum_sq += n * n;
-  }
-  if (!any) return 0.0;
-  const double total = std::sqrt(sum_sq);
-  if (max_norm > 0.0) {
-    const double coef = max_norm / (total + 1e-6);
-    if (coef < 1.0) {
-      for (const auto& p : params) {
-        auto& g = p.mutable_grad();
-        if (g.defined()) g.mul_(coef);
-      }
-    }
-  }
-  return total;
-}
-
-std::vector<ShardedTensor> whole_model_state(torch::nn::Module& model, int rank) {
-  std::vector<ShardedTensor> out;
-  std::unordered_set<const void*> seen;
-  const auto add = [&](const std::string& name, const at::Tensor& t, bool is_parameter) {
-    if (!t.defined() || !seen.insert(t.unsafeGetTensorImpl()).second) return;
-    ShardedTensor s;
-    s.name = name;
-    s.global_shape = t.sizes().vec();
-    s.local = t;
-    s.primary = rank == 0;
-    s.is_parameter = is_parameter;
-    out.push_back(std::move(s));
-  };
-  for (const auto& p : model.named_parameters(true)) add(p.key(), p.value(), true);
-  for (const auto& b : model.named_buffers(true)) add(b.key(), b.value(), false);
-  return out;
-}
-
-std::vector<ShardedTensor> whole_optimizer_parameters(torch::nn::Module& model, int rank) {
-  std::vector<ShardedTensor> out;
-  auto named = trainable_parameters(model);
-  for (size_t i = 0; i < named.tensors.size(); ++i) {
-    ShardedTensor s;
-    s.name = named.names[i];
-    s.global_shape = named.tensors[i].sizes().vec();
-    s.local = named.tensors[i];
-    s.primary = rank == 0;  // every rank holds the same: rank 0 writes it
-    out.push_back(std::move(s));
-  }
-  return out;
-}
-
-std::vector<std::pair<std::string, at::Tensor>> whole_state_dict(torch::nn::Module& model,
-                                                                 int rank) {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  if (rank != 0) return out;
-  for (const auto& p : model.named_parameters(true)) out.emplace_back(p.key(), p.value());
-  for (const auto& b : model.named_buffers(true)) {
-    if (b.value().defined()) out.emplace_back(b.key(), b.value());
-  }
-  return out;
-}
-
-std::vector<at::Tensor> defined_grads(const std::vector<at::Tensor>& params) {
-  std::vector<at::Tensor> out;
-  for (const auto& p : params) {
-    if (p.grad().defined()) out.push_back(p.grad());
-  }
-  return out;
-}
-
-}  // namespace detail
 
 namespace {
 
@@ -116,7 +35,7 @@ class SingleStrategy final : public Strategy {
   double clip_grad_norm(double max_norm) override {
     ST_CHECK(setup_done_, InvalidArgument,
              "clip_grad_norm called before setup(); call strategy->setup(model, comm) first");
-    return detail::clip_local_grad_norm(params_, max_norm);
+    return detail::clip_grad_norm(detail::defined_grads(params_), max_norm);
   }
 
   void optimizer_step(torch::optim::Optimizer& optimizer) override { optimizer.step(); }
@@ -151,19 +70,33 @@ class SingleStrategy final : public Strategy {
 
 }  // namespace
 
+std::string StrategyOptions::display_name() const {
+  if (strategy_ != StrategyKind::Fsdp) return enum_name(strategy_);
+  return std::string("fsdp/") + enum_name(sharding_);
+}
+
 std::unique_ptr<Strategy> make_strategy(const StrategyOptions& options) {
-  ST_CHECK(options.bucket_cap_bytes > 0, ConfigError, "strategy bucket_cap_bytes must be > 0, got ",
-           options.bucket_cap_bytes, "; the default is 25 MiB");
-  ST_CHECK(options.first_bucket_bytes > 0, ConfigError,
-           "strategy first_bucket_bytes must be > 0, got ", options.first_bucket_bytes,
-           "; the default is 1 MiB");
-  if (options.name == "single") return std::make_unique<SingleStrategy>();
-  if (options.name == "ddp") return std::make_unique<detail::DDPStrategy>(options);
-  if (options.name == "zero1" || options.name == "fsdp") {
-    return std::make_unique<detail::ShardedStrategy>(options);
+  ST_CHECK(options.bucket_cap_mb() > 0, ConfigError, "distributed.bucket_cap_mb must be > 0, got ",
+           options.bucket_cap_mb(), "; the default is 25");
+  ST_CHECK(options.first_bucket_mb() > 0, ConfigError,
+           "distributed.first_bucket_mb must be > 0, got ", options.first_bucket_mb(),
+           "; the default is 1");
+  ST_CHECK(options.limit_all_gathers() >= 1, ConfigError,
+           "distributed.limit_all_gathers must be >= 1, got ", options.limit_all_gathers());
+  switch (options.strategy()) {
+    case StrategyKind::Single:
+      return std::make_unique<SingleStrategy>();
+    case StrategyKind::Ddp:
+      return std::make_unique<detail::DDPStrategy>(options);
+    case StrategyKind::Zero1:
+    case StrategyKind::Fsdp:
+      return std::make_unique<detail::ShardedStrategy>(options);
+    case StrategyKind::Auto:
+      break;
   }
-  throw ConfigError(::shardtrain::detail::str_cat(
-      "unknown strategy '", options.name, "'; expected one of: single, ddp, zero1, fsdp"));
+  throw ConfigError(
+      "strategy 'auto' must be resolved before make_strategy(): pick one with "
+      "choose_strategy() (strategy/estimate.h), as the trainer does");
 }
 
 }  // namespace shardtrain::strategy

@@ -72,19 +72,18 @@ WrapPolicy size_policy(int64_t min_num_params) {
 }
 
 WrapPolicy policy_from_options(const StrategyOptions& options) {
-  if (options.wrap_policy) return options.wrap_policy;
-  if (options.auto_wrap_policy == "module_type") return module_type_policy(options.wrap_module_types);
-  if (options.auto_wrap_policy == "size") {
-    ST_CHECK(options.min_num_params >= 1, ConfigError, "distributed.min_num_params must be >= 1, got ",
-             options.min_num_params);
-    return size_policy(options.min_num_params);
+  if (options.wrap_policy()) return options.wrap_policy();
+  switch (options.auto_wrap_policy()) {
+    case AutoWrapPolicy::ModuleType:
+      return module_type_policy(options.wrap_module_types());
+    case AutoWrapPolicy::Size:
+      ST_CHECK(options.min_num_params() >= 1, ConfigError,
+               "distributed.min_num_params must be >= 1, got ", options.min_num_params());
+      return size_policy(options.min_num_params());
+    case AutoWrapPolicy::None:
+      break;
   }
-  if (options.auto_wrap_policy == "none") {
-    return [](const std::string&, const torch::nn::Module&, int64_t) { return false; };
-  }
-  throw ConfigError(::shardtrain::detail::str_cat("distributed.auto_wrap_policy '",
-                                                  options.auto_wrap_policy,
-                                                  "' is not one of module_type, size, none"));
+  return [](const std::string&, const torch::nn::Module&, int64_t) { return false; };
 }
 
 // ---- planning ----------------------------------------------------------------------------

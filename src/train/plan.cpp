@@ -16,25 +16,28 @@ namespace shardtrain::train {
 
 namespace {
 
+// The config's distributed section still spells its choices as strings;
+// they become the library's enums here.
 strategy::StrategyOptions options_from(const config::Config& config, const std::string& name,
                                        const std::string& sharding) {
+  using namespace strategy;
   const auto& d = config.distributed;
-  strategy::StrategyOptions o;
-  o.name = name;
-  o.sharding = sharding;
-  o.bucket_cap_bytes = static_cast<int64_t>(d.bucket_cap_mb * (1 << 20));
-  o.first_bucket_bytes = static_cast<int64_t>(d.first_bucket_mb * (1 << 20));
-  o.find_unused_parameters = d.find_unused_parameters;
-  o.reduce_dtype = d.reduce_dtype;
-  o.param_dtype = d.param_dtype == "auto" ? "" : d.param_dtype;
-  o.auto_wrap_policy = d.auto_wrap_policy;
-  o.wrap_module_types = d.wrap_module_types;
-  o.min_num_params = d.min_num_params;
-  o.backward_prefetch = d.backward_prefetch;
-  o.forward_prefetch = d.forward_prefetch;
-  o.limit_all_gathers = static_cast<int>(d.limit_all_gathers);
-  o.accumulation = d.accumulation;
-  return o;
+  return StrategyOptions()
+      .strategy(enum_from_name<StrategyKind>(name, "distributed.strategy"))
+      .sharding(enum_from_name<Sharding>(sharding, "distributed.sharding"))
+      .bucket_cap_mb(d.bucket_cap_mb)
+      .first_bucket_mb(d.first_bucket_mb)
+      .find_unused_parameters(d.find_unused_parameters)
+      .reduce_dtype(enum_from_name<DType>(d.reduce_dtype, "distributed.reduce_dtype"))
+      .param_dtype(enum_from_name<DType>(d.param_dtype, "distributed.param_dtype"))
+      .auto_wrap_policy(enum_from_name<AutoWrapPolicy>(d.auto_wrap_policy, "distributed.auto_wrap_policy"))
+      .wrap_module_types(d.wrap_module_types)
+      .min_num_params(d.min_num_params)
+      .backward_prefetch(
+          enum_from_name<BackwardPrefetch>(d.backward_prefetch, "distributed.backward_prefetch"))
+      .forward_prefetch(d.forward_prefetch)
+      .limit_all_gathers(d.limit_all_gathers)
+      .accumulation(enum_from_name<Accumulation>(d.accumulation, "distributed.accumulation"));
 }
 
 }  // namespace

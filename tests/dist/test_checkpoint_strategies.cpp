@@ -108,12 +108,13 @@ std::unique_ptr<st::Strategy> make_strategy_from_env() {
   const std::string spec = env("SHARDTRAIN_MATRIX_STRATEGY");
   st::StrategyOptions o;
   const auto slash = spec.find('/');
-  o.name = spec.substr(0, slash);
-  if (slash != std::string::npos) o.sharding = spec.substr(slash + 1);
-  o.auto_wrap_policy = "module_type";
-  o.wrap_module_types = {"LinearImpl"};
+  o.strategy(shardtrain::enum_from_name<st::StrategyKind>(spec.substr(0, slash), "strategy"));
+  if (slash != std::string::npos) {
+    o.sharding(shardtrain::enum_from_name<st::Sharding>(spec.substr(slash + 1), "sharding"));
+  }
+  o.auto_wrap_policy(st::AutoWrapPolicy::ModuleType).wrap_module_types({"LinearImpl"});
   const std::string node = env("SHARDTRAIN_MATRIX_NODE_SIZE");
-  if (!node.empty()) o.local_world_size = std::stoi(node);
+  if (!node.empty()) o.local_world_size(std::stoi(node));
   return st::make_strategy(o);
 }
 

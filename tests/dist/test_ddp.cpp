@@ -59,10 +59,9 @@ void perturb_unless_rank0(torch::nn::Module& m) {
 // Small caps: first bucket 1 KB, others 4 KB -> 4 buckets for the MLP:
 // {4.bias, 4.weight}, {2.bias}, {2.weight (9 KB, alone)}, {0.bias, 0.weight}.
 StrategyOptions small_buckets() {
+  // 1 KiB and 4 KiB, in the options' MiB.
   StrategyOptions o;
-  o.name = "ddp";
-  o.first_bucket_bytes = 1024;
-  o.bucket_cap_bytes = 4096;
+  o.strategy(strategy::StrategyKind::Ddp).first_bucket_mb(1024.0 / (1 << 20)).bucket_cap_mb(4096.0 / (1 << 20));
   return o;
 }
 
@@ -303,9 +302,7 @@ TORCH_MODULE(TwoBranch);
 
 StrategyOptions tiny_buckets(bool find_unused) {
   StrategyOptions o;
-  o.first_bucket_bytes = 64;
-  o.bucket_cap_bytes = 256;
-  o.find_unused_parameters = find_unused;
+  o.first_bucket_mb(64.0 / (1 << 20)).bucket_cap_mb(256.0 / (1 << 20)).find_unused_parameters(find_unused);
   return o;
 }
 

@@ -99,17 +99,17 @@ struct Case {
 };
 
 StrategyOptions options_for(const Case& c) {
-  StrategyOptions o;
-  o.name = c.name;
-  o.sharding = c.sharding;
-  o.param_dtype = c.param_dtype;
-  o.accumulation = c.accumulation;
-  o.backward_prefetch = c.prefetch;
-  o.forward_prefetch = c.forward_prefetch;
-  o.auto_wrap_policy = "module_type";
-  o.wrap_module_types = {"LinearImpl"};
-  o.local_world_size = c.local_world_size;
-  return o;
+  using namespace strategy;
+  return StrategyOptions()
+      .strategy(enum_from_name<StrategyKind>(c.name, "strategy"))
+      .sharding(enum_from_name<Sharding>(c.sharding, "sharding"))
+      .param_dtype(c.param_dtype.empty() ? DType::Auto : enum_from_name<DType>(c.param_dtype, "param_dtype"))
+      .accumulation(enum_from_name<Accumulation>(c.accumulation, "accumulation"))
+      .backward_prefetch(enum_from_name<BackwardPrefetch>(c.prefetch, "backward_prefetch"))
+      .forward_prefetch(c.forward_prefetch)
+      .auto_wrap_policy(AutoWrapPolicy::ModuleType)
+      .wrap_module_types({"LinearImpl"})
+      .local_world_size(c.local_world_size);
 }
 
 // AdamW (weight decay on matrices) in fp32. Under bf16 SGD with momentum:
@@ -285,9 +285,9 @@ TEST(Sharded, AccumulationInBothModesMatchesOneBigBatch) {
 TEST(Sharded, UserWrapPredicate) {
   Case c;
   auto o = options_for(c);
-  o.wrap_policy = [](const std::string& name, const torch::nn::Module&, int64_t) {
+  o.wrap_policy([](const std::string& name, const torch::nn::Module&, int64_t) {
     return name == "l1" || name == "l3";  // l2 stays in the root unit
-  };
+  });
   auto model = make_net(false);
   auto strategy = strategy::make_strategy(o);
   strategy->setup(*model, g_world);
@@ -396,10 +396,10 @@ TEST(Sharded, FullShardModelStateMemoryMatchesTheFormula) {
     Stack model;
     for (const auto& p : model->parameters()) psi += p.numel();
     unit = psi / 16;
-    StrategyOptions o;
-    o.name = "fsdp";
-    o.sharding = "full_shard";
-    o.wrap_module_types = {"LinearImpl"};
+    const auto o = StrategyOptions()
+                       .strategy(strategy::StrategyKind::Fsdp)
+                       .sharding(strategy::Sharding::FullShard)
+                       .wrap_module_types({"LinearImpl"});
     auto strategy = strategy::make_strategy(o);
     strategy->setup(*model, g_world);
     auto opt = make_optimizer(strategy->optimizer_parameters(), false);
@@ -462,9 +462,8 @@ std::string error_of(F&& f) {
 
 TEST(Sharded, UnitNotCalledThroughUnitForwardIsAnErrorNamingIt) {
   Bypass model;
-  StrategyOptions o;
-  o.name = "fsdp";
-  o.wrap_module_types = {"LinearImpl"};
+  const auto o =
+      StrategyOptions().strategy(strategy::StrategyKind::Fsdp).wrap_module_types({"LinearImpl"});
   auto strategy = strategy::make_strategy(o);
   strategy->setup(*model, g_world);
   const std::string msg = error_of([&] {
@@ -495,9 +494,8 @@ TORCH_MODULE(Tied);
 
 TEST(Sharded, TiedParameterAcrossUnitsIsAnErrorNamingIt) {
   Tied model;
-  StrategyOptions o;
-  o.name = "fsdp";
-  o.wrap_module_types = {"HolderImpl"};
+  const auto o =
+      StrategyOptions().strategy(strategy::StrategyKind::Fsdp).wrap_module_types({"HolderImpl"});
   auto strategy = strategy::make_strategy(o);
   const std::string msg = error_of([&] { strategy->setup(*model, g_world); });
   EXPECT_NE(msg.find("'a.weight'"), std::string::npos) << msg;
@@ -506,16 +504,17 @@ TEST(Sharded, TiedParameterAcrossUnitsIsAnErrorNamingIt) {
 }
 
 TEST(Sharded, BadOptionsAreConfigErrors) {
-  StrategyOptions o;
-  o.name = "fsdp";
-  o.sharding = "full";
-  EXPECT_NE(error_of([&] { strategy::make_strategy(o); }).find("full_shard"), std::string::npos);
-  o.sharding = "full_shard";
-  o.auto_wrap_policy = "blocks";
-  EXPECT_NE(error_of([&] { strategy::make_strategy(o); }).find("module_type"), std::string::npos);
-  o.auto_wrap_policy = "module_type";
-  o.accumulation = "lazy";
-  EXPECT_NE(error_of([&] { strategy::make_strategy(o); }).find("unsharded"), std::string::npos);
+  using namespace strategy;
+  EXPECT_NE(error_of([] { enum_from_name<Sharding>("full", "distributed.sharding"); }).find("full_shard"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { enum_from_name<AutoWrapPolicy>("blocks", "distributed.auto_wrap_policy"); })
+                .find("module_type"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { enum_from_name<Accumulation>("lazy", "distributed.accumulation"); })
+                .find("unsharded"),
+            std::string::npos);
+  const auto o = StrategyOptions().strategy(StrategyKind::Fsdp).limit_all_gathers(0);
+  EXPECT_NE(error_of([&] { make_strategy(o); }).find("limit_all_gathers"), std::string::npos);
 }
 
 TEST(Sharded, PrefetchStaysWithinTheGatherLimit) {
@@ -561,13 +560,13 @@ TORCH_MODULE(Skip);
 TEST(Sharded, RanksUsingDifferentUnitsIsAnErrorNotSilentlyWrong) {
   if (world_size() == 1) GTEST_SKIP() << "needs two ranks";
   Skip model;
-  StrategyOptions o;
-  o.name = "fsdp";
   // In the first step every unit is still gathered from setup and
   // shard_grad_op does not free it after forward, so only the reductions
   // differ between ranks (same count, same sizes): the silent case.
-  o.sharding = "shard_grad_op";
-  o.wrap_module_types = {"LinearImpl"};
+  const auto o = StrategyOptions()
+                     .strategy(strategy::StrategyKind::Fsdp)
+                     .sharding(strategy::Sharding::ShardGradOp)
+                     .wrap_module_types({"LinearImpl"});
   auto strategy = strategy::make_strategy(o);
   strategy->setup(*model, g_world);
   const std::string msg = error_of([&] {

@@ -19,9 +19,7 @@ std::shared_ptr<comm::Communicator> world_of_one() {
 }
 
 StrategyOptions named(const std::string& name) {
-  StrategyOptions o;
-  o.name = name;
-  return o;
+  return StrategyOptions().strategy(enum_from_name<strategy::StrategyKind>(name, "strategy"));
 }
 
 torch::nn::Sequential make_mlp() {
@@ -50,7 +48,7 @@ TEST(MakeStrategy, BuildsSingleAndDdp) {
 
 TEST(MakeStrategy, UnknownNameIsConfigErrorListingTheChoices) {
   try {
-    strategy::make_strategy(named("fsdp3"));
+    named("fsdp3");
     FAIL() << "expected ConfigError";
   } catch (const ConfigError& e) {
     const std::string msg = e.what();
@@ -61,10 +59,10 @@ TEST(MakeStrategy, UnknownNameIsConfigErrorListingTheChoices) {
 
 TEST(MakeStrategy, RejectsNonPositiveBucketSizes) {
   auto o = named("ddp");
-  o.bucket_cap_bytes = 0;
+  o.bucket_cap_mb(0);
   EXPECT_THROW(strategy::make_strategy(o), ConfigError);
   o = named("ddp");
-  o.first_bucket_bytes = -1;
+  o.first_bucket_mb(-1);
   EXPECT_THROW(strategy::make_strategy(o), ConfigError);
 }
 
@@ -210,7 +208,7 @@ TEST(DDPWorldOfOne, GradientsReduceInTheConfiguredDtype) {
     auto model = make_mlp();
     auto ref = clone_mlp(model);
     auto options = named("ddp");
-    options.reduce_dtype = dtype;
+    options.reduce_dtype(enum_from_name<strategy::DType>(dtype, "reduce_dtype"));
     auto s = strategy::make_strategy(options);
     s->setup(*model, world_of_one());
     give_grads(model, 1.0);
@@ -224,8 +222,5 @@ TEST(DDPWorldOfOne, GradientsReduceInTheConfiguredDtype) {
       EXPECT_TRUE(torch::equal(got, want)) << dtype << " param " << i;
     }
   }
-  auto options = named("ddp");
-  options.reduce_dtype = "fp8";
-  auto model = make_mlp();
-  EXPECT_THROW(strategy::make_strategy(options)->setup(*model, world_of_one()), ConfigError);
+  EXPECT_THROW(enum_from_name<strategy::DType>("fp8", "distributed.reduce_dtype"), ConfigError);
 }

@@ -162,10 +162,12 @@ int estimate_main(int argc, char** argv) {
 
   // ---- model, units and the estimator's input (the same as strategy auto uses) ----
   auto model = build_model(config);
-  strategy::StrategyOptions options;
-  options.auto_wrap_policy = dc.auto_wrap_policy;
-  options.wrap_module_types = dc.wrap_module_types;
-  options.min_num_params = dc.min_num_params;
+  const auto options =
+      strategy::StrategyOptions()
+          .auto_wrap_policy(enum_from_name<strategy::AutoWrapPolicy>(dc.auto_wrap_policy,
+                                                                     "distributed.auto_wrap_policy"))
+          .wrap_module_types(dc.wrap_module_types)
+          .min_num_params(dc.min_num_params);
   const std::vector<strategy::UnitPlan> units =
       strategy::plan_units(*model, strategy::policy_from_options(options));
   strategy::EstimateInput in = train::estimate_input(config, *model, world, nproc);

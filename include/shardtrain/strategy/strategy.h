@@ -18,13 +18,14 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+
+#include "shardtrain/strategy/options.h"
 
 namespace torch {
 namespace nn {
@@ -59,54 +60,6 @@ struct ShardedTensor {
   bool primary = true;
   /// A parameter (true) or a buffer (false).
   bool is_parameter = true;
-};
-
-struct StrategyOptions {
-  /// "single", "ddp", "zero1" or "fsdp" ("auto" is resolved by the caller,
-  /// see strategy/estimate.h).
-  std::string name = "ddp";
-  /// fsdp only: "full_shard", "shard_grad_op", "no_shard" or "hybrid_shard".
-  std::string sharding = "full_shard";
-  /// Largest gradient bucket, and the first (smaller, so the first
-  /// reduction starts early in backward), in bytes (ddp).
-  int64_t bucket_cap_bytes = int64_t{25} << 20;
-  int64_t first_bucket_bytes = int64_t{1} << 20;
-  /// true: parameters without a gradient in a step are reduced as zeros;
-  /// false: such a parameter is an error that names it.
-  bool find_unused_parameters = false;
-  /// dtype gradients are reduced in: "fp32" (default), "bf16", "fp16", or
-  /// "" for each parameter's own dtype.
-  std::string reduce_dtype = "fp32";
-  /// zero1/fsdp: dtype of the gathered (compute) copy of the parameters:
-  /// "fp32", "bf16", "fp16", or "" for the parameter's own dtype. The
-  /// sharded master copy keeps the parameter's own dtype.
-  std::string param_dtype;
-  /// fsdp: which submodules become units (wrap.h): "module_type" (the
-  /// modules whose type name ends in one of wrap_module_types), "size"
-  /// (post-order, a module whose not-yet-wrapped parameters reach
-  /// min_num_params), or "none" (one unit: the root).
-  std::string auto_wrap_policy = "module_type";
-  std::vector<std::string> wrap_module_types = {"BlockImpl"};
-  int64_t min_num_params = int64_t{1} << 20;
-  /// fsdp: a user predicate that replaces auto_wrap_policy when set:
-  /// (dotted module path, module, parameters no nested unit claimed) -> make
-  /// it a unit. See strategy/wrap.h.
-  std::function<bool(const std::string&, const torch::nn::Module&, int64_t)> wrap_policy;
-  /// fsdp: "backward_pre" (gather the next unit before computing this
-  /// one's gradients), "backward_post" (after), or "none".
-  std::string backward_prefetch = "backward_pre";
-  /// fsdp: gather the next unit while this one's forward runs.
-  bool forward_prefetch = false;
-  /// fsdp: unit all-gathers in flight at most (prefetches included).
-  int limit_all_gathers = 2;
-  /// fsdp with sharded gradients: "sharded" reduce-scatters on every
-  /// micro-step (low memory); "unsharded" keeps whole gradients until the
-  /// last micro-step (one reduce-scatter per step, gradients of the whole
-  /// model in memory).
-  std::string accumulation = "sharded";
-  /// hybrid_shard: ranks per node (the intra-node shard group); 0 means
-  /// LOCAL_WORLD_SIZE from the environment.
-  int local_world_size = 0;
 };
 
 /// Time a strategy spent on communication in the last optimizer step.
@@ -178,7 +131,8 @@ class Strategy {
   virtual CommStats comm_stats() const { return {}; }
 };
 
-/// Builds the strategy named in `options`; ConfigError for an unknown name.
+/// Builds the strategy `options` describe; ConfigError for StrategyKind::Auto
+/// (resolve it with choose_strategy first) and for impossible values.
 std::unique_ptr<Strategy> make_strategy(const StrategyOptions& options);
 
 }  // namespace shardtrain::strategy

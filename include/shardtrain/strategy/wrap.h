@@ -6,23 +6,17 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <string>
 #include <vector>
 
-namespace torch::nn {
-class Module;
-}
+#include "shardtrain/strategy/options.h"
 
 namespace shardtrain::strategy {
 
-struct StrategyOptions;
-
-/// Decides whether `module` (at dotted path `name`, "" for the root) becomes
-/// a unit. `unwrapped_params` counts its parameters that no unit nested in it
-/// has claimed yet (the policies visit children before parents).
-using WrapPolicy = std::function<bool(const std::string& name, const torch::nn::Module& module,
-                                      int64_t unwrapped_params)>;
+// WrapPolicy (strategy/options.h) decides whether `module` (at dotted path
+// `name`, "" for the root) becomes a unit. `unwrapped_params` counts its
+// parameters that no unit nested in it has claimed yet (the policies visit
+// children before parents).
 
 /// Modules whose class name, without namespaces (Module::name() is e.g.
 /// "shardtrain::models::BlockImpl"), is one of `type_names` ("BlockImpl").
