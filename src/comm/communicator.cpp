@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "comm/detail.h"
+#include "comm/interface.h"
 #include "comm/store.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/dist/env.h"
@@ -143,6 +144,7 @@ class Group {
   // Rendezvous state kept for new_group(); null for a world of one.
   std::shared_ptr<gloo::rendezvous::Store> store;
   std::shared_ptr<gloo::transport::Device> device;
+  Endpoint endpoint;  // the interface and address `device` is bound to
   std::string store_prefix;
   std::shared_ptr<gloo::rendezvous::Context> ctx;
   uint64_t groups_created = 0;
@@ -291,29 +293,22 @@ std::chrono::milliseconds env_timeout(std::chrono::milliseconds fallback) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
 }
 
-// The address other ranks reach this one at: an interface named by
-// SHARDTRAIN_SOCKET_IFNAME (or GLOO_SOCKET_IFNAME); loopback when the master
-// is local; otherwise this machine's host name.
-std::shared_ptr<gloo::transport::Device> make_device(const std::string& master_addr) {
+// A TCP device bound to the address other ranks reach this one at
+// (interface.h says which), recorded in `chosen`.
+std::shared_ptr<gloo::transport::Device> make_device(const std::string& master_addr,
+                                                     Endpoint& chosen) {
+  chosen = choose_endpoint(master_addr);
   gloo::transport::tcp::attr attr;
-  const char* iface = std::getenv("SHARDTRAIN_SOCKET_IFNAME");
-  if (iface == nullptr || *iface == '\0') iface = std::getenv("GLOO_SOCKET_IFNAME");
-  if (iface != nullptr && *iface != '\0') {
-    attr.iface = iface;
-  } else if (master_addr == "localhost" || master_addr.rfind("127.", 0) == 0 ||
-             master_addr == "::1") {
-    attr.hostname = "127.0.0.1";
+  if (chosen.named) {
+    attr.iface = chosen.iface;
   } else {
-    char host[256] = {0};
-    ST_CHECK(gethostname(host, sizeof(host) - 1) == 0, CommError,
-             "cannot read this machine's host name; set SHARDTRAIN_SOCKET_IFNAME");
-    attr.hostname = host;
+    attr.hostname = chosen.address;
   }
   try {
     return gloo::transport::tcp::CreateDevice(attr);
   } catch (const std::exception& e) {
-    throw CommError(str_cat("cannot open a TCP device on ",
-                            attr.iface.empty() ? attr.hostname : attr.iface, ": ", e.what(),
+    throw CommError(str_cat("cannot open a TCP device on ", chosen.iface, " ", chosen.address,
+                            " (", chosen.why, "): ", e.what(),
                             ". Hint: set SHARDTRAIN_SOCKET_IFNAME to the interface the ranks "
                             "share."));
   }
@@ -402,7 +397,7 @@ std::shared_ptr<Communicator> Communicator::create(const CommOptions& options) {
     group->store = detail::open_store(options.init_method(), options.master_addr(),
                                       options.master_port(), options.rank(),
                                       options.world_size(), options.timeout());
-    group->device = detail::make_device(options.master_addr());
+    group->device = detail::make_device(options.master_addr(), group->endpoint);
     group->store_prefix = "shardtrain/world";
     group->ctx = detail::connect(*group->store, group->store_prefix, group->device, group->rank,
                                  group->size, group->timeout, group->name);
@@ -418,6 +413,10 @@ int Communicator::rank() const { return group_->rank; }
 int Communicator::size() const { return group_->size; }
 const std::string& Communicator::name() const { return group_->name; }
 const std::vector<int>& Communicator::global_ranks() const { return group_->global_ranks; }
+std::string Communicator::endpoint() const {
+  const auto& e = group_->endpoint;
+  return e.address.empty() ? std::string() : str_cat(e.iface, " ", e.address, " (", e.why, ")");
+}
 double Communicator::busy_seconds() const { return static_cast<double>(group_->busy_ns.load()) * 1e-9; }
 
 uint64_t Communicator::sequence_number() const { return group_->seq.load(); }
@@ -625,6 +624,7 @@ std::shared_ptr<Communicator> Communicator::new_group(std::vector<int> ranks) {
   if (group->size > 1) {
     group->store = parent.store;
     group->device = parent.device;
+    group->endpoint = parent.endpoint;
     group->store_prefix = str_cat(parent.store_prefix, "/group", id);
     group->ctx = detail::connect(*group->store, group->store_prefix, group->device, group->rank,
                                  group->size, group->timeout, group->name);

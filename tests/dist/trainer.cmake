@@ -24,3 +24,9 @@ set_tests_properties(cli.train_sigterm_resume PROPERTIES TIMEOUT 300 ENVIRONMENT
 add_test(NAME cli.train_every_precision
          COMMAND ${CMAKE_CURRENT_LIST_DIR}/train_precisions.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
 set_tests_properties(cli.train_every_precision PROPERTIES TIMEOUT 600 ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=120")
+
+# Two network-namespace hosts x 2 ranks, no interface variable: ddp and
+# hybrid_shard match the single process (needs root, as CI runs).
+add_test(NAME cli.train_two_hosts
+         COMMAND ${CMAKE_CURRENT_LIST_DIR}/two_hosts.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
+set_tests_properties(cli.train_two_hosts PROPERTIES TIMEOUT 600 SKIP_RETURN_CODE 77 RUN_SERIAL TRUE)

@@ -128,6 +128,7 @@ int train_main(int argc, char** argv) {
                 env.describe().c_str(), comm->size(), at::get_num_threads(),
                 config.distributed.strategy.c_str(), (long long)plan.global, (long long)plan.micro,
                 (long long)plan.accumulate, comm->size());
+    if (comm->size() > 1) std::printf("network: %s\n", comm->endpoint().c_str());
     std::fflush(stdout);
   }
   const train::TrainerState& state = trainer.fit();

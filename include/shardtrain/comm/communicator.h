@@ -159,6 +159,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   const std::string& name() const;
   /// Global (world) rank of each member, indexed by group rank.
   const std::vector<int>& global_ranks() const;
+  /// The interface and address this rank's connections use and how they
+  /// were chosen, e.g. "eth0 10.0.0.2 (routes to 10.0.0.1)"; empty for a
+  /// world of one.
+  std::string endpoint() const;
   /// Collectives issued so far on this communicator.
   uint64_t sequence_number() const;
   /// Seconds the communication thread has spent running collectives so far

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Two hosts made of Linux network namespaces joined by a veth pair, 2 ranks
+# each, started as a user would on two machines: `shardtrain launch --nnodes 2
+# --node-rank R --master-addr <host 0>` with no interface variable set. Each
+# rank must pick the interface that routes to the master (not loopback), and
+# ddp and fsdp hybrid_shard must log the single-process run's losses.
+# Needs root (it creates and removes the namespaces); exits 77 (skipped) without.
+set -euo pipefail
+cli=$(readlink -f "$1") src=$2
+cd "$src"
+[ "$(id -u)" = 0 ] && command -v ip >/dev/null || { echo "needs root and iproute2"; exit 77; }
+unset SHARDTRAIN_SOCKET_IFNAME GLOO_SOCKET_IFNAME
+tag=st$$
+a=$tag-a b=$tag-b
+net=10.$((200 + $$ % 50)).$(($$ % 250)).
+work=$(mktemp -d)
+cleanup() {
+  ip netns pids "$a" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+  ip netns pids "$b" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+  ip netns del "$a" 2>/dev/null || true
+  ip netns del "$b" 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+
+ip netns add "$a"
+ip netns add "$b"
+ip link add "$tag-0" type veth peer name "$tag-1"
+ip link set "$tag-0" netns "$a"
+ip link set "$tag-1" netns "$b"
+ip -n "$a" addr add "${net}1/24" dev "$tag-0"
+ip -n "$b" addr add "${net}2/24" dev "$tag-1"
+for ns in "$a" "$b"; do
+  ip -n "$ns" link set lo up
+done
+ip -n "$a" link set "$tag-0" up
+ip -n "$b" link set "$tag-1" up
+
+common=(--set trainer.max_steps=3 --set trainer.eval_every=0 --set trainer.sample_tokens=0
+        --set batch.global=8 --set batch.micro=2 --set batch.accumulate=null
+        --set model.n_layer=2 --set model.n_embd=64 --set model.block_size=64)
+
+losses() { python3 -c 'import json,sys; print(" ".join(repr(json.loads(l)["loss"]) for l in open(sys.argv[1]) if "\"loss\"" in l))' "$1"; }
+
+"$cli" train "${common[@]}" --set distributed.strategy=single --set run.dir="$work/single" >/dev/null 2>&1 ||
+  fail "the single-process reference run failed"
+reference=$(losses "$work/single/metrics.jsonl")
+
+port=$((29000 + $$ % 1000))
+for strategy in ddp hybrid; do
+  extra=(--set distributed.strategy=ddp)
+  [ "$strategy" = hybrid ] && extra=(--set distributed.strategy=fsdp --set distributed.sharding=hybrid_shard)
+  run="$work/$strategy"
+  port=$((port + 1))
+  pids=()
+  for node in 0 1; do
+    ns=$a
+    [ "$node" = 1 ] && ns=$b
+    ip netns exec "$ns" env SHARDTRAIN_TIMEOUT_S=60 "$cli" launch --nnodes 2 --node-rank "$node" \
+      --nproc-per-node 2 --master-addr "${net}1" --master-port "$port" -- \
+      "$cli" train "${common[@]}" "${extra[@]}" --set run.dir="$run" >"$work/$strategy.$node.log" 2>&1 &
+    pids+=($!)
+  done
+  rc=0
+  for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+  [ "$rc" = 0 ] || { cat "$work/$strategy".*.log; fail "$strategy across two hosts exited $rc"; }
+  grep -q "network: $tag-0 ${net}1 (routes to ${net}1)" "$work/$strategy.0.log" || {
+    cat "$work/$strategy.0.log"; fail "$strategy: rank 0 did not report the veth interface it chose"; }
+  got=$(losses "$run/metrics.jsonl")
+  python3 - "$reference" "$got" "$strategy" <<'PY' || fail "$strategy: losses differ from the single-process run"
+import sys
+ref = [float(x) for x in sys.argv[1].split()]
+got = [float(x) for x in sys.argv[2].split()]
+print(sys.argv[3], "losses", got, "single", ref)
+assert len(ref) == 3 and len(got) == 3, "expected 3 steps each"
+for r, g in zip(ref, got):
+    assert abs(r - g) <= 1e-5 * max(1.0, abs(r)), (r, g)
+PY
+done
+echo "two hosts OK: ddp and hybrid_shard match the single process"
