@@ -334,7 +334,7 @@ double DDPStrategy::clip_grad_norm(double max_norm) {
            "clip_grad_norm called before setup(); call strategy->setup(model, comm) first");
   // Gradients are identical on every rank after finish_gradient_sync, so the
   // local norm is the global norm and every rank clips by the same factor.
-  return clip_grad_norm(defined_grads(params_), max_norm);
+  return detail::clip_grad_norm(defined_grads(params_), max_norm);
 }
 
 void DDPStrategy::optimizer_step(torch::optim::Optimizer& optimizer) { optimizer.step(); }
