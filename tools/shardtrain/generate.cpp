@@ -35,8 +35,9 @@ std::shared_ptr<models::GPTImpl> load_gpt(const std::string& checkpoint) {
            "': expected model.pt and config.yaml there or in its checkpoint/ directory. Hint: pass "
            "the run directory `shardtrain train` printed.");
   const config::Config config = config::Config::load((dir / "config.yaml").string());
-  ST_CHECK(config.model.type == "gpt", ConfigError, "the checkpoint at '", dir.string(),
-           "' holds a '", config.model.type, "' model; generate needs a gpt");
+  ST_CHECK(config.model.type == train::ModelType::Gpt, ConfigError, "the checkpoint at '",
+           dir.string(), "' holds a '", enum_name(config.model.type),
+           "' model; generate needs a gpt");
   auto model = std::make_shared<models::GPTImpl>(train::gpt_config(config.model));
   try {
     torch::serialize::InputArchive archive;
