@@ -18,7 +18,9 @@ using shardtrain::config::BatchPlan;
 using shardtrain::config::Config;
 using shardtrain::config::KeyDoc;
 using shardtrain::config::key_docs;
+using shardtrain::config::key_table;
 using shardtrain::config::value_text;
+using shardtrain::config::with_key_tables;
 using shardtrain::precision::PrecisionKind;
 using namespace shardtrain::strategy;  // StrategyKind, Sharding, DType, ...
 using namespace shardtrain::train;     // ModelType, OptimizerKind, LrSchedule, ...
@@ -363,6 +365,45 @@ TEST(Config, EveryDeclaredKeyRoundTripsThroughYaml) {
   EXPECT_THROW(value_text(c, "optimizer.lrr"), ConfigError);
 }
 
+// docs/config.md's key tables are generated from the key table; after a
+// change to the declarations, run `shardtrain config --docs docs/config.md`
+// (or build the target config-docs).
+TEST(ConfigDocs, KeyTablesMatchTheDeclarations) {
+  const std::string path = std::string(SHARDTRAIN_SOURCE_DIR) + "/docs/config.md";
+  std::ifstream in(path);
+  ASSERT_TRUE(in) << path;
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string docs = text.str();
+  EXPECT_EQ(with_key_tables(docs), docs)
+      << "docs/config.md's key tables differ from src/config/schema.cpp; run `shardtrain config "
+         "--docs docs/config.md` or build the target config-docs";
+  // Every key is in some table.
+  for (const KeyDoc& k : key_docs()) {
+    const size_t dot = k.path.rfind('.');
+    const std::string section = dot == std::string::npos ? k.path : k.path.substr(0, dot);
+    EXPECT_HAS(docs, "<!-- keys:" + section + " -->\n");
+    EXPECT_HAS(docs, "| `" + k.path + "` |");
+  }
+}
+
+TEST(ConfigDocs, TablesAreReplacedBetweenMarkers) {
+  const std::string stale =
+      "intro\n<!-- keys:run -->\n| old |\n<!-- /keys -->\nprose\n<!-- keys:precision -->\n"
+      "<!-- /keys -->";
+  const std::string fresh = with_key_tables(stale);
+  EXPECT_EQ(fresh, "intro\n<!-- keys:run -->\n" + key_table("run") + "<!-- /keys -->\nprose\n" +
+                       "<!-- keys:precision -->\n" + key_table("precision") + "<!-- /keys -->");
+  EXPECT_EQ(with_key_tables(fresh), fresh);
+  EXPECT_HAS(key_table("trainer"), "| `trainer.max_steps` | int | `500` | ≥ 1 |");
+  EXPECT_EQ(key_table("trainer").find("early_stopping"), std::string::npos);
+  EXPECT_HAS(key_table("distributed"),
+             "| `distributed.sharding` | string | `full_shard` | `full_shard`, `shard_grad_op`, "
+             "`no_shard`, `hybrid_shard` |");
+  EXPECT_THROW(with_key_tables("<!-- keys:nosuch -->\n<!-- /keys -->\n"), ConfigError);
+  EXPECT_THROW(with_key_tables("<!-- keys:run -->\n| a |\n"), ConfigError);
+}
+
 // ---- overrides -------------------------------------------------------------------------
 
 TEST(ConfigOverrides, ScalarListNullAndNested) {
@@ -575,6 +616,8 @@ TEST(ConfigErrors, UnknownEnumValueNamesTheChoices) {
              "test.yaml:3: trainer.progress: got 'fancy', expected one of: auto, bar, plain, none");
   // Names are exact: no case folding, no spaces.
   EXPECT_HAS(parse_error("distributed: {sharding: FULL_SHARD}"), "got 'FULL_SHARD'");
+  // The docs list the same names.
+  EXPECT_HAS(key_table("model"), "`gpt`, `mlp`");
 }
 
 TEST(ConfigErrors, MalformedYamlNamesOriginAndLine) {
