@@ -28,6 +28,7 @@
 #include "shardtrain/precision/precision.h"
 #include "shardtrain/strategy/strategy.h"
 #include "shardtrain/strategy/unit.h"
+#include "strategy/flat_memory.h"
 #include "strategy/fsdp.h"
 #include "world.h"
 

@@ -1,0 +1,39 @@
+// Flat buffers of the sharded strategies: 1-D tensors whose storage comes
+// straight from mmap, so that releasing a gathered unit returns its memory to
+// the system whatever malloc's thresholds, and whose storage can be released
+// and grown again in place while views of it stay valid.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace shardtrain::strategy::detail {
+
+/// Bytes held by flat buffers now and at most since the last reset.
+struct FlatMemoryStats {
+  int64_t live_bytes = 0;
+  int64_t peak_bytes = 0;
+};
+FlatMemoryStats flat_memory_stats();
+/// Sets peak_bytes to live_bytes (to measure the peak of a later phase).
+void reset_flat_memory_peak();
+
+/// A zero-filled 1-D tensor of `numel` elements in mmap'd storage.
+at::Tensor flat_empty(int64_t numel, at::ScalarType dtype);
+
+/// Returns the storage of `flat` to the system; its views keep their shape.
+void release_storage(const at::Tensor& flat);
+
+/// Gives `flat` storage for all its elements again (zero-filled).
+void regrow_storage(const at::Tensor& flat);
+
+/// Whether `flat` currently has storage for all its elements.
+bool has_storage(const at::Tensor& flat);
+
+/// `shape` elements of `flat` from `offset`, sharing its storage but not an
+/// autograd view of it: gradients must be plain tensors, because optimizers
+/// detach_() them in zero_grad(), which views refuse.
+at::Tensor alias_of(const at::Tensor& flat, int64_t offset, at::IntArrayRef shape);
+
+}  // namespace shardtrain::strategy::detail

@@ -1,0 +1,55 @@
+#include "strategy/flat_param.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+
+#include "strategy/flat_memory.h"
+
+namespace shardtrain::strategy::detail {
+
+FlatLayout plan_flat(const std::vector<int64_t>& numels, int shards, int rank) {
+  FlatLayout l;
+  for (int64_t n : numels) {
+    ParamSlot s;
+    s.offset = l.numel;
+    s.numel = n;
+    l.numel += n;
+    l.slots.push_back(s);
+  }
+  l.padded = (l.numel + shards - 1) / shards * shards;
+  l.shard_numel = l.padded / shards;
+  l.shard_offset = static_cast<int64_t>(rank) * l.shard_numel;
+  const int64_t shard_end = l.shard_offset + l.shard_numel;
+  for (auto& s : l.slots) {
+    const int64_t lo = std::min(std::max(s.offset, l.shard_offset), shard_end);
+    const int64_t hi = std::max(std::min(s.offset + s.numel, shard_end), lo);
+    s.shard_begin = lo - l.shard_offset;
+    s.shard_count = hi - lo;
+    s.param_offset = s.shard_count > 0 ? lo - s.offset : 0;
+  }
+  return l;
+}
+
+at::Tensor FlatParam::shard_slice(size_t i, bool whole) const {
+  const FlatMember& p = params[i];
+  at::Tensor slice = shard.narrow(0, p.slot.shard_begin, p.slot.shard_count);
+  return whole ? slice.view(p.shape) : slice;
+}
+
+void FlatParam::adopt_grad(size_t i) {
+  if (!grad_full.defined()) grad_full = flat_empty(layout.padded, compute_dtype);
+  const FlatMember& p = params[i];
+  at::Tensor& g = p.var.mutable_grad();
+  at::Tensor view = alias_of(grad_full, p.slot.offset, p.shape);
+  if (g.defined() && g.data_ptr() == view.data_ptr()) return;
+  if (g.defined()) view.add_(g);
+  g = view;
+}
+
+void FlatParam::adopt_grads() {
+  if (!grad_full.defined()) grad_full = flat_empty(layout.padded, compute_dtype);
+  for (size_t i = 0; i < params.size(); ++i) adopt_grad(i);
+}
+
+}  // namespace shardtrain::strategy::detail
