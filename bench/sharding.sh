@@ -149,7 +149,7 @@ run_shardtrain() {  # WORLD MODE
   else
     record_failure "$world" shardtrain "$mode" "$log"
   fi
-  rm -rf "$dir/checkpoint"   # a few hundred MB for gpt-25m; only metrics.jsonl is needed
+  rm -rf "$dir/model.safetensors" "$dir/checkpoints"   # a few hundred MB each for gpt-25m; only metrics.jsonl is needed
 }
 
 run_pytorch() {  # WORLD MODE (pt-ddp | pt-zero1)

@@ -96,7 +96,7 @@ for model in $MODELS; do
     run "$TORCH_PY" bench/render_train.py summarize --metrics "$dir/metrics.jsonl" \
       --label "$model" --warmup "$W" --threads "$TH" --global-batch "$G" --micro "$M" \
       --block-size "$T" --json "$RESULTS"
-    rm -rf "$dir/checkpoint"   # up to a few hundred MB for gpt-25m; only metrics.jsonl is needed
+    rm -rf "$dir/model.safetensors" "$dir/checkpoints"   # up to a few hundred MB each for gpt-25m; only metrics.jsonl is needed
 
     py=("$TORCH_PY" bench/torch_gpt_ddp.py --label "$model"
         --n-layer "$L" --n-head "$H" --n-embd "$E" --block-size "$T"

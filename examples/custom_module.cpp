@@ -4,6 +4,7 @@
 // DDP, accumulation, schedules, callbacks and metrics. Run it on 2 ranks:
 //   shardtrain launch --nproc-per-node 2 -- ./custom_module [steps]
 #include <shardtrain/comm/communicator.h>
+#include <shardtrain/train/task.h>
 #include <shardtrain/train/trainer.h>
 #include <torch/torch.h>
 

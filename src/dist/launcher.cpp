@@ -191,16 +191,16 @@ std::vector<std::string> Group::child_env(int local_rank) const {
     if (eq && kReplacedVars.count(std::string(*e, static_cast<size_t>(eq - *e)))) continue;
     env.emplace_back(*e);
   }
-  const int rank = options_.node_rank * options_.nproc_per_node + local_rank;
+  const int rank = options_.node_rank() * options_.nproc_per_node() + local_rank;
   auto set = [&](const char* key, const std::string& value) {
     env.push_back(std::string(key) + "=" + value);
   };
   set("RANK", std::to_string(rank));
   set("LOCAL_RANK", std::to_string(local_rank));
-  set("WORLD_SIZE", std::to_string(options_.nnodes * options_.nproc_per_node));
-  set("LOCAL_WORLD_SIZE", std::to_string(options_.nproc_per_node));
-  set("GROUP_RANK", std::to_string(options_.node_rank));
-  set("MASTER_ADDR", options_.master_addr.empty() ? "127.0.0.1" : options_.master_addr);
+  set("WORLD_SIZE", std::to_string(options_.nnodes() * options_.nproc_per_node()));
+  set("LOCAL_WORLD_SIZE", std::to_string(options_.nproc_per_node()));
+  set("GROUP_RANK", std::to_string(options_.node_rank()));
+  set("MASTER_ADDR", options_.master_addr().empty() ? "127.0.0.1" : options_.master_addr());
   set("MASTER_PORT", std::to_string(port_));
   set("SHARDTRAIN_RESTART_COUNT", std::to_string(restart_));
   return env;
@@ -213,7 +213,7 @@ void Group::start(Rank& r, int local_rank) {
   std::vector<char*> envp;
   for (auto& s : env_strings) envp.push_back(s.data());
   envp.push_back(nullptr);
-  std::vector<std::string> args = options_.command;
+  std::vector<std::string> args = options_.command();
   std::vector<char*> argv;
   for (auto& s : args) argv.push_back(s.data());
   argv.push_back(nullptr);
@@ -284,18 +284,18 @@ void Group::start(Rank& r, int local_rank) {
 }
 
 void Group::start_all() {
-  ranks_.resize(static_cast<size_t>(options_.nproc_per_node));
-  for (int i = 0; i < options_.nproc_per_node; ++i) {
-    ranks_[i].rank = options_.node_rank * options_.nproc_per_node + i;
+  ranks_.resize(static_cast<size_t>(options_.nproc_per_node()));
+  for (int i = 0; i < options_.nproc_per_node(); ++i) {
+    ranks_[i].rank = options_.node_rank() * options_.nproc_per_node() + i;
     start(ranks_[i], i);
   }
 }
 
 void Group::emit(Rank& r, Stream& s, const std::string& line) {
   write_all(s.target, "[rank " + std::to_string(r.rank) + "] " + line + "\n");
-  if (options_.tail_lines <= 0) return;
+  if (options_.tail_lines() <= 0) return;
   r.tail.push_back(line);
-  while (r.tail.size() > static_cast<size_t>(options_.tail_lines)) r.tail.pop_front();
+  while (r.tail.size() > static_cast<size_t>(options_.tail_lines())) r.tail.pop_front();
 }
 
 void Group::close_stream(Stream& s) {
@@ -350,7 +350,7 @@ void Group::reap() {
                                       others ? "; stopping the other ranks" : ""));
     stopping_ = true;
     kill_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                        std::chrono::duration<double>(options_.stop_grace_s));
+                                        std::chrono::duration<double>(options_.stop_grace_s()));
     stop_all(SIGTERM);
   }
 }
@@ -379,7 +379,7 @@ int Group::run() {
       }
     }
     if (any_running && stopping_ && !killed_ && now >= kill_deadline_) {
-      say(::shardtrain::detail::str_cat("ranks still running ", options_.stop_grace_s,
+      say(::shardtrain::detail::str_cat("ranks still running ", options_.stop_grace_s(),
                                         " s after SIGTERM; sending SIGKILL"));
       stop_all(SIGKILL);
       killed_ = true;
@@ -425,7 +425,7 @@ int Group::run() {
           if (!stopping_) {
             stopping_ = true;
             kill_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                                std::chrono::duration<double>(options_.stop_grace_s));
+                                                std::chrono::duration<double>(options_.stop_grace_s()));
           }
         } else if (!killed_) {
           // A second Ctrl-C means "now": don't wait out the grace period.
@@ -461,31 +461,31 @@ void Group::report_failure() const {
 }
 
 void validate(const LaunchOptions& o) {
-  ST_CHECK(o.nproc_per_node >= 1, ConfigError, "nproc_per_node=", o.nproc_per_node,
+  ST_CHECK(o.nproc_per_node() >= 1, ConfigError, "nproc_per_node=", o.nproc_per_node(),
            " must be >= 1");
-  ST_CHECK(o.nnodes >= 1, ConfigError, "nnodes=", o.nnodes, " must be >= 1");
-  ST_CHECK(o.nproc_per_node <= 1'000'000 / o.nnodes, ConfigError,
-           "nnodes * nproc_per_node is too large (", o.nnodes, " * ", o.nproc_per_node, ")");
-  ST_CHECK(o.node_rank >= 0 && o.node_rank < o.nnodes, ConfigError, "node_rank=", o.node_rank,
-           " must be in 0..", o.nnodes - 1, " (nnodes=", o.nnodes, ")");
-  ST_CHECK(o.master_port >= 0 && o.master_port <= 65535, ConfigError, "master_port=",
-           o.master_port, " must be 1..65535, or 0 to pick a free port");
-  ST_CHECK(o.nnodes == 1 || o.master_port != 0, ConfigError, "with nnodes=", o.nnodes,
+  ST_CHECK(o.nnodes() >= 1, ConfigError, "nnodes=", o.nnodes(), " must be >= 1");
+  ST_CHECK(o.nproc_per_node() <= 1'000'000 / o.nnodes(), ConfigError,
+           "nnodes * nproc_per_node is too large (", o.nnodes(), " * ", o.nproc_per_node(), ")");
+  ST_CHECK(o.node_rank() >= 0 && o.node_rank() < o.nnodes(), ConfigError, "node_rank=", o.node_rank(),
+           " must be in 0..", o.nnodes() - 1, " (nnodes=", o.nnodes(), ")");
+  ST_CHECK(o.master_port() >= 0 && o.master_port() <= 65535, ConfigError, "master_port=",
+           o.master_port(), " must be 1..65535, or 0 to pick a free port");
+  ST_CHECK(o.nnodes() == 1 || o.master_port() != 0, ConfigError, "with nnodes=", o.nnodes(),
            " the master port must be given (every node must use the same one); "
            "pass --master-port, e.g. 29500");
-  ST_CHECK(o.nnodes == 1 || !o.master_addr.empty(), ConfigError, "with nnodes=", o.nnodes,
+  ST_CHECK(o.nnodes() == 1 || !o.master_addr().empty(), ConfigError, "with nnodes=", o.nnodes(),
            " the master address must be given (the host of node 0); pass --master-addr");
-  ST_CHECK(o.max_restarts >= 0, ConfigError, "max_restarts=", o.max_restarts, " must be >= 0");
+  ST_CHECK(o.max_restarts() >= 0, ConfigError, "max_restarts=", o.max_restarts(), " must be >= 0");
   // Restarts would need every node's launcher to restart together, which
   // needs a rendezvous between launchers that does not exist yet.
-  ST_CHECK(o.nnodes == 1 || o.max_restarts == 0, ConfigError, "max_restarts=", o.max_restarts,
-           " is not supported with nnodes=", o.nnodes,
+  ST_CHECK(o.nnodes() == 1 || o.max_restarts() == 0, ConfigError, "max_restarts=", o.max_restarts(),
+           " is not supported with nnodes=", o.nnodes(),
            ": a restart cannot be coordinated across nodes yet; use 0 and let the scheduler "
            "restart the job");
-  ST_CHECK(std::isfinite(o.stop_grace_s) && o.stop_grace_s >= 0, ConfigError,
-           "stop_grace_s=", o.stop_grace_s, " must be a number of seconds >= 0");
-  ST_CHECK(o.tail_lines >= 0, ConfigError, "tail_lines=", o.tail_lines, " must be >= 0");
-  ST_CHECK(!o.command.empty() && !o.command[0].empty(), ConfigError,
+  ST_CHECK(std::isfinite(o.stop_grace_s()) && o.stop_grace_s() >= 0, ConfigError,
+           "stop_grace_s=", o.stop_grace_s(), " must be a number of seconds >= 0");
+  ST_CHECK(o.tail_lines() >= 0, ConfigError, "tail_lines=", o.tail_lines(), " must be >= 0");
+  ST_CHECK(!o.command().empty() && !o.command()[0].empty(), ConfigError,
            "no program to launch; give it after '--', e.g. shardtrain launch "
            "--nproc-per-node 2 -- ./train");
 }
@@ -513,22 +513,22 @@ int find_free_port() {
 int launch(const LaunchOptions& options) {
   validate(options);
   // One port for every attempt: a restarted group meets where the first did.
-  const int port = options.master_port != 0 ? options.master_port : find_free_port();
+  const int port = options.master_port() != 0 ? options.master_port() : find_free_port();
   SignalGuard signals;
   for (int restart = 0;; ++restart) {
     Group group(options, port, restart);
     const int code = group.run();
     if (code == 0 || group.interrupted() || group.failed_rank() < 0) return code;
-    if (restart >= options.max_restarts) {
-      if (options.max_restarts > 0) {
-        say(::shardtrain::detail::str_cat("giving up after ", options.max_restarts,
-                                          " restart", options.max_restarts == 1 ? "" : "s"));
+    if (restart >= options.max_restarts()) {
+      if (options.max_restarts() > 0) {
+        say(::shardtrain::detail::str_cat("giving up after ", options.max_restarts(),
+                                          " restart", options.max_restarts() == 1 ? "" : "s"));
       }
       return code;
     }
-    say(::shardtrain::detail::str_cat("restarting all ", options.nproc_per_node,
+    say(::shardtrain::detail::str_cat("restarting all ", options.nproc_per_node(),
                                       " ranks (restart ", restart + 1, " of ",
-                                      options.max_restarts, ")"));
+                                      options.max_restarts(), ")"));
   }
 }
 

@@ -10,7 +10,8 @@
 #include "shardtrain/strategy/estimate.h"
 #include "shardtrain/strategy/strategy.h"
 #include "shardtrain/strategy/wrap.h"
-#include "shardtrain/train/trainer.h"
+#include "shardtrain/train/plan.h"
+#include "shardtrain/train/task.h"
 
 namespace shardtrain::train {
 

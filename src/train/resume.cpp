@@ -1,5 +1,5 @@
 // The trainer's sharded checkpoints: what a save holds besides the model and
-// optimizer shards, where resume finds it, and the signal that asks for one.
+// optimizer shards, and where resume finds it.
 //
 // A checkpoint of step s holds everything the loop needs to run step s+1 as
 // an uninterrupted run would: parameters and optimizer state (sharded, any
@@ -9,8 +9,6 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
-#include <atomic>
-#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -34,17 +32,6 @@ namespace {
 
 constexpr int kTrainStateFormat = 1;
 
-std::atomic<int> g_signal{0};
-
-// The first SIGTERM/SIGINT is remembered (training saves and stops); a
-// second one gets the default action, so a stuck job can still be stopped.
-extern "C" void remember_signal(int sig) {
-  if (g_signal.exchange(sig) != 0) {
-    std::signal(sig, SIG_DFL);
-    std::raise(sig);
-  }
-}
-
 std::string rng_state() {
   auto gen = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(gen.mutex());
@@ -61,25 +48,6 @@ void set_rng_state(const std::string& bytes) {
 }
 
 }  // namespace
-
-SignalGuard::SignalGuard(bool enabled) : enabled_(enabled) {
-  if (!enabled_) return;
-  g_signal.store(0);
-  struct sigaction action {};
-  action.sa_handler = remember_signal;
-  action.sa_flags = SA_RESTART;  // system calls in progress resume
-  sigemptyset(&action.sa_mask);
-  sigaction(SIGTERM, &action, &previous_term_);
-  sigaction(SIGINT, &action, &previous_int_);
-}
-
-SignalGuard::~SignalGuard() {
-  if (!enabled_) return;
-  sigaction(SIGTERM, &previous_term_, nullptr);
-  sigaction(SIGINT, &previous_int_, nullptr);
-}
-
-int SignalGuard::received() { return g_signal.load(); }
 
 std::string Trainer::save_checkpoint() {
   const std::string dir = ck::checkpoint_dir(config_.run.dir, state_.step);
@@ -125,6 +93,8 @@ std::string Trainer::save_checkpoint() {
     }
   }
   comm_->barrier();  // nobody saves again while rank 0 still prunes
+  last_checkpoint_ = dir;
+  last_checkpoint_step_ = state_.step;
   return dir;
 }
 

@@ -6,9 +6,13 @@
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/gpt.h"
 #include "shardtrain/models/mlp.h"
-#include "shardtrain/train/trainer.h"
+#include "shardtrain/train/task.h"
 
 namespace shardtrain::train {
+
+int64_t count_non_ignored(const data::Batch& batch) {
+  return batch.target.ne(kIgnoreIndex).sum().item<int64_t>();
+}
 
 models::GPTConfig gpt_config(const config::ModelConfig& m) {
   models::GPTConfig g;

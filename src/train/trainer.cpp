@@ -3,15 +3,14 @@
 
 #include <sys/resource.h>
 #include <torch/torch.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <thread>
-#include <unordered_set>
 
+#include "checkpoint/detail.h"
+#include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/checkpoint/safetensors.h"
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/core/error.h"
@@ -19,44 +18,32 @@
 #include "shardtrain/precision/precision.h"
 #include "shardtrain/strategy/strategy.h"
 #include "shardtrain/train/callbacks.h"
+#include "shardtrain/train/plan.h"
+#include "shardtrain/train/schedule.h"
+#include "train/signal_guard.h"
 
 namespace shardtrain::train {
 
 namespace fs = std::filesystem;
+namespace ck = ::shardtrain::checkpoint;
 using Clock = std::chrono::steady_clock;
 
-int64_t count_non_ignored(const data::Batch& batch) {
-  return batch.target.ne(kIgnoreIndex).sum().item<int64_t>();
-}
+namespace {
 
-double scheduled_lr(const config::Config& config, int64_t step) {
-  const auto& s = config.schedule;
-  const double lr = config.optimizer.lr;
-  if (s.warmup_steps > 0 && step < s.warmup_steps) {
-    return lr * static_cast<double>(step + 1) / static_cast<double>(s.warmup_steps);
-  }
-  if (s.name == LrSchedule::Constant) return lr;
-  const int64_t decay_steps = std::max<int64_t>(1, config.trainer.max_steps - s.warmup_steps);
-  const double progress =
-      std::min(1.0, static_cast<double>(step - s.warmup_steps) / static_cast<double>(decay_steps));
-  if (s.name == LrSchedule::Linear) return lr + (s.min_lr - lr) * progress;
-  // cosine
-  return s.min_lr + 0.5 * (lr - s.min_lr) * (1.0 + std::cos(M_PI * progress));
-}
-
+// Intra-op threads for this rank: `requested` when positive, else the
+// machine's cores divided by the ranks on this node (at least 1).
 int threads_for_rank(int64_t requested, int local_world_size) {
   if (requested > 0) return static_cast<int>(requested);
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   return std::max(1, static_cast<int>(cores) / std::max(1, local_world_size));
 }
 
+// Peak resident memory of this process so far, in MB.
 double peak_rss_mb() {
   struct rusage usage {};
   getrusage(RUSAGE_SELF, &usage);
   return static_cast<double>(usage.ru_maxrss) / 1024.0;  // ru_maxrss is in KB on Linux
 }
-
-namespace {
 
 // Weight decay for matrices and embeddings only, never for biases and
 // LayerNorm gains: the usual rule for transformers (nanoGPT, HF). Decided by
@@ -89,45 +76,6 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(
     return std::make_unique<torch::optim::SGD>(groups, torch::optim::SGDOptions(o.lr));
   }
   return std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(o.lr));
-}
-
-// Writes named tensors as the archive Module::save() would write for a
-// module with those parameter and buffer names (nested archives per dot), so
-// Module::load() reads it back into a freshly built model.
-void save_module_archive(const std::vector<std::pair<std::string, at::Tensor>>& entries,
-                         const std::vector<bool>& is_buffer, const std::string& path) {
-  struct Node {
-    std::vector<std::pair<std::string, std::pair<at::Tensor, bool>>> tensors;
-    std::vector<std::pair<std::string, std::unique_ptr<Node>>> children;
-    Node& child(const std::string& name) {
-      for (auto& c : children) {
-        if (c.first == name) return *c.second;
-      }
-      children.emplace_back(name, std::make_unique<Node>());
-      return *children.back().second;
-    }
-    void write(torch::serialize::OutputArchive& archive) const {
-      for (const auto& [name, t] : tensors) archive.write(name, t.first, t.second);
-      for (const auto& [name, node] : children) {
-        torch::serialize::OutputArchive sub(archive.compilation_unit());
-        node->write(sub);
-        archive.write(name, sub);
-      }
-    }
-  } root;
-  for (size_t i = 0; i < entries.size(); ++i) {
-    const std::string& name = entries[i].first;
-    Node* node = &root;
-    size_t start = 0;
-    for (size_t dot = name.find('.'); dot != std::string::npos; dot = name.find('.', start)) {
-      node = &node->child(name.substr(start, dot - start));
-      start = dot + 1;
-    }
-    node->tensors.emplace_back(name.substr(start), std::make_pair(entries[i].second, is_buffer[i]));
-  }
-  torch::serialize::OutputArchive archive;
-  root.write(archive);
-  archive.save_to(path);
 }
 
 }  // namespace
@@ -312,7 +260,7 @@ void Trainer::run_step() {
       std::chrono::duration<double>(Clock::now() - last_save_).count() >= 60.0 * k.every_n_minutes) {
     control_.should_save = true;
   }
-  if (SignalGuard::received() != 0) control_.should_save = control_.should_training_stop = true;
+  if (detail::SignalGuard::received() != 0) control_.should_save = control_.should_training_stop = true;
   for_each_callback([&](Callback& c) { c.on_step_end(state_, control_); });
   agree_on_control();
 }
@@ -343,45 +291,46 @@ double Trainer::evaluate() {
   return eval_loss;
 }
 
-std::string Trainer::save(const std::string& dir) {
-  // Sharded strategies gather the model unit by unit, to rank 0 only.
-  const auto state = strategy_->full_state_dict();
+std::string Trainer::export_model(const std::string& dir) {
+  const std::string model_path = ck::exported_model_path(dir);
+  // From this step's checkpoint when there is one: rank 0 streams it tensor
+  // by tensor and nobody gathers. Otherwise sharded strategies gather the
+  // model unit by unit, to rank 0 only. Every rank decides alike: the
+  // members below are set by a collective.
+  const bool from_checkpoint = last_checkpoint_step_ == state_.step && !last_checkpoint_.empty();
+  std::vector<std::pair<std::string, at::Tensor>> gathered;
+  if (!from_checkpoint) gathered = strategy_->full_state_dict();
   std::string failure;  // rank 0's, shared with every rank before anyone throws
   if (comm_->rank() == 0) try {
-    // Written aside and renamed into place: a reader never sees half a save.
-    const fs::path final_dir(dir);
-    const fs::path tmp = final_dir.string() + ".tmp-" + std::to_string(getpid());
-    fs::remove_all(tmp);
-    fs::create_directories(tmp);
-    std::vector<bool> is_buffer;
-    std::unordered_set<std::string> buffers;
-    for (const auto& b : task_.model->named_buffers(true)) buffers.insert(b.key());
-    for (const auto& entry : state) is_buffer.push_back(buffers.count(entry.first) > 0);
-    save_module_archive(state, is_buffer, (tmp / "model.pt").string());
-    {
-      std::ofstream out(tmp / "config.yaml");
-      out << config_.to_yaml();
-      ST_CHECK(out.good(), Error, "cannot write ", (tmp / "config.yaml").string());
+    // Each file is written aside and renamed into place, the model last, so a
+    // reader never sees half a file.
+    fs::create_directories(dir);
+    ck::detail::write_file_atomically(ck::exported_config_path(dir), config_.to_yaml());
+    if (from_checkpoint) {
+      ck::consolidate_to_safetensors(last_checkpoint_, model_path, /*transpose_conv1d=*/true);
+    } else {
+      ck::save_safetensors(model_path, gathered, /*transpose_conv1d=*/true,
+                           {{"format", "pt"},
+                            {"producer", "shardtrain"},
+                            {"strategy", strategy_->name()},
+                            {"world_size", std::to_string(comm_->size())},
+                            {"step", std::to_string(state_.step)}});
     }
-    const fs::path old = final_dir.string() + ".old-" + std::to_string(getpid());
-    if (fs::exists(final_dir)) fs::rename(final_dir, old);
-    fs::rename(tmp, final_dir);
-    fs::remove_all(old);
   } catch (const std::exception& e) {
     failure = e.what();
   }
   auto failed = torch::tensor({failure.empty() ? 0L : 1L}, torch::kLong);
   comm_->broadcast(failed);  // also the barrier: nobody goes on before the model is in place
-  ST_CHECK(failed.item<int64_t>() == 0, CheckpointError, "saving the model to '", dir, "' failed",
-           comm_->rank() == 0 ? ": " + failure : std::string(" on rank 0 (see its error)"),
+  ST_CHECK(failed.item<int64_t>() == 0, CheckpointError, "exporting the model to '", dir,
+           "' failed", comm_->rank() == 0 ? ": " + failure : std::string(" on rank 0 (see its error)"),
            ". Hint: check that run.dir is writable and the disk is not full");
-  return dir;
+  return model_path;
 }
 
 const TrainerState& Trainer::fit() {
   // SIGTERM / SIGINT only set a flag; the step in progress finishes, every
   // rank agrees (control flags), a checkpoint is written and fit returns.
-  const SignalGuard signals(config_.checkpoint.save_on_signal);
+  const detail::SignalGuard signals(config_.checkpoint.save_on_signal);
   int64_t saved_at = -1;  // step of the last checkpoint written or loaded
   if (!config_.checkpoint.resume.empty() && !resume(config_.checkpoint.resume).empty()) {
     saved_at = state_.step;  // never rewrite the checkpoint we resumed from
@@ -424,7 +373,7 @@ const TrainerState& Trainer::fit() {
   // Every rank takes the same branch below: a signal seen by any rank
   // (perhaps after the last agreement) counts for all.
   {
-    auto sig = torch::tensor({static_cast<int64_t>(SignalGuard::received())}, torch::kLong);
+    auto sig = torch::tensor({static_cast<int64_t>(detail::SignalGuard::received())}, torch::kLong);
     comm_->all_reduce(sig, comm::AllReduceOptions().op(comm::ReduceOp::Max));
     state_.signal = static_cast<int>(sig.item<int64_t>());
   }
@@ -433,10 +382,11 @@ const TrainerState& Trainer::fit() {
     if (config_.trainer.eval_every > 0 && task_.eval_batch && evaluated_at != state_.step) {
       run_evaluation();
     }
-    // The whole model for `generate` and the final sharded checkpoint.
-    save((fs::path(config_.run.dir) / "checkpoint").string());
   }
   if (saved_at != state_.step) run_checkpoint();
+  // The whole model for `generate` and fine-tuning, converted from the
+  // checkpoint just written.
+  if (state_.signal == 0) export_model(config_.run.dir);
   for_each_callback([&](Callback& c) { c.on_train_end(state_, control_); });
   return state_;
 }

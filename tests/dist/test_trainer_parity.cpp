@@ -12,6 +12,7 @@
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/config/config.h"
 #include "shardtrain/strategy/strategy.h"
+#include "shardtrain/train/task.h"
 #include "shardtrain/train/trainer.h"
 #include "world.h"
 

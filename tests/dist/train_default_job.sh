@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `shardtrain train` with the default config and a small step cap runs to the
-# end on this machine's cores, writes metrics and a checkpoint, prints a
-# sample and the run directory; `shardtrain generate` then reads the checkpoint.
+# end on this machine's cores, writes metrics, a checkpoint and the exported
+# model, prints a sample and the run directory; `shardtrain generate` then
+# reads the run directory.
 set -euo pipefail
 cli=$1 src=$2
 run=$(mktemp -d)
@@ -15,6 +16,10 @@ fail() { echo "FAIL: $*"; exit 1; }
 grep -q "run directory: $run" <<<"$out" || fail "no run directory line"
 grep -q "sample:" <<<"$out" || fail "no sample printed"
 [ -f "$run/metrics.jsonl" ] || fail "no metrics.jsonl"
+[ -f "$run/checkpoints/step-000004/COMMITTED" ] || fail "no complete final checkpoint"
+[ -f "$run/model.safetensors" ] || fail "no exported model.safetensors"
+[ -f "$run/config.yaml" ] || fail "no config.yaml beside the exported model"
+[ ! -e "$run/checkpoint" ] || fail "a second checkpoint tree, checkpoint/, was written"
 steps=$(grep -c '"loss"' "$run/metrics.jsonl")
 evals=$(grep -c '"eval_loss"' "$run/metrics.jsonl")
 [ "$steps" -eq 4 ] || fail "expected 4 step lines, got $steps"

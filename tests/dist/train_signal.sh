@@ -32,6 +32,7 @@ if [ -z "$latest" ] || [ ! -f "$latest/COMMITTED" ]; then
   echo "FAIL: no complete checkpoint after SIGTERM"; ls -R "$dir/run"; cat "$dir/first.log"; exit 1
 fi
 grep -q "stopped by signal 15 after step" "$dir/first.log" || { echo "FAIL: no stop message"; cat "$dir/first.log"; exit 1; }
+[ ! -e "$dir/run/model.safetensors" ] || { echo "FAIL: a model was exported after SIGTERM"; exit 1; }
 step=$((10#${latest##*step-}))
 echo "SIGTERM: checkpoint at step $step"
 
@@ -41,4 +42,5 @@ echo "SIGTERM: checkpoint at step $step"
 after=$(grep -c "\"step\": $((step + 1)), " "$dir/run/metrics.jsonl" || true)
 [ "$after" -eq 1 ] || { echo "FAIL: step $((step + 1)) logged $after times"; cat "$dir/run/metrics.jsonl"; exit 1; }
 [ -f "$dir/run/checkpoints/step-$(printf %06d $((step + 2)))/COMMITTED" ] || { echo "FAIL: no final checkpoint"; exit 1; }
+[ -f "$dir/run/model.safetensors" ] || { echo "FAIL: no exported model after the resumed run"; exit 1; }
 echo "resumed from step $step to $((step + 2))"

@@ -12,8 +12,11 @@
 #include "shardtrain/config/config.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/train/callbacks.h"
+#include "shardtrain/train/schedule.h"
+#include "shardtrain/train/task.h"
 #include "shardtrain/train/trainer.h"
 #include "shardtrain/data/tokens.h"
+#include "shardtrain/models/gpt.h"
 
 using namespace shardtrain;
 namespace fs = std::filesystem;
@@ -131,7 +134,11 @@ TEST(Trainer, ControlFlagsAreOredAndObeyed) {
   const auto& state = trainer.fit();
   EXPECT_EQ(state.step, 3);
   EXPECT_EQ(bystander->saves, 2);  // the requested one after step 1, and the final one
-  EXPECT_TRUE(fs::exists(fs::path(c.run.dir) / "checkpoint" / "model.pt"));
+  // One checkpoint tree and the exported model beside it, nothing else.
+  EXPECT_TRUE(checkpoint::is_complete(checkpoint::checkpoint_dir(c.run.dir, 3)));
+  EXPECT_TRUE(fs::exists(checkpoint::exported_model_path(c.run.dir)));
+  EXPECT_TRUE(fs::exists(checkpoint::exported_config_path(c.run.dir)));
+  EXPECT_FALSE(fs::exists(fs::path(c.run.dir) / "checkpoint"));
 }
 
 TEST(Trainer, EarlyStoppingStops) {
@@ -480,3 +487,87 @@ TEST(TrainerCheckpoints, InitFromSafetensors) {
   }
   fs::remove(file);
 }
+
+// The exported model holds the trained weights whichever way it was made:
+// converted from the final checkpoint (fit) or gathered (no checkpoint of
+// the current step), with the step in its metadata and the config beside it.
+namespace {
+void expect_export_matches(const std::string& dir, torch::nn::Module& model, int64_t step) {
+  const checkpoint::SafetensorsFile f(checkpoint::exported_model_path(dir));
+  EXPECT_EQ(f.metadata().at("step"), std::to_string(step));
+  const auto params = model.named_parameters();
+  EXPECT_EQ(f.entries().size(), params.size());
+  for (const auto& p : params) {
+    ASSERT_NE(f.find(p.key()), nullptr) << p.key();
+    EXPECT_TRUE(torch::equal(f.read(p.key()), p.value())) << p.key();
+  }
+  EXPECT_FALSE(fs::exists(checkpoint::exported_model_path(dir) + ".tmp"));
+}
+}  // namespace
+
+TEST(TrainerExport, FitExportsTheFinalModelFromItsCheckpoint) {
+  auto c = mlp_config("export_fit");
+  c.trainer.max_steps = 3;
+  train::Trainer t(c, train::make_task(c, 1), world_of_one());
+  t.fit();
+  expect_export_matches(c.run.dir, *t.model(), 3);
+  EXPECT_EQ(config::Config::load(checkpoint::exported_config_path(c.run.dir)).to_yaml(), c.to_yaml());
+}
+
+TEST(TrainerExport, WithoutACheckpointTheModelIsGathered) {
+  auto c = mlp_config("export_gather");
+  train::Trainer t(c, train::make_task(c, 1), world_of_one());
+  const std::string dir = temp_dir("export_gather_out");
+  EXPECT_EQ(t.export_model(dir), checkpoint::exported_model_path(dir));
+  expect_export_matches(dir, *t.model(), 0);
+  EXPECT_TRUE(fs::exists(checkpoint::exported_config_path(dir)));
+  EXPECT_FALSE(fs::exists(checkpoint::checkpoints_root(dir)));  // nothing sharded was written
+}
+
+TEST(TrainerExport, AnUnwritableDirectoryIsACheckpointError) {
+  auto c = mlp_config("export_bad");
+  train::Trainer t(c, train::make_task(c, 1), world_of_one());
+  const std::string file = temp_dir("export_bad_file");
+  std::ofstream(file) << "a file where the directory should be";
+  EXPECT_THROW(t.export_model(file), CheckpointError);
+}
+
+// A GPT's export has Hugging Face's layout (Conv1D weights as [in, out]) and
+// loads back into the same model with transpose_conv1d, both when converted
+// from the final checkpoint and when gathered.
+TEST(TrainerExport, GptExportHasHuggingFaceLayout) {
+  config::Config c;
+  c.run.dir = temp_dir("export_gpt");
+  c.model.n_layer = 1;
+  c.model.n_head = 2;
+  c.model.n_embd = 16;
+  c.model.block_size = 8;
+  c.data.train = std::string(SHARDTRAIN_SOURCE_DIR) + "/data/corpus.txt";
+  c.data.val_fraction = 0.0;
+  c.batch.global = 4;
+  c.batch.micro = 4;
+  c.batch.accumulate.reset();
+  c.trainer.max_steps = 1;
+  c.trainer.eval_every = 0;
+  c.trainer.progress = train::ProgressMode::None;
+  c.distributed.strategy(strategy::StrategyKind::Single);
+  const auto check = [&](const std::string& dir, torch::nn::Module& trained) {
+    const std::string file = checkpoint::exported_model_path(dir);
+    EXPECT_EQ(checkpoint::SafetensorsFile(file).find("h.0.attn.c_attn.weight")->shape,
+              (std::vector<int64_t>{16, 48}));
+    models::GPT loaded(train::gpt_config(c.model));
+    checkpoint::load_safetensors_into(*loaded, file,
+                                      checkpoint::SafetensorsLoadOptions().transpose_conv1d(true));
+    for (const auto& p : trained.named_parameters()) {
+      EXPECT_TRUE(torch::equal(loaded->named_parameters()[p.key()], p.value())) << p.key();
+    }
+  };
+  train::Trainer t(c, train::make_task(c, 1), world_of_one());
+  t.fit();
+  check(c.run.dir, *t.model());
+  train::Trainer fresh(c, train::make_task(c, 1), world_of_one());
+  const std::string gathered = temp_dir("export_gpt_gathered");
+  fresh.export_model(gathered);
+  check(gathered, *fresh.model());
+}
+

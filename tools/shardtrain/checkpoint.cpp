@@ -24,7 +24,9 @@ const char kUsage[] =
     "       shardtrain checkpoint list RUN_DIR\n"
     "\n"
     "DIR is a checkpoint directory (RUN_DIR/checkpoints/step-000120) or a run\n"
-    "directory, whose newest complete checkpoint is used.\n"
+    "directory, whose newest complete checkpoint is used (torn ones are skipped).\n"
+    "A finished run also holds RUN_DIR/model.safetensors, the final model already\n"
+    "consolidated; `shardtrain generate` reads it.\n"
     "\n"
     "inspect      prints the format version, world size, strategy, step, every\n"
     "             tensor (shape, dtype, how it is split over ranks) and every file\n"
@@ -36,15 +38,15 @@ const char kUsage[] =
     "             unless --no-transpose\n"
     "list         the complete checkpoints of a run directory, newest first\n";
 
-// A checkpoint directory, or a run directory's newest complete checkpoint.
+// A checkpoint directory, or a run directory's newest complete checkpoint;
+// CheckpointError saying what was expected for anything else.
 std::string resolve(const std::string& path) {
-  if (fs::exists(fs::path(path) / "metadata.json") || ck::is_complete(path)) return path;
-  if (auto latest = ck::latest_complete(path)) {
+  const std::string dir = ck::resolve_checkpoint(path).path;
+  if (dir != path) {
     std::printf("using the newest complete checkpoint of run directory %s: %s\n", path.c_str(),
-                latest->path.c_str());
-    return latest->path;
+                dir.c_str());
   }
-  return path;  // the reader says what is wrong with it
+  return dir;
 }
 
 std::string shape_str(const std::vector<int64_t>& shape) {

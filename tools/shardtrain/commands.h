@@ -32,10 +32,12 @@ int generate_main(int argc, char** argv);
 /// `shardtrain checkpoint inspect|consolidate|list DIR ...`.
 int checkpoint_main(int argc, char** argv);
 
-/// The GPT saved in a run's checkpoint directory (model.pt and config.yaml
-/// in `checkpoint` or its checkpoint/ subdirectory); CheckpointError if
-/// there is none or it does not load.
-std::shared_ptr<models::GPTImpl> load_gpt(const std::string& checkpoint);
+/// The GPT at `path`: a run directory (its exported model.safetensors, or
+/// its newest complete checkpoint when that is newer), a checkpoint
+/// directory, or a .safetensors file with config.yaml beside it
+/// (checkpoint::resolve_checkpoint); with `say_source`, says on stderr which
+/// it read. CheckpointError if there is none or it does not load.
+std::shared_ptr<models::GPTImpl> load_gpt(const std::string& path, bool say_source = false);
 
 /// Samples `max_new_tokens` bytes after `prompt` from a trained GPT and
 /// returns prompt + continuation as text.

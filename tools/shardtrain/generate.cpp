@@ -1,54 +1,85 @@
 // `shardtrain generate --checkpoint PATH --prompt TEXT --max-new-tokens N`:
-// samples text from a GPT saved by `shardtrain train`.
+// samples text from a GPT trained by `shardtrain train`.
 #include <torch/torch.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "commands.h"
+#include "shardtrain/checkpoint/checkpoint.h"
+#include "shardtrain/checkpoint/safetensors.h"
 #include "shardtrain/config/config.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/gpt.h"
-#include "shardtrain/train/trainer.h"
+#include "shardtrain/train/task.h"
 
 namespace shardtrain::cli {
 namespace {
 
 namespace fs = std::filesystem;
+namespace ck = shardtrain::checkpoint;
 
 const char kUsage[] =
     "usage: shardtrain generate --checkpoint PATH [--prompt TEXT] [--max-new-tokens N]\n"
     "                           [--temperature T] [--top-k K] [--seed S]\n"
     "\n"
-    "PATH is a run directory or its checkpoint/ directory (model.pt + config.yaml).\n"
+    "PATH is a run directory (its model.safetensors with config.yaml beside it, or\n"
+    "its newest complete checkpoint under checkpoints/ when that is newer), a\n"
+    "checkpoint directory (RUN_DIR/checkpoints/step-000120) or a .safetensors file\n"
+    "with config.yaml beside it.\n"
     "Defaults: prompt \"\\n\", 200 new tokens, temperature 0.8, top-k 40, seed 0.\n";
+
+// The config a Trainer checkpoint records in its training state.
+config::Config checkpoint_config(ck::CheckpointReader& reader) {
+  std::string yaml;
+  try {
+    yaml = nlohmann::json::parse(reader.train_state()).at("config").get<std::string>();
+  } catch (const nlohmann::json::exception&) {
+    ST_CHECK(false, CheckpointError, "checkpoint '", reader.dir(),
+             "' records no config (it was not written by the Trainer), so the model cannot be "
+             "built. Hint: pass the run directory or its model.safetensors.");
+  }
+  return config::Config::parse(yaml, {}, reader.dir() + "/" + "train_state.bin");
+}
+
+std::shared_ptr<models::GPTImpl> build_gpt(const config::Config& config, const std::string& from) {
+  ST_CHECK(config.model.type == train::ModelType::Gpt, ConfigError, "the model at '", from,
+           "' is a '", enum_name(config.model.type), "' model; generate needs a gpt");
+  return std::make_shared<models::GPTImpl>(train::gpt_config(config.model));
+}
 
 }  // namespace
 
-std::shared_ptr<models::GPTImpl> load_gpt(const std::string& checkpoint) {
-  fs::path dir(checkpoint);
-  if (!fs::exists(dir / "model.pt") && fs::exists(dir / "checkpoint" / "model.pt")) dir /= "checkpoint";
-  ST_CHECK(fs::exists(dir / "model.pt") && fs::exists(dir / "config.yaml"), CheckpointError,
-           "no model checkpoint at '", checkpoint,
-           "': expected model.pt and config.yaml there or in its checkpoint/ directory. Hint: pass "
-           "the run directory `shardtrain train` printed.");
-  const config::Config config = config::Config::load((dir / "config.yaml").string());
-  ST_CHECK(config.model.type == train::ModelType::Gpt, ConfigError, "the checkpoint at '",
-           dir.string(), "' holds a '", enum_name(config.model.type),
-           "' model; generate needs a gpt");
-  auto model = std::make_shared<models::GPTImpl>(train::gpt_config(config.model));
-  try {
-    torch::serialize::InputArchive archive;
-    archive.load_from((dir / "model.pt").string());
-    model->load(archive);
-  } catch (const c10::Error& e) {
-    const std::string msg = e.what();
-    throw CheckpointError("cannot load '" + (dir / "model.pt").string() + "': " +
-                          msg.substr(0, msg.find('\n')) +
-                          ". Hint: the file is damaged or was written for another model config.");
+std::shared_ptr<models::GPTImpl> load_gpt(const std::string& path, bool say_source) {
+  const ck::ResolvedCheckpoint source =
+      ck::resolve_checkpoint(path, ck::ResolveOptions().exported_model(true));
+  if (say_source) std::fprintf(stderr, "generate: model from %s%s\n", source.path.c_str(),
+               source.step >= 0 ? (" (step " + std::to_string(source.step) + ")").c_str() : "");
+  if (source.kind == ck::ResolvedCheckpoint::Kind::ExportedModel) {
+    const std::string config_path = ck::exported_config_path(fs::path(source.path).parent_path().string());
+    ST_CHECK(fs::is_regular_file(config_path), CheckpointError, "'", source.path,
+             "' has no config.yaml beside it (looked for '", config_path,
+             "'), so the model cannot be built. Hint: pass the run directory `shardtrain train` "
+             "printed.");
+    auto model = build_gpt(config::Config::load(config_path), source.path);
+    ck::load_safetensors_into(*model, source.path, ck::SafetensorsLoadOptions().transpose_conv1d(true));
+    return model;
   }
+  ck::CheckpointReader reader(source.path);
+  auto model = build_gpt(checkpoint_config(reader), source.path);
+  std::vector<ck::ShardedTensor> targets;
+  for (const auto& p : model->named_parameters()) {
+    targets.push_back({p.key(), p.value().sizes().vec(), 0, p.value().detach(), true, true});
+  }
+  for (const auto& b : model->named_buffers()) {
+    targets.push_back({b.key(), b.value().sizes().vec(), 0, b.value().detach(), true, false});
+  }
+  torch::NoGradGuard no_grad;
+  reader.read(targets);  // names and shapes checked first, one error listing them
   return model;
 }
 
@@ -77,7 +108,7 @@ int generate_main(int argc, char** argv) {
   ST_CHECK(max_new_tokens >= 0, ConfigError, "--max-new-tokens must be >= 0");
   ST_CHECK(temperature > 0, ConfigError, "--temperature must be > 0");
 
-  auto model = load_gpt(checkpoint);
+  auto model = load_gpt(checkpoint, /*say_source=*/true);
   std::printf("%s\n", sample_text(*model, prompt, max_new_tokens, seed, temperature, top_k).c_str());
   return 0;
 }

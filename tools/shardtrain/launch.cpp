@@ -102,52 +102,52 @@ int launch_main(int argc, char** argv) {
     };
     if (flag == "--nproc-per-node" || flag == "--nproc_per_node") {
       take_value();
-      options.nproc_per_node =
+      options.nproc_per_node() =
           value == "auto" ? online_cpus()
                           : parse_int(flag, value, 1, 65536, "a count >= 1 or 'auto'");
     } else if (flag == "--nnodes") {
       take_value();
-      options.nnodes = parse_int(flag, value, 1, 65536, "a count >= 1");
+      options.nnodes(parse_int(flag, value, 1, 65536, "a count >= 1"));
     } else if (flag == "--node-rank" || flag == "--node_rank") {
       take_value();
-      options.node_rank = parse_int(flag, value, 0, 65535, "a node index >= 0");
+      options.node_rank(parse_int(flag, value, 0, 65535, "a node index >= 0"));
     } else if (flag == "--master-addr" || flag == "--master_addr") {
       take_value();
       ST_CHECK(!value.empty(), ConfigError, "invalid value '' for ", flag,
                "; expected a host name or address");
-      options.master_addr = value;
+      options.master_addr(value);
     } else if (flag == "--master-port" || flag == "--master_port") {
       take_value();
-      options.master_port = parse_int(flag, value, 1, 65535, "a TCP port 1..65535");
+      options.master_port(parse_int(flag, value, 1, 65535, "a TCP port 1..65535"));
     } else if (flag == "--max-restarts" || flag == "--max_restarts") {
       take_value();
-      options.max_restarts = parse_int(flag, value, 0, 1000000, "a count >= 0");
+      options.max_restarts(parse_int(flag, value, 0, 1000000, "a count >= 0"));
     } else if (flag == "--stop-grace") {
       take_value();
-      options.stop_grace_s = parse_seconds(flag, value);
+      options.stop_grace_s(parse_seconds(flag, value));
     } else if (flag == "--tail-lines") {
       take_value();
-      options.tail_lines = parse_int(flag, value, 0, 100000, "a count >= 0");
+      options.tail_lines(parse_int(flag, value, 0, 100000, "a count >= 0"));
     } else {
       ST_CHECK(false, ConfigError, "unknown option '", arg, "'; allowed: ", kAllowed,
                ", then '--' and the program");
     }
   }
-  for (; i < argc; ++i) options.command.emplace_back(argv[i]);
-  ST_CHECK(!options.command.empty(), ConfigError,
+  for (; i < argc; ++i) options.command().emplace_back(argv[i]);
+  ST_CHECK(!options.command().empty(), ConfigError,
            "no program given; usage: shardtrain launch --nproc-per-node N -- PROGRAM [ARGS...]");
-  ST_CHECK(options.node_rank < options.nnodes, ConfigError, "invalid value '",
-           options.node_rank, "' for --node-rank; expected 0..", options.nnodes - 1,
-           " (--nnodes ", options.nnodes, ")");
-  ST_CHECK(options.nnodes == 1 || options.master_port != 0, ConfigError,
-           "--master-port is required with --nnodes ", options.nnodes,
+  ST_CHECK(options.node_rank() < options.nnodes(), ConfigError, "invalid value '",
+           options.node_rank(), "' for --node-rank; expected 0..", options.nnodes() - 1,
+           " (--nnodes ", options.nnodes(), ")");
+  ST_CHECK(options.nnodes() == 1 || options.master_port() != 0, ConfigError,
+           "--master-port is required with --nnodes ", options.nnodes(),
            " (every node must use the same port)");
-  ST_CHECK(options.nnodes == 1 || !options.master_addr.empty(), ConfigError,
-           "--master-addr is required with --nnodes ", options.nnodes,
+  ST_CHECK(options.nnodes() == 1 || !options.master_addr().empty(), ConfigError,
+           "--master-addr is required with --nnodes ", options.nnodes(),
            " (the host of node 0)");
-  ST_CHECK(options.nnodes == 1 || options.max_restarts == 0, ConfigError,
-           "--max-restarts ", options.max_restarts, " is not supported with --nnodes ",
-           options.nnodes, ": restarts cannot be coordinated across nodes yet; use 0 and let "
+  ST_CHECK(options.nnodes() == 1 || options.max_restarts() == 0, ConfigError,
+           "--max-restarts ", options.max_restarts(), " is not supported with --nnodes ",
+           options.nnodes(), ": restarts cannot be coordinated across nodes yet; use 0 and let "
            "the scheduler restart the job");
   std::fflush(stdout);  // the ranks' output goes straight to fd 1 after this
   return dist::launch(options);

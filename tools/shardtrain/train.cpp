@@ -7,12 +7,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "commands.h"
+#include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/config/config.h"
 #include "shardtrain/core/error.h"
@@ -20,6 +20,7 @@
 #include "shardtrain/dist/env.h"
 #include "shardtrain/dist/launcher.h"
 #include "shardtrain/models/gpt.h"
+#include "shardtrain/train/task.h"
 #include "shardtrain/train/trainer.h"
 
 namespace shardtrain::cli {
@@ -70,17 +71,17 @@ TrainArgs parse(int argc, char** argv) {
 // Starts `nproc` copies of this command under the launcher.
 int relaunch(const TrainArgs& args, int nproc) {
   dist::LaunchOptions options;
-  options.nproc_per_node = nproc;
+  options.nproc_per_node(nproc);
   // On SIGTERM/SIGINT the ranks finish their step and save a checkpoint
   // before exiting; give them time before the launcher's SIGKILL.
-  options.stop_grace_s = 300.0;
+  options.stop_grace_s(300.0);
   char self[4096] = {0};
   const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
   ST_CHECK(n > 0, Error, "cannot find this program's path to start its ranks");
-  options.command = {std::string(self, static_cast<size_t>(n)), "train", args.config};
+  options.command({std::string(self, static_cast<size_t>(n)), "train", args.config});
   for (const auto& o : args.overrides) {
-    options.command.push_back("--set");
-    options.command.push_back(o);
+    options.command().push_back("--set");
+    options.command().push_back(o);
   }
   std::printf("starting %d ranks: shardtrain launch --nproc-per-node %d -- shardtrain train %s\n",
               nproc, nproc, args.config.c_str());
@@ -141,14 +142,15 @@ int train_main(int argc, char** argv) {
   }
 
   if (comm->rank() == 0) {
-    // From the saved model: under a sharded strategy no rank holds the
+    // From the exported model: under a sharded strategy no rank holds the
     // whole model, and sampling on rank 0 alone must not communicate.
     if (config.model.type == train::ModelType::Gpt && config.trainer.sample_tokens > 0) {
-      auto gpt = load_gpt((std::filesystem::path(state.run_dir) / "checkpoint").string());
+      auto gpt = load_gpt(checkpoint::exported_model_path(state.run_dir));
       std::printf("sample:\n%s\n", sample_text(*gpt, "\n", config.trainer.sample_tokens,
                                                 config.run.seed).c_str());
     }
-    std::printf("run directory: %s (metrics.jsonl, checkpoint/)\n", state.run_dir.c_str());
+    std::printf("run directory: %s (metrics.jsonl, checkpoints/, model.safetensors, config.yaml)\n",
+                state.run_dir.c_str());
   }
   comm->barrier();
   return 0;

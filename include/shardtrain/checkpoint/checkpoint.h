@@ -219,6 +219,16 @@ class CheckpointReader {
 Metadata read_metadata(const std::string& dir);
 
 // ---- run directories and retention -------------------------------------------------
+//
+// A run directory (config run.dir) holds one thing per name:
+//
+//   <run_dir>/metrics.jsonl
+//   <run_dir>/checkpoints/step-000120/   sharded checkpoints (above)
+//   <run_dir>/model.safetensors          the final model (Trainer::export_model):
+//                                        Hugging Face GPT-2 names, Conv1D
+//                                        weights as [in, out]; step in its
+//                                        metadata
+//   <run_dir>/config.yaml                the config of that model
 
 /// A complete checkpoint of a run directory.
 struct CheckpointEntry {
@@ -246,5 +256,43 @@ std::optional<CheckpointEntry> latest_complete(const std::string& run_dir);
 /// files.
 std::vector<std::string> prune(const std::string& run_dir, int keep,
                                const std::vector<std::string>& protect = {});
+
+/// `<run_dir>/model.safetensors`.
+std::string exported_model_path(const std::string& run_dir);
+/// `<run_dir>/config.yaml`, the config of the exported model.
+std::string exported_config_path(const std::string& run_dir);
+
+/// What resolve_checkpoint found.
+struct ResolvedCheckpoint {
+  enum class Kind {
+    /// A complete checkpoint directory.
+    Checkpoint,
+    /// A run's exported model.safetensors (config.yaml beside it).
+    ExportedModel,
+  };
+  Kind kind = Kind::Checkpoint;
+  /// The checkpoint directory or the safetensors file.
+  std::string path;
+  /// The training step it holds; -1 when not recorded.
+  int64_t step = -1;
+};
+
+struct ResolveOptions {
+  /// Also accept an exported model: a run directory's model.safetensors, or
+  /// a .safetensors file named directly (what `shardtrain generate` reads).
+  ST_ARG(bool, exported_model) = false;
+};
+
+/// What `path` names, for tools that take "a checkpoint or a run directory"
+/// (`shardtrain checkpoint`, `shardtrain generate`):
+///   - a complete checkpoint directory (COMMITTED marker): itself;
+///   - a run directory: its newest complete checkpoint (torn and temporary
+///     ones skipped); with exported_model, its model.safetensors instead when
+///     that holds at least as late a step (or there is no checkpoint);
+///   - with exported_model, a .safetensors file: itself.
+/// Reads no more than the metadata's step. Throws CheckpointError saying
+/// what was expected when `path` does not exist, is a checkpoint whose save
+/// did not finish, is another file, or is a directory holding neither.
+ResolvedCheckpoint resolve_checkpoint(const std::string& path, const ResolveOptions& options = {});
 
 }  // namespace shardtrain::checkpoint

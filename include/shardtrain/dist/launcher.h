@@ -5,25 +5,29 @@
 #include <string>
 #include <vector>
 
+#include "shardtrain/core/options.h"
+
 namespace shardtrain::dist {
 
-/// What to launch and how. Validated by launch(); a bad value is a ConfigError.
+/// What to launch and how, e.g.
+///   LaunchOptions().nproc_per_node(4).command({"./train", "--steps", "10"})
+/// Validated by launch(); a bad value is a ConfigError.
 struct LaunchOptions {
-  int nproc_per_node = 1;
-  int nnodes = 1;
-  int node_rank = 0;
+  ST_ARG(int, nproc_per_node) = 1;
+  ST_ARG(int, nnodes) = 1;
+  ST_ARG(int, node_rank) = 0;
   /// Empty: 127.0.0.1.
-  std::string master_addr;
+  ST_ARG(std::string, master_addr) = "";
   /// 0: pick a free port on this machine (single node only).
-  int master_port = 0;
+  ST_ARG(int, master_port) = 0;
   /// Times the whole group is restarted after a failure.
-  int max_restarts = 0;
+  ST_ARG(int, max_restarts) = 0;
   /// Seconds the other ranks get between SIGTERM and SIGKILL once one failed.
-  double stop_grace_s = 3.0;
+  ST_ARG(double, stop_grace_s) = 3.0;
   /// Lines of output kept per rank and shown when that rank fails.
-  int tail_lines = 20;
+  ST_ARG(int, tail_lines) = 20;
   /// Program and its arguments; program is looked up in PATH.
-  std::vector<std::string> command;
+  ST_ARG(std::vector<std::string>, command) = {};
 };
 
 /// Starts nproc_per_node ranks with the torchrun variables set (RANK,

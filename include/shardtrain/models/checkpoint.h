@@ -30,6 +30,8 @@
 #include <functional>
 #include <vector>
 
+#include "shardtrain/core/options.h"
+
 namespace shardtrain::models {
 
 struct CheckpointOptions {
@@ -38,14 +40,7 @@ struct CheckpointOptions {
   /// (dropout masks match) and backward leaves the global generator as it
   /// found it. Costs one ~5 KB copy of the Mersenne Twister state per call.
   /// CUDA generators are not saved: shardtrain's models run on the CPU.
-  CheckpointOptions& preserve_rng_state(bool value) {
-    preserve_rng_state_ = value;
-    return *this;
-  }
-  bool preserve_rng_state() const { return preserve_rng_state_; }
-
- private:
-  bool preserve_rng_state_ = true;
+  ST_ARG(bool, preserve_rng_state) = true;
 };
 
 /// The function a checkpoint recomputes: one tensor in, one tensor out.

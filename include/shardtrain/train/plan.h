@@ -1,0 +1,26 @@
+// From the config to the strategy: the options its distributed section asks
+// for, and the memory estimator's input for a model trained as it says.
+#pragma once
+
+#include "shardtrain/config/config.h"
+#include "shardtrain/strategy/estimate.h"
+#include "shardtrain/strategy/options.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace shardtrain::train {
+
+/// The memory estimator's input (strategy/estimate.h) for `model` trained
+/// as the config says at `world_size` ranks, `local_world_size` per node.
+strategy::EstimateInput estimate_input(const config::Config& config, torch::nn::Module& model,
+                                       int world_size, int local_world_size);
+
+/// The strategy options the config's distributed section asks for; strategy
+/// "auto" becomes the one choose_strategy() picks for the memory budget
+/// (distributed.memory_budget_mb, or MemAvailable / local ranks).
+strategy::StrategyOptions strategy_options(const config::Config& config, torch::nn::Module& model,
+                                           int world_size, int local_world_size);
+
+}  // namespace shardtrain::train

@@ -1,0 +1,63 @@
+// What the Trainer trains: a TrainTask names the model, how to get a
+// micro-batch and how to score it. make_task() builds one for the built-in
+// models (GPT on token data, MLP on synthetic data) from the config.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+#include "shardtrain/config/config.h"
+#include "shardtrain/data/tokens.h"
+#include "shardtrain/train/callback.h"
+
+namespace torch::nn {
+class Module;
+}
+namespace shardtrain::models {
+struct GPTConfig;
+}
+
+namespace shardtrain::train {
+
+struct TrainTask {
+  /// The model; its parameters are trained in place.
+  std::shared_ptr<torch::nn::Module> model;
+  /// Summed loss over the targets of one micro-batch (a scalar with a
+  /// graph), e.g. cross entropy with reduction sum and an ignore index.
+  std::function<at::Tensor(const data::Batch&)> loss_sum;
+  /// Targets that loss_sum sums over (tokens not equal to the ignore index).
+  /// The trainer divides by the count over the whole accumulation window on
+  /// all ranks, so uneven or padded micro-batches give the big-batch gradient.
+  std::function<int64_t(const data::Batch&)> count_targets;
+  /// Micro-batch `micro_step` of optimizer step `step` for `rank` of `world`.
+  /// The union over micro-steps and ranks must be the step's global batch.
+  std::function<data::Batch(int64_t step, int64_t micro_step, int64_t micro_batch, int rank,
+                            int world)>
+      train_batch;
+  /// Evaluation micro-batch `index` for `rank`; empty: no evaluation.
+  std::function<data::Batch(int64_t index, int64_t micro_batch, int rank, int world)> eval_batch;
+  /// Epoch of a step; empty: always epoch 0.
+  std::function<int64_t(int64_t step)> epoch_of;
+  /// Tokens in one sample, for tokens/s (block_size for language models).
+  int64_t tokens_per_sample = 1;
+  /// Extra fields of every metrics line (e.g. the model's parameter count).
+  Metrics static_metrics;
+};
+
+/// The task for the config's built-in model: a GPT on the config's token data
+/// (train/validation split by data.val_fraction) or an MLP on a synthetic
+/// regression set. The same seed gives the same initial weights on every rank;
+/// `world_size` fixes the batch plan the data order is built for.
+TrainTask make_task(const config::Config& config, int world_size);
+
+/// The GPT described by the config's model section.
+models::GPTConfig gpt_config(const config::ModelConfig& model);
+
+/// Target id the built-in losses skip (padding), as in PyTorch.
+constexpr int64_t kIgnoreIndex = -100;
+
+/// Counts the targets of a batch that are not kIgnoreIndex.
+int64_t count_non_ignored(const data::Batch& batch);
+
+}  // namespace shardtrain::train

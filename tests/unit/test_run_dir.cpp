@@ -1,0 +1,353 @@
+// One name for each place in a run directory: resolve_checkpoint (run
+// directory -> newest complete checkpoint, or the exported model for
+// generate; a typed error for anything else), and `shardtrain generate` and
+// `shardtrain checkpoint consolidate` given a run directory.
+#include <sys/wait.h>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "checkpoint/detail.h"
+#include "shardtrain/checkpoint/checkpoint.h"
+#include "shardtrain/checkpoint/safetensors.h"
+#include "shardtrain/comm/communicator.h"
+#include "shardtrain/config/config.h"
+#include "shardtrain/core/error.h"
+#include "shardtrain/models/gpt.h"
+#include "shardtrain/train/task.h"
+#include "temp_dir.h"
+
+#ifndef SHARDTRAIN_CLI_PATH
+#error "SHARDTRAIN_CLI_PATH must be the absolute path of the shardtrain binary"
+#endif
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace ck = shardtrain::checkpoint;
+namespace cd = shardtrain::checkpoint::detail;
+using shardtrain::CheckpointError;
+using Kind = ck::ResolvedCheckpoint::Kind;
+using shardtrain::models::GPT;
+using shardtrain::strategy::ShardedTensor;
+
+struct TempDir : shardtrain::testing::TempDir {
+  TempDir() : shardtrain::testing::TempDir("shardtrain_rundir") {}
+};
+
+// A GPT small enough to sample from in a moment; byte vocabulary.
+shardtrain::config::Config tiny_gpt_config() {
+  shardtrain::config::Config c;
+  c.model.type = shardtrain::train::ModelType::Gpt;
+  c.model.n_layer = 1;
+  c.model.n_head = 2;
+  c.model.n_embd = 8;
+  c.model.block_size = 8;
+  c.model.vocab_size = 256;
+  return c;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> state_of(torch::nn::Module& m) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& p : m.named_parameters()) out.emplace_back(p.key(), p.value().detach());
+  for (const auto& b : m.named_buffers()) out.emplace_back(b.key(), b.value().detach());
+  return out;
+}
+
+// Saves `tensors` as the sharded checkpoint of `step` in `run`, split over
+// two simulated ranks, with a training state that records `config` as the
+// Trainer's does.
+std::string save_step(const std::string& run, int64_t step,
+                      const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                      const shardtrain::config::Config& config = tiny_gpt_config()) {
+  const int world = 2;
+  std::vector<std::vector<ShardedTensor>> per_rank(world);
+  for (const auto& [name, t] : tensors) {
+    for (int r = 0; r < world; ++r) {
+      const auto range = shardtrain::comm::shard_range(t.numel(), world, r);
+      ShardedTensor s;
+      s.name = name;
+      s.global_shape = t.sizes().vec();
+      s.offset = range.offset;
+      s.local = t.reshape({-1}).narrow(0, range.offset, range.count).clone();
+      per_rank[r].push_back(s);
+    }
+  }
+  const nlohmann::json state = {{"format", 1}, {"step", step}, {"config", config.to_yaml()}};
+  return cd::save_ranks_locally(ck::checkpoint_dir(run, step), per_rank, state.dump(), {},
+                                ck::SaveOptions().strategy("fsdp/full_shard").step(step));
+}
+
+// A checkpoint of `step` whose save never finished: everything but COMMITTED.
+std::string save_torn_step(const std::string& run, int64_t step,
+                           const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  const std::string dir = save_step(run, step, tensors);
+  fs::remove(fs::path(dir) / cd::kCommitFile);
+  return dir;
+}
+
+// What Trainer::export_model writes: model.safetensors (HF names, Conv1D
+// transposed, step in the metadata) and config.yaml beside it.
+void export_model(const std::string& run, int64_t step,
+                  const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  fs::create_directories(run);
+  ck::save_safetensors(ck::exported_model_path(run), tensors, /*transpose_conv1d=*/true,
+                       {{"format", "pt"}, {"step", std::to_string(step)}});
+  std::ofstream(ck::exported_config_path(run)) << tiny_gpt_config().to_yaml();
+}
+
+std::vector<std::pair<std::string, at::Tensor>> small_tensors() {
+  return {{"w", torch::arange(10, torch::kFloat).view({2, 5})}, {"b", torch::ones({3})}};
+}
+
+template <typename Fn>
+std::string checkpoint_error(Fn&& fn) {
+  try {
+    fn();
+  } catch (const CheckpointError& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected a CheckpointError, got: " << e.what();
+    return {};
+  }
+  ADD_FAILURE() << "expected a CheckpointError, nothing was thrown";
+  return {};
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// ---- resolve_checkpoint --------------------------------------------------------------
+
+TEST(ResolveCheckpoint, RunDirectoryMeansItsNewestCompleteStep) {
+  TempDir tmp;
+  const std::string run = tmp / "run";
+  save_step(run, 10, small_tensors());
+  const std::string newest = save_step(run, 20, small_tensors());
+  const auto r = ck::resolve_checkpoint(run);
+  EXPECT_EQ(r.kind, Kind::Checkpoint);
+  EXPECT_EQ(r.path, newest);
+  EXPECT_EQ(r.step, 20);
+}
+
+TEST(ResolveCheckpoint, IncompleteStepsAreSkipped) {
+  TempDir tmp;
+  const std::string run = tmp / "run";
+  const std::string complete = save_step(run, 10, small_tensors());
+  save_torn_step(run, 30, small_tensors());
+  fs::create_directories(ck::checkpoint_dir(run, 40) + ".tmp");  // a save in progress
+  EXPECT_EQ(ck::resolve_checkpoint(run).path, complete);
+  EXPECT_EQ(ck::resolve_checkpoint(run).step, 10);
+}
+
+TEST(ResolveCheckpoint, AStepDirectoryIsItself) {
+  TempDir tmp;
+  const std::string run = tmp / "run";
+  const std::string older = save_step(run, 10, small_tensors());
+  save_step(run, 20, small_tensors());
+  const auto r = ck::resolve_checkpoint(older);
+  EXPECT_EQ(r.kind, Kind::Checkpoint);
+  EXPECT_EQ(r.path, older);
+  EXPECT_EQ(r.step, 10);
+}
+
+TEST(ResolveCheckpoint, BadPathsAreCheckpointErrorsSayingWhatWasExpected) {
+  TempDir tmp;
+  const std::string run = tmp / "run";
+  const std::string torn = save_torn_step(run, 30, small_tensors());
+
+  std::string e = checkpoint_error([&] { ck::resolve_checkpoint(tmp / "nowhere"); });
+  EXPECT_TRUE(contains(e, "does not exist")) << e;
+  EXPECT_TRUE(contains(e, "Expected a checkpoint directory")) << e;
+
+  e = checkpoint_error([&] { ck::resolve_checkpoint(torn); });
+  EXPECT_TRUE(contains(e, "incomplete checkpoint")) << e;
+  EXPECT_TRUE(contains(e, "COMMITTED")) << e;
+
+  // A run directory whose only checkpoint is torn holds nothing to read.
+  e = checkpoint_error([&] { ck::resolve_checkpoint(run); });
+  EXPECT_TRUE(contains(e, "holds no complete checkpoint")) << e;
+  EXPECT_TRUE(contains(e, ck::checkpoints_root(run))) << e;
+
+  fs::create_directories(tmp / "empty");
+  e = checkpoint_error([&] { ck::resolve_checkpoint(tmp / "empty"); });
+  EXPECT_TRUE(contains(e, "holds no complete checkpoint")) << e;
+  EXPECT_TRUE(contains(e, "Expected a checkpoint directory")) << e;
+
+  std::ofstream(tmp / "notes.txt") << "hello";
+  e = checkpoint_error([&] { ck::resolve_checkpoint(tmp / "notes.txt"); });
+  EXPECT_TRUE(contains(e, "is a file")) << e;
+  e = checkpoint_error(
+      [&] { ck::resolve_checkpoint(tmp / "notes.txt", ck::ResolveOptions().exported_model(true)); });
+  EXPECT_TRUE(contains(e, "is a file")) << e;
+  EXPECT_TRUE(contains(e, ".safetensors")) << e;  // names what generate also takes
+}
+
+TEST(ResolveCheckpoint, TheExportedModelWhenAskedForAndNotOlder) {
+  TempDir tmp;
+  const std::string run = tmp / "run";
+  const auto with_export = ck::ResolveOptions().exported_model(true);
+  export_model(run, 20, small_tensors());
+
+  // Only the export: it for generate; consolidate wants a checkpoint.
+  auto r = ck::resolve_checkpoint(run, with_export);
+  EXPECT_EQ(r.kind, Kind::ExportedModel);
+  EXPECT_EQ(r.path, ck::exported_model_path(run));
+  EXPECT_EQ(r.step, 20);
+  const std::string e = checkpoint_error([&] { ck::resolve_checkpoint(run); });
+  EXPECT_TRUE(contains(e, "holds no complete checkpoint")) << e;
+
+  // A checkpoint of the same step: the export still wins (nothing to reshard).
+  const std::string at20 = save_step(run, 20, small_tensors());
+  EXPECT_EQ(ck::resolve_checkpoint(run, with_export).kind, Kind::ExportedModel);
+  EXPECT_EQ(ck::resolve_checkpoint(run).path, at20);
+
+  // A newer checkpoint (a resumed run stopped by a signal): the checkpoint.
+  const std::string at30 = save_step(run, 30, small_tensors());
+  r = ck::resolve_checkpoint(run, with_export);
+  EXPECT_EQ(r.kind, Kind::Checkpoint);
+  EXPECT_EQ(r.path, at30);
+
+  // The file named directly.
+  r = ck::resolve_checkpoint(ck::exported_model_path(run), with_export);
+  EXPECT_EQ(r.kind, Kind::ExportedModel);
+  EXPECT_EQ(r.step, 20);
+}
+
+// ---- the commands -----------------------------------------------------------------------
+
+struct CliRun {
+  int code = -1;
+  std::string out;
+};
+
+CliRun cli(const std::string& args) {
+  CliRun r;
+  const std::string cmd = std::string(SHARDTRAIN_CLI_PATH) + " " + args + " 2>&1";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
+  const int status = ::pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+// The sampled text of a `generate` run, without its note on stderr.
+std::string sample_of(const CliRun& r) {
+  const std::string note = "generate: model from ";
+  EXPECT_EQ(r.out.rfind(note, 0), 0u) << r.out;
+  const size_t eol = r.out.find('\n');
+  return eol == std::string::npos ? "" : r.out.substr(eol + 1);
+}
+
+TEST(RunDirectoryCommands, GenerateReadsTheNewestModelOfARunDirectory) {
+  TempDir tmp;
+  const std::string run = tmp / "run";
+  const auto gpt = shardtrain::train::gpt_config(tiny_gpt_config().model);
+  torch::manual_seed(1);
+  GPT first(gpt);
+  torch::manual_seed(2);
+  GPT second(gpt);
+  const std::string args = " --prompt 'The ' --max-new-tokens 12 --seed 3";
+
+  save_step(run, 1, state_of(*first));
+  const std::string step2 = save_step(run, 2, state_of(*second));
+  CliRun from_step = cli("generate --checkpoint " + step2 + args);
+  ASSERT_EQ(from_step.code, 0) << from_step.out;
+  EXPECT_TRUE(contains(from_step.out, "model from " + step2 + " (step 2)")) << from_step.out;
+  EXPECT_EQ(sample_of(from_step).rfind("The ", 0), 0u) << from_step.out;
+
+  // A run directory without an export: its newest complete checkpoint.
+  CliRun from_run = cli("generate --checkpoint " + run + args);
+  ASSERT_EQ(from_run.code, 0) << from_run.out;
+  EXPECT_TRUE(contains(from_run.out, "model from " + step2)) << from_run.out;
+  EXPECT_EQ(sample_of(from_run), sample_of(from_step));
+
+  // With the exported model of the same step: the export, and the same text
+  // (its Conv1D weights went out transposed and came back).
+  export_model(run, 2, state_of(*second));
+  from_run = cli("generate --checkpoint " + run + args);
+  ASSERT_EQ(from_run.code, 0) << from_run.out;
+  EXPECT_TRUE(contains(from_run.out, "model from " + ck::exported_model_path(run))) << from_run.out;
+  EXPECT_EQ(sample_of(from_run), sample_of(from_step));
+
+  // Other weights give other text: the comparisons above can fail.
+  CliRun from_first = cli("generate --checkpoint " + ck::checkpoint_dir(run, 1) + args);
+  ASSERT_EQ(from_first.code, 0) << from_first.out;
+  EXPECT_NE(sample_of(from_first), sample_of(from_step));
+}
+
+TEST(RunDirectoryCommands, ConsolidateTakesARunDirectory) {
+  TempDir tmp;
+  const std::string run = tmp / "run";
+  const auto gpt = shardtrain::train::gpt_config(tiny_gpt_config().model);
+  torch::manual_seed(4);
+  GPT older(gpt);
+  torch::manual_seed(5);
+  GPT newer(gpt);
+  save_step(run, 1, state_of(*older));
+  const std::string step2 = save_step(run, 2, state_of(*newer));
+  save_torn_step(run, 3, state_of(*older));
+
+  const CliRun r = cli("checkpoint consolidate " + run + " --out " + (tmp / "out.safetensors"));
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "using the newest complete checkpoint of run directory")) << r.out;
+  EXPECT_TRUE(contains(r.out, step2)) << r.out;
+  GPT loaded(gpt);
+  ck::load_safetensors_into(*loaded, tmp / "out.safetensors",
+                            ck::SafetensorsLoadOptions().transpose_conv1d(true));
+  for (const auto& p : newer->named_parameters()) {
+    EXPECT_TRUE(torch::equal(loaded->named_parameters()[p.key()], p.value())) << p.key();
+  }
+}
+
+TEST(RunDirectoryCommands, BadPathsExitWithTheCheckpointErrorCode) {
+  TempDir tmp;
+  const std::string run = tmp / "run";
+  const std::string torn = save_torn_step(run, 3, small_tensors());
+  fs::create_directories(tmp / "empty");
+  struct Case {
+    std::string args, want;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"generate --checkpoint " + (tmp / "nowhere"), "does not exist"},
+           {"generate --checkpoint " + torn, "incomplete checkpoint"},
+           {"generate --checkpoint " + (tmp / "empty"), "holds no complete checkpoint"},
+           {"checkpoint consolidate " + (tmp / "nowhere") + " --out " + (tmp / "x.safetensors"),
+            "does not exist"},
+           {"checkpoint consolidate " + run + " --out " + (tmp / "x.safetensors"),
+            "holds no complete checkpoint"},
+           {"checkpoint consolidate " + torn + " --out " + (tmp / "x.safetensors"),
+            "incomplete checkpoint"}}) {
+    const CliRun r = cli(c.args);
+    EXPECT_EQ(r.code, 3) << c.args << "\n" << r.out;
+    EXPECT_TRUE(contains(r.out, "checkpoint error: ")) << c.args << "\n" << r.out;
+    EXPECT_TRUE(contains(r.out, c.want)) << c.args << "\n" << r.out;
+    EXPECT_TRUE(contains(r.out, "Expected") || contains(r.out, "Hint")) << c.args << "\n" << r.out;
+  }
+  EXPECT_FALSE(fs::exists(tmp / "x.safetensors"));
+
+  // A checkpoint the Trainer did not write records no config: generate says so.
+  std::vector<std::vector<ShardedTensor>> one_rank(1);
+  ShardedTensor w;
+  w.name = "w";
+  w.global_shape = {3};
+  w.local = torch::ones({3});
+  one_rank[0].push_back(w);
+  const std::string bare = cd::save_ranks_locally(ck::checkpoint_dir(tmp / "bare", 1), one_rank,
+                                                  "opaque", {}, ck::SaveOptions().step(1));
+  const CliRun r = cli("generate --checkpoint " + bare);
+  EXPECT_EQ(r.code, 3) << r.out;
+  EXPECT_TRUE(contains(r.out, "records no config")) << r.out;
+}
+
+}  // namespace
