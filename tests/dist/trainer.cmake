@@ -18,3 +18,9 @@ set_tests_properties(cli.train_default_job PROPERTIES TIMEOUT 600 ENVIRONMENT "S
 add_test(NAME cli.train_sigterm_resume
          COMMAND ${CMAKE_CURRENT_LIST_DIR}/train_signal.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
 set_tests_properties(cli.train_sigterm_resume PROPERTIES TIMEOUT 300 ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=60")
+
+# Every precision mode through the end of `shardtrain train` (final save,
+# export, sample) and back through `shardtrain generate`.
+add_test(NAME cli.train_every_precision
+         COMMAND ${CMAKE_CURRENT_LIST_DIR}/train_precisions.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
+set_tests_properties(cli.train_every_precision PROPERTIES TIMEOUT 600 ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=120")
