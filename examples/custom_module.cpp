@@ -47,7 +47,7 @@ int main(int argc, char** argv) {
   config.trainer.max_steps = steps;
   config.trainer.eval_every = 0;
   config.trainer.log_every = 50;
-  config.trainer.progress = "plain";
+  config.trainer.progress = shardtrain::train::ProgressMode::Plain;
 
   torch::manual_seed(0);  // the same initial weights on every rank
   auto model = ResidualNet(16, 64, 4);

@@ -141,20 +141,12 @@ namespace {
 // across ranks and unscale_and_check never communicates.
 class UnscaledPrecision : public Precision {
  public:
-  enum class Kind { FP32, BF16Mixed, BF16True };
-  UnscaledPrecision(Kind kind, bool cuda) : kind_(kind), cuda_(cuda) {}
+  UnscaledPrecision(PrecisionKind kind, bool cuda) : kind_(kind), cuda_(cuda) {}
 
-  std::string name() const override {
-    switch (kind_) {
-      case Kind::FP32: return "fp32";
-      case Kind::BF16Mixed: return "bf16-mixed";
-      case Kind::BF16True: return "bf16-true";
-    }
-    return "?";
-  }
+  std::string name() const override { return enum_name(kind_); }
 
   void prepare_model(torch::nn::Module& model) override {
-    if (kind_ != Kind::BF16True) return;
+    if (kind_ != PrecisionKind::Bf16True) return;
     // Not Module::to(kBFloat16): LibTorch's version also casts integer and
     // bool buffers (masks, counters); only floating point tensors change.
     torch::NoGradGuard no_grad;
@@ -167,7 +159,7 @@ class UnscaledPrecision : public Precision {
   }
 
   std::unique_ptr<AutocastScope> autocast() const override {
-    return std::make_unique<AutocastScope>(kind_ == Kind::BF16Mixed, cuda_, /*bf16=*/true);
+    return std::make_unique<AutocastScope>(kind_ == PrecisionKind::Bf16Mixed, cuda_, /*bf16=*/true);
   }
 
   at::Tensor scale_loss(const at::Tensor& loss) const override { return loss; }
@@ -184,7 +176,7 @@ class UnscaledPrecision : public Precision {
   DynamicLossScaler* scaler() override { return nullptr; }
 
  private:
-  Kind kind_;
+  PrecisionKind kind_;  // any but Fp16Mixed
   bool cuda_;
   int64_t skipped_steps_ = 0;
 };
@@ -197,7 +189,7 @@ class FP16MixedPrecision : public Precision {
   FP16MixedPrecision(const LossScalerOptions& options, bool autocast)
       : scaler_(options), autocast_(autocast) {}
 
-  std::string name() const override { return "fp16-mixed"; }
+  std::string name() const override { return enum_name(PrecisionKind::Fp16Mixed); }
   void prepare_model(torch::nn::Module&) override {}
 
   std::unique_ptr<AutocastScope> autocast() const override {
@@ -228,25 +220,20 @@ class FP16MixedPrecision : public Precision {
 
 }  // namespace
 
+std::unique_ptr<Precision> Precision::create(PrecisionKind kind, const LossScalerOptions& scaler,
+                                             bool cuda_available) {
+  if (kind != PrecisionKind::Fp16Mixed) return std::make_unique<UnscaledPrecision>(kind, cuda_available);
+  ST_CHECK(cuda_available, ConfigError,
+           "precision 'fp16-mixed' needs a CUDA device: LibTorch cannot compute float16 on CPU "
+           "(no CPU fp16 matmul, and CPU autocast supports only bfloat16). Use "
+           "`precision: bf16-mixed` instead");
+  return std::make_unique<FP16MixedPrecision>(scaler, /*autocast=*/true);
+}
+
 std::unique_ptr<Precision> Precision::create(const std::string& name,
                                              const LossScalerOptions& scaler,
                                              bool cuda_available) {
-  using Kind = UnscaledPrecision::Kind;
-  if (name == "fp32") return std::make_unique<UnscaledPrecision>(Kind::FP32, cuda_available);
-  if (name == "bf16-mixed") {
-    return std::make_unique<UnscaledPrecision>(Kind::BF16Mixed, cuda_available);
-  }
-  if (name == "bf16-true") return std::make_unique<UnscaledPrecision>(Kind::BF16True, cuda_available);
-  if (name == "fp16-mixed") {
-    ST_CHECK(cuda_available, ConfigError,
-             "precision 'fp16-mixed' needs a CUDA device: LibTorch cannot compute float16 on CPU "
-             "(no CPU fp16 matmul, and CPU autocast supports only bfloat16). Use "
-             "`precision: bf16-mixed` instead");
-    return std::make_unique<FP16MixedPrecision>(scaler, /*autocast=*/true);
-  }
-  ST_CHECK(false, ConfigError, "unknown precision '", name,
-           "'; expected one of fp32, bf16-mixed, fp16-mixed, bf16-true");
-  return nullptr;  // unreachable
+  return create(enum_from_name<PrecisionKind>(name, "precision"), scaler, cuda_available);
 }
 
 namespace detail {

@@ -100,11 +100,9 @@ std::string Metrics::to_json() const {
 
 // ---- ProgressCallback ---------------------------------------------------------------
 
-ProgressCallback::ProgressCallback(std::string mode, FILE* out) : out_(out) {
-  ST_CHECK(mode == "auto" || mode == "bar" || mode == "plain" || mode == "none", ConfigError,
-           "trainer.progress '", mode, "' is not one of auto, bar, plain, none");
-  enabled_ = mode != "none";
-  bar_ = mode == "bar" || (mode == "auto" && isatty(fileno(out)));
+ProgressCallback::ProgressCallback(ProgressMode mode, FILE* out) : out_(out) {
+  enabled_ = mode != ProgressMode::None;
+  bar_ = mode == ProgressMode::Bar || (mode == ProgressMode::Auto && isatty(fileno(out)));
 }
 
 void ProgressCallback::on_train_begin(TrainerState& state, TrainerControl&) {
@@ -186,13 +184,11 @@ void LearningRateMonitor::on_step_end(TrainerState& state, TrainerControl&) {
 // ---- EarlyStopping ----------------------------------------------------------------------
 
 EarlyStopping::EarlyStopping(std::string monitor, int64_t patience, double min_delta,
-                             std::string mode)
+                             MonitorMode mode)
     : monitor_(std::move(monitor)), patience_(patience), min_delta_(min_delta) {
-  ST_CHECK(mode == "min" || mode == "max", ConfigError, "trainer.early_stopping.mode '", mode,
-           "' is not one of min, max");
   ST_CHECK(patience_ >= 1, ConfigError, "trainer.early_stopping.patience ", patience_,
            " must be at least 1");
-  maximize_ = mode == "max";
+  maximize_ = mode == MonitorMode::Max;
   best_ = maximize_ ? -INFINITY : INFINITY;
 }
 

@@ -17,28 +17,12 @@ namespace shardtrain::train {
 
 namespace {
 
-// The config's distributed section still spells its choices as strings;
-// they become the library's enums here.
-strategy::StrategyOptions options_from(const config::Config& config, const std::string& name,
-                                       const std::string& sharding) {
-  using namespace strategy;
-  const auto& d = config.distributed;
-  return StrategyOptions()
-      .strategy(enum_from_name<StrategyKind>(name, "distributed.strategy"))
-      .sharding(enum_from_name<Sharding>(sharding, "distributed.sharding"))
-      .bucket_cap_mb(d.bucket_cap_mb)
-      .first_bucket_mb(d.first_bucket_mb)
-      .find_unused_parameters(d.find_unused_parameters)
-      .reduce_dtype(enum_from_name<DType>(d.reduce_dtype, "distributed.reduce_dtype"))
-      .param_dtype(enum_from_name<DType>(d.param_dtype, "distributed.param_dtype"))
-      .auto_wrap_policy(enum_from_name<AutoWrapPolicy>(d.auto_wrap_policy, "distributed.auto_wrap_policy"))
-      .wrap_module_types(d.wrap_module_types)
-      .min_num_params(d.min_num_params)
-      .backward_prefetch(
-          enum_from_name<BackwardPrefetch>(d.backward_prefetch, "distributed.backward_prefetch"))
-      .forward_prefetch(d.forward_prefetch)
-      .limit_all_gathers(d.limit_all_gathers)
-      .accumulation(enum_from_name<Accumulation>(d.accumulation, "distributed.accumulation"));
+// The distributed section is the strategy's options; only the choice of
+// strategy (and, for fsdp, its sharding) may differ from what it says.
+strategy::StrategyOptions options_from(const config::Config& config, strategy::StrategyKind kind,
+                                       strategy::Sharding sharding) {
+  strategy::StrategyOptions options = config.distributed;
+  return options.strategy(kind).sharding(sharding);
 }
 
 }  // namespace
@@ -51,7 +35,8 @@ strategy::EstimateInput estimate_input(const config::Config& config, torch::nn::
     if (p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second) in.num_params += p.numel();
   }
   const auto units = strategy::plan_units(
-      model, strategy::policy_from_options(options_from(config, "fsdp", "full_shard")));
+      model, strategy::policy_from_options(options_from(config, strategy::StrategyKind::Fsdp,
+                                                     strategy::Sharding::FullShard)));
   std::vector<int64_t> sizes;
   for (const auto& u : units) sizes.push_back(u.numel);
   std::sort(sizes.rbegin(), sizes.rend());
@@ -59,15 +44,16 @@ strategy::EstimateInput estimate_input(const config::Config& config, torch::nn::
   in.second_unit_params = sizes.size() > 1 ? sizes[1] : 0;
   in.world_size = world_size;
   in.local_world_size = local_world_size;
-  const auto& d = config.distributed;
-  const bool half_params = d.param_dtype == "bf16" || d.param_dtype == "fp16";
-  in.mixed_precision = half_params || config.precision == "fp16-mixed";
-  const int act_bytes = half_params || config.precision != "fp32" ? 2 : 4;
+  using precision::PrecisionKind;
+  const strategy::DType param_dtype = config.distributed.param_dtype();
+  const bool half_params = param_dtype == strategy::DType::Bf16 || param_dtype == strategy::DType::Fp16;
+  in.mixed_precision = half_params || config.precision == PrecisionKind::Fp16Mixed;
+  const int act_bytes = half_params || config.precision != PrecisionKind::Fp32 ? 2 : 4;
   // batch.micro when given, so that layouts the global batch does not divide
   // into can still be estimated.
   const int64_t micro =
       config.batch.micro ? *config.batch.micro : config.resolve_batch(world_size).micro;
-  in.activation_bytes = config.model.type == "mlp"
+  in.activation_bytes = config.model.type == train::ModelType::Mlp
                             ? strategy::mlp_activation_bytes(config.model.mlp_sizes, micro, act_bytes)
                             : strategy::gpt_activation_bytes(gpt_config(config.model), micro, act_bytes);
   return in;
@@ -76,15 +62,20 @@ strategy::EstimateInput estimate_input(const config::Config& config, torch::nn::
 strategy::StrategyOptions strategy_options(const config::Config& config, torch::nn::Module& model,
                                            int world_size, int local_world_size) {
   const auto& d = config.distributed;
-  if (d.strategy != "auto") return options_from(config, d.strategy, d.sharding);
-  const double budget = d.memory_budget_mb > 0.0 ? d.memory_budget_mb * 1024.0 * 1024.0
-                                                 : strategy::default_memory_budget_bytes(local_world_size);
+  if (d.strategy() != strategy::StrategyKind::Auto) return d;
+  const double budget = d.memory_budget_mb() > 0.0
+                            ? d.memory_budget_mb() * 1024.0 * 1024.0
+                            : strategy::default_memory_budget_bytes(local_world_size);
   const auto chosen = strategy::choose_strategy(
       estimate_input(config, model, world_size, local_world_size), budget);
-  // "ddp", "zero1" or "fsdp/<sharding>".
+  // The estimator names its choice "ddp", "zero1" or "fsdp/<sharding>".
   const auto slash = chosen.strategy.find('/');
-  if (slash == std::string::npos) return options_from(config, chosen.strategy, d.sharding);
-  return options_from(config, chosen.strategy.substr(0, slash), chosen.strategy.substr(slash + 1));
+  const auto kind = enum_from_name<strategy::StrategyKind>(chosen.strategy.substr(0, slash),
+                                                           "the estimator's strategy");
+  if (slash == std::string::npos) return options_from(config, kind, d.sharding());
+  return options_from(config, kind,
+                      enum_from_name<strategy::Sharding>(chosen.strategy.substr(slash + 1),
+                                                         "the estimator's sharding"));
 }
 
 }  // namespace shardtrain::train

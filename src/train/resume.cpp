@@ -64,7 +64,7 @@ std::string Trainer::save_checkpoint() {
   // The data order and the learning rate are functions of the step; these
   // say so explicitly for readers of the checkpoint.
   state["sampler"] = {{"seed", config_.run.seed}, {"position", state_.step}};
-  state["lr_schedule"] = {{"name", config_.schedule.name}, {"step", state_.step}, {"lr", state_.lr}};
+  state["lr_schedule"] = {{"name", enum_name(config_.schedule.name)}, {"step", state_.step}, {"lr", state_.lr}};
   state["strategy"] = strategy_->name();
   if (const auto* scaler = precision_->scaler()) {
     const auto& s = scaler->state();
@@ -159,7 +159,7 @@ void Trainer::note_evaluation() {
   const std::optional<double> v = state_.eval_metrics.number(monitor);
   if (!v) return;
   const bool better =
-      best_step_ < 0 || (config_.checkpoint.mode == "min" ? *v < best_value_ : *v > best_value_);
+      best_step_ < 0 || (config_.checkpoint.mode == MonitorMode::Min ? *v < best_value_ : *v > best_value_);
   if (!better) return;
   best_value_ = *v;
   best_step_ = state_.step;

@@ -127,10 +127,12 @@ TrainTask mlp_task(const config::Config& config, const config::BatchPlan& plan) 
 
 TrainTask make_task(const config::Config& config, int world_size) {
   const config::BatchPlan plan = config.resolve_batch(world_size);
-  if (config.model.type == "gpt") return gpt_task(config, plan, world_size);
-  ST_CHECK(config.model.type == "mlp", ConfigError, "model.type '", config.model.type,
-           "' is not one of gpt, mlp");
-  return mlp_task(config, plan);
+  switch (config.model.type) {
+    case ModelType::Gpt: return gpt_task(config, plan, world_size);
+    case ModelType::Mlp: return mlp_task(config, plan);
+  }
+  ST_ASSERT(false, "model.type ", static_cast<int>(config.model.type), " has no task");
+  return {};
 }
 
 }  // namespace shardtrain::train

@@ -54,7 +54,7 @@ std::vector<torch::optim::OptimizerParamGroup> param_groups(
   for (const auto& p : params) (p.global_shape.size() >= 2 ? decay : no_decay).push_back(p.local);
   std::vector<torch::optim::OptimizerParamGroup> groups;
   auto options = [&](double wd) -> std::unique_ptr<torch::optim::OptimizerOptions> {
-    if (o.name == "sgd") {
+    if (o.name == OptimizerKind::Sgd) {
       return std::make_unique<torch::optim::SGDOptions>(
           torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(wd));
     }
@@ -72,11 +72,9 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(
     const std::vector<strategy::ShardedTensor>& params, const config::OptimizerConfig& o) {
   auto groups = param_groups(params, o);
   ST_CHECK(!groups.empty(), ConfigError, "the model has no trainable parameters");
-  if (o.name == "sgd") {
+  if (o.name == OptimizerKind::Sgd) {
     return std::make_unique<torch::optim::SGD>(groups, torch::optim::SGDOptions(o.lr));
   }
-  ST_CHECK(o.name == "adamw", ConfigError, "optimizer.name '", o.name,
-           "' is not one of adamw, sgd");
   return std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(o.lr));
 }
 
@@ -88,15 +86,10 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
            "a TrainTask needs a model, loss_sum, count_targets and train_batch");
   batch_ = config_.resolve_batch(comm_->size());
   const dist::ClusterEnv env = dist::ClusterEnv::detect();
-  at::set_num_threads(threads_for_rank(config_.distributed.threads_per_rank, env.local_world_size));
+  at::set_num_threads(threads_for_rank(config_.distributed.threads_per_rank(), env.local_world_size));
 
-  precision::LossScalerOptions scaler;
-  scaler.initial_scale_power = static_cast<int>(config_.loss_scaler.initial_scale_power);
-  scaler.loss_scale_window = config_.loss_scaler.loss_scale_window;
-  scaler.hysteresis = static_cast<int>(config_.loss_scaler.hysteresis);
-  scaler.min_loss_scale = config_.loss_scaler.min_loss_scale;
-  scaler.max_skips_at_min = config_.loss_scaler.max_skips_at_min;
-  precision_ = precision::Precision::create(config_.precision, scaler, torch::cuda::is_available());
+  precision_ = precision::Precision::create(config_.precision, config_.loss_scaler,
+                                            torch::cuda::is_available());
   // Fine-tuning: weights from a safetensors file (Hugging Face GPT-2 names;
   // its Conv1D weights are stored transposed), before the strategy shards
   // them. Every rank reads it; setup would broadcast rank 0's anyway.
@@ -247,7 +240,7 @@ void Trainer::run_step() {
   const strategy::CommStats cs = strategy_->comm_stats();
   m.set("comm_busy_s", cs.busy_s);
   m.set("comm_exposed_s", cs.exposed_s);
-  m.set("precision", config_.precision);
+  m.set("precision", precision_->name());
   m.set("loss_scale", precision_->loss_scale());
   m.set("skipped", static_cast<int64_t>(skipped ? 1 : 0));
   for (const auto& [key, value] : task_.static_metrics.entries()) m.set(key, value);

@@ -66,9 +66,9 @@ void expect_same_scale_everywhere(double scale, int step) {
 
 TEST(PrecisionDist, OverflowOnOneRankSkipsTheStepOnEveryRank) {
   LossScalerOptions o;
-  o.initial_scale_power = 10;  // 1024: scaled values stay inside float16
-  o.loss_scale_window = 3;
-  o.hysteresis = 2;
+  o.initial_scale_power(10);  // 1024: scaled values stay inside float16
+  o.loss_scale_window(3);
+  o.hysteresis(2);
   auto plugin = precision::detail::make_fp16_mixed_for_tests(o);
   DynamicLossScaler reference(o);  // fed the expected outcomes locally
 

@@ -55,10 +55,10 @@ config::Config parity_config(const std::string& data, int64_t micro, const std::
   c.trainer.eval_every = 5;
   c.trainer.eval_batches = 2;
   c.trainer.max_grad_norm = 0.5;  // clipping active: the global norm must agree
-  c.trainer.progress = "none";
+  c.trainer.progress = train::ProgressMode::None;
   c.trainer.sample_tokens = 0;
-  c.distributed.strategy = strategy;
-  c.distributed.threads_per_rank = 1;
+  c.distributed.strategy(enum_from_name<shardtrain::strategy::StrategyKind>(strategy, "strategy"));
+  c.distributed.threads_per_rank(1);
   return c;
 }
 
@@ -147,7 +147,7 @@ TEST(TrainerParity, ShardedStrategiesMatchSingleProcessStepByStep) {
                            Variant{"fsdp", "full_shard", true}, Variant{"fsdp", "shard_grad_op", true},
                            Variant{"fsdp", "no_shard", false}}) {
     auto c = parity_config(data, 12 / (2 * n), v.strategy);
-    c.distributed.sharding = v.sharding;
+    c.distributed.sharding(enum_from_name<shardtrain::strategy::Sharding>(v.sharding, "sharding"));
     c.model.activation_checkpointing = v.checkpointing;
     const TrainedRun run = train_run(c, g_world);
     expect_same_run(run, ref,
@@ -208,7 +208,7 @@ TEST(TrainerResume, SameLayoutIsBitExactOtherStrategyIsClose) {
     const std::string from = checkpoint::checkpoint_dir(c.run.dir, 4);
     for (const char* other : {"ddp", "fsdp"}) {
       auto r = c;
-      r.distributed.strategy = other;
+      r.distributed.strategy(enum_from_name<shardtrain::strategy::StrategyKind>(other, "strategy"));
       r.checkpoint.resume = from;
       r.run.dir += std::string("_as_") + other;
       const TrainedRun resumed = train_run(r, g_world);

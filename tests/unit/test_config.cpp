@@ -2,16 +2,28 @@
 
 #include <cstdio>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "shardtrain/config/config.h"
+#include "shardtrain/config/schema.h"
 #include "shardtrain/core/error.h"
 
 using shardtrain::ConfigError;
+using shardtrain::enum_choices;
+using shardtrain::enum_name;
 using shardtrain::config::BatchConfig;
 using shardtrain::config::BatchPlan;
 using shardtrain::config::Config;
+using shardtrain::config::KeyDoc;
+using shardtrain::config::key_docs;
+using shardtrain::config::key_table;
+using shardtrain::config::value_text;
+using shardtrain::config::with_key_tables;
+using shardtrain::precision::PrecisionKind;
+using namespace shardtrain::strategy;  // StrategyKind, Sharding, DType, ...
+using namespace shardtrain::train;     // ModelType, OptimizerKind, LrSchedule, ...
 
 namespace {
 
@@ -56,29 +68,29 @@ void expect_same(const Config& a, const Config& b) {
   EXPECT_EQ(a.trainer.early_stopping.patience, b.trainer.early_stopping.patience);
   EXPECT_EQ(a.trainer.early_stopping.min_delta, b.trainer.early_stopping.min_delta);
   EXPECT_EQ(a.trainer.early_stopping.mode, b.trainer.early_stopping.mode);
-  EXPECT_EQ(a.distributed.strategy, b.distributed.strategy);
-  EXPECT_EQ(a.distributed.nproc_per_node, b.distributed.nproc_per_node);
-  EXPECT_EQ(a.distributed.bucket_cap_mb, b.distributed.bucket_cap_mb);
-  EXPECT_EQ(a.distributed.first_bucket_mb, b.distributed.first_bucket_mb);
-  EXPECT_EQ(a.distributed.find_unused_parameters, b.distributed.find_unused_parameters);
-  EXPECT_EQ(a.distributed.threads_per_rank, b.distributed.threads_per_rank);
-  EXPECT_EQ(a.distributed.reduce_dtype, b.distributed.reduce_dtype);
-  EXPECT_EQ(a.distributed.param_dtype, b.distributed.param_dtype);
-  EXPECT_EQ(a.distributed.sharding, b.distributed.sharding);
-  EXPECT_EQ(a.distributed.auto_wrap_policy, b.distributed.auto_wrap_policy);
-  EXPECT_EQ(a.distributed.wrap_module_types, b.distributed.wrap_module_types);
-  EXPECT_EQ(a.distributed.min_num_params, b.distributed.min_num_params);
-  EXPECT_EQ(a.distributed.backward_prefetch, b.distributed.backward_prefetch);
-  EXPECT_EQ(a.distributed.forward_prefetch, b.distributed.forward_prefetch);
-  EXPECT_EQ(a.distributed.limit_all_gathers, b.distributed.limit_all_gathers);
-  EXPECT_EQ(a.distributed.accumulation, b.distributed.accumulation);
-  EXPECT_EQ(a.distributed.memory_budget_mb, b.distributed.memory_budget_mb);
+  EXPECT_EQ(a.distributed.strategy(), b.distributed.strategy());
+  EXPECT_EQ(a.distributed.nproc_per_node(), b.distributed.nproc_per_node());
+  EXPECT_EQ(a.distributed.bucket_cap_mb(), b.distributed.bucket_cap_mb());
+  EXPECT_EQ(a.distributed.first_bucket_mb(), b.distributed.first_bucket_mb());
+  EXPECT_EQ(a.distributed.find_unused_parameters(), b.distributed.find_unused_parameters());
+  EXPECT_EQ(a.distributed.threads_per_rank(), b.distributed.threads_per_rank());
+  EXPECT_EQ(a.distributed.reduce_dtype(), b.distributed.reduce_dtype());
+  EXPECT_EQ(a.distributed.param_dtype(), b.distributed.param_dtype());
+  EXPECT_EQ(a.distributed.sharding(), b.distributed.sharding());
+  EXPECT_EQ(a.distributed.auto_wrap_policy(), b.distributed.auto_wrap_policy());
+  EXPECT_EQ(a.distributed.wrap_module_types(), b.distributed.wrap_module_types());
+  EXPECT_EQ(a.distributed.min_num_params(), b.distributed.min_num_params());
+  EXPECT_EQ(a.distributed.backward_prefetch(), b.distributed.backward_prefetch());
+  EXPECT_EQ(a.distributed.forward_prefetch(), b.distributed.forward_prefetch());
+  EXPECT_EQ(a.distributed.limit_all_gathers(), b.distributed.limit_all_gathers());
+  EXPECT_EQ(a.distributed.accumulation(), b.distributed.accumulation());
+  EXPECT_EQ(a.distributed.memory_budget_mb(), b.distributed.memory_budget_mb());
   EXPECT_EQ(a.precision, b.precision);
-  EXPECT_EQ(a.loss_scaler.initial_scale_power, b.loss_scaler.initial_scale_power);
-  EXPECT_EQ(a.loss_scaler.loss_scale_window, b.loss_scaler.loss_scale_window);
-  EXPECT_EQ(a.loss_scaler.hysteresis, b.loss_scaler.hysteresis);
-  EXPECT_EQ(a.loss_scaler.min_loss_scale, b.loss_scaler.min_loss_scale);
-  EXPECT_EQ(a.loss_scaler.max_skips_at_min, b.loss_scaler.max_skips_at_min);
+  EXPECT_EQ(a.loss_scaler.initial_scale_power(), b.loss_scaler.initial_scale_power());
+  EXPECT_EQ(a.loss_scaler.loss_scale_window(), b.loss_scaler.loss_scale_window());
+  EXPECT_EQ(a.loss_scaler.hysteresis(), b.loss_scaler.hysteresis());
+  EXPECT_EQ(a.loss_scaler.min_loss_scale(), b.loss_scaler.min_loss_scale());
+  EXPECT_EQ(a.loss_scaler.max_skips_at_min(), b.loss_scaler.max_skips_at_min());
   EXPECT_EQ(a.model.init_from, b.model.init_from);
   EXPECT_EQ(a.checkpoint.every_n_steps, b.checkpoint.every_n_steps);
   EXPECT_EQ(a.checkpoint.every_n_minutes, b.checkpoint.every_n_minutes);
@@ -132,7 +144,7 @@ TEST(Config, DefaultYamlLoadsAndMatchesTheStructDefaults) {
   EXPECT_GT(loaded.trainer.max_steps, 0);
   loaded.trainer.max_steps = Config().trainer.max_steps;
   expect_same(loaded, Config());
-  EXPECT_EQ(loaded.distributed.nproc_per_node, 0);  // auto
+  EXPECT_EQ(loaded.distributed.nproc_per_node(), 0);  // auto
 }
 
 TEST(Config, DefaultsRoundTripThroughYaml) {
@@ -140,11 +152,16 @@ TEST(Config, DefaultsRoundTripThroughYaml) {
   expect_same(Config::parse(c.to_yaml()), c);
 }
 
-TEST(Config, EveryKeyRoundTrips) {
+namespace {
+
+// A Config with every key away from its default except
+// trainer.early_stopping.enabled (which needs evaluations), and edge values
+// where a key has them.
+Config every_key_set() {
   Config c;
   c.run.dir = "runs/with space: and # chars";
   c.run.seed = 18446744073709551615ull;
-  c.model.type = "mlp";
+  c.model.type = ModelType::Mlp;
   c.model.n_layer = 7;
   c.model.n_head = 3;
   c.model.n_embd = 99;
@@ -156,13 +173,13 @@ TEST(Config, EveryKeyRoundTrips) {
   c.data.val_fraction = 0.0;
   c.data.shuffle = false;
   c.batch = {std::nullopt, 3, 5};
-  c.optimizer.name = "sgd";
+  c.optimizer.name = OptimizerKind::Sgd;
   c.optimizer.lr = 0.1 + 0.2;  // not a short decimal
   c.optimizer.weight_decay = 0.0;
   c.optimizer.betas = {0.0, 0.999999999};
   c.optimizer.eps = 1e-300;
   c.optimizer.momentum = 0.0;
-  c.schedule.name = "linear";
+  c.schedule.name = LrSchedule::Linear;
   c.schedule.warmup_steps = 0;
   c.schedule.min_lr = 0.0;
   c.trainer.max_steps = 3;
@@ -170,40 +187,51 @@ TEST(Config, EveryKeyRoundTrips) {
   c.trainer.eval_batches = 1;
   c.trainer.log_every = 9;
   c.trainer.max_grad_norm = 0.0;
-  c.trainer.progress = "none";
+  c.trainer.progress = ProgressMode::None;
   c.trainer.sample_tokens = 0;
   c.trainer.early_stopping.monitor = "train_loss";
   c.trainer.early_stopping.patience = 11;
   c.trainer.early_stopping.min_delta = 1e-3;
-  c.trainer.early_stopping.mode = "max";
+  c.trainer.early_stopping.mode = MonitorMode::Max;
   c.model.init_from = "weights/gpt2 small.safetensors";
   c.checkpoint.every_n_steps = 50;
   c.checkpoint.every_n_minutes = 12.5;
   c.checkpoint.keep = 0;
   c.checkpoint.monitor = "eval_loss";
-  c.checkpoint.mode = "max";
+  c.checkpoint.mode = MonitorMode::Max;
   c.checkpoint.resume = "auto";
   c.checkpoint.save_on_signal = false;
-  c.distributed.strategy = "fsdp";
-  c.distributed.nproc_per_node = 3;
-  c.distributed.bucket_cap_mb = 0.5;
-  c.distributed.first_bucket_mb = 100.0;
-  c.distributed.find_unused_parameters = true;
-  c.distributed.threads_per_rank = 2;
-  c.distributed.reduce_dtype = "bf16";
-  c.distributed.param_dtype = "fp16";
-  c.distributed.sharding = "hybrid_shard";
-  c.distributed.auto_wrap_policy = "size";
+  c.distributed.strategy(StrategyKind::Fsdp);
+  c.distributed.nproc_per_node(3);
+  c.distributed.bucket_cap_mb(0.5);
+  c.distributed.first_bucket_mb(100.0);
+  c.distributed.find_unused_parameters(true);
+  c.distributed.threads_per_rank(2);
+  c.distributed.reduce_dtype(DType::Bf16);
+  c.distributed.param_dtype(DType::Fp16);
+  c.distributed.sharding(Sharding::HybridShard);
+  c.distributed.auto_wrap_policy(AutoWrapPolicy::Size);
   // Names YAML would misread unless quoted: a C++ path with "::", a "#", null.
-  c.distributed.wrap_module_types = {"shardtrain::models::BlockImpl", "My Block #2", "null"};
-  c.distributed.min_num_params = 12345;
-  c.distributed.backward_prefetch = "none";
-  c.distributed.forward_prefetch = true;
-  c.distributed.limit_all_gathers = 5;
-  c.distributed.accumulation = "unsharded";
-  c.distributed.memory_budget_mb = 1536.5;
-  c.precision = "bf16-mixed";
-  c.loss_scaler = {12, 50, 3, 0.5, 7};
+  c.distributed.wrap_module_types({"shardtrain::models::BlockImpl", "My Block #2", "null"});
+  c.distributed.min_num_params(12345);
+  c.distributed.backward_prefetch(BackwardPrefetch::None);
+  c.distributed.forward_prefetch(true);
+  c.distributed.limit_all_gathers(5);
+  c.distributed.accumulation(Accumulation::Unsharded);
+  c.distributed.memory_budget_mb(1536.5);
+  c.precision = PrecisionKind::Bf16Mixed;
+  c.loss_scaler.initial_scale_power(12)
+      .loss_scale_window(50)
+      .hysteresis(3)
+      .min_loss_scale(0.5)
+      .max_skips_at_min(7);
+  return c;
+}
+
+}  // namespace
+
+TEST(Config, EveryKeyRoundTrips) {
+  const Config c = every_key_set();
   const Config back = Config::parse(c.to_yaml());
   expect_same(back, c);
   // Integers-valued doubles are written as floats; auto is written as auto.
@@ -217,31 +245,31 @@ TEST(Config, EveryKeyRoundTrips) {
 TEST(Config, ShardingKeysDefaults) {
   const Config c = Config::parse("");
   const auto& d = c.distributed;
-  EXPECT_EQ(d.strategy, "ddp");
-  EXPECT_EQ(d.sharding, "full_shard");
-  EXPECT_EQ(d.param_dtype, "auto");
-  EXPECT_EQ(d.auto_wrap_policy, "module_type");
-  EXPECT_EQ(d.wrap_module_types, (std::vector<std::string>{"BlockImpl"}));
-  EXPECT_EQ(d.min_num_params, 1048576);
-  EXPECT_EQ(d.backward_prefetch, "backward_pre");
-  EXPECT_FALSE(d.forward_prefetch);
-  EXPECT_EQ(d.limit_all_gathers, 2);
-  EXPECT_EQ(d.accumulation, "sharded");
-  EXPECT_EQ(d.memory_budget_mb, 0.0);
+  EXPECT_EQ(d.strategy(), StrategyKind::Ddp);
+  EXPECT_EQ(d.sharding(), Sharding::FullShard);
+  EXPECT_EQ(d.param_dtype(), DType::Auto);
+  EXPECT_EQ(d.auto_wrap_policy(), AutoWrapPolicy::ModuleType);
+  EXPECT_EQ(d.wrap_module_types(), (std::vector<std::string>{"BlockImpl"}));
+  EXPECT_EQ(d.min_num_params(), 1048576);
+  EXPECT_EQ(d.backward_prefetch(), BackwardPrefetch::BackwardPre);
+  EXPECT_FALSE(d.forward_prefetch());
+  EXPECT_EQ(d.limit_all_gathers(), 2);
+  EXPECT_EQ(d.accumulation(), Accumulation::Sharded);
+  EXPECT_EQ(d.memory_budget_mb(), 0.0);
 }
 
 TEST(Config, EveryStrategyAndShardingIsAccepted) {
   for (const std::string s : {"single", "ddp", "zero1", "fsdp", "auto"}) {
-    EXPECT_EQ(Config::parse("distributed: {strategy: " + s + "}\n").distributed.strategy, s);
+    EXPECT_EQ(enum_name(Config::parse("distributed: {strategy: " + s + "}\n").distributed.strategy()), s);
   }
   for (const std::string s : {"full_shard", "shard_grad_op", "no_shard", "hybrid_shard"}) {
-    EXPECT_EQ(Config::parse("", {"distributed.sharding=" + s}).distributed.sharding, s);
+    EXPECT_EQ(enum_name(Config::parse("", {"distributed.sharding=" + s}).distributed.sharding()), s);
   }
   // single still runs one process; the new strategies may have many ranks.
   EXPECT_HAS(parse_error("distributed: {strategy: single, nproc_per_node: 4}"),
              "distributed.nproc_per_node: got 4");
   EXPECT_EQ(Config::parse("distributed: {strategy: fsdp, nproc_per_node: 4}")
-                .distributed.nproc_per_node,
+                .distributed.nproc_per_node(),
             4);
 }
 
@@ -254,13 +282,13 @@ distributed:
     - "shardtrain::models::MLPBlockImpl"
     - 42
 )");
-  EXPECT_EQ(c.distributed.wrap_module_types,
+  EXPECT_EQ(c.distributed.wrap_module_types(),
             (std::vector<std::string>{"BlockImpl", "shardtrain::models::MLPBlockImpl", "42"}));
   const Config listed = Config::parse("", {"distributed.wrap_module_types=[A, B]"});
-  EXPECT_EQ(listed.distributed.wrap_module_types, (std::vector<std::string>{"A", "B"}));
+  EXPECT_EQ(listed.distributed.wrap_module_types(), (std::vector<std::string>{"A", "B"}));
   // An empty list is fine where the list is not used.
   const Config none = Config::parse("distributed: {auto_wrap_policy: none, wrap_module_types: []}");
-  EXPECT_TRUE(none.distributed.wrap_module_types.empty());
+  EXPECT_TRUE(none.distributed.wrap_module_types().empty());
   expect_same(Config::parse(none.to_yaml()), none);
 }
 
@@ -298,12 +326,82 @@ precision: fp32
   EXPECT_EQ(c.optimizer.lr, 1e-2);
   EXPECT_EQ(c.optimizer.weight_decay, 0.0);
   EXPECT_EQ(c.optimizer.betas, (std::vector<double>{0.8, 0.9}));
-  EXPECT_EQ(c.schedule.name, "constant");
+  EXPECT_EQ(c.schedule.name, LrSchedule::Constant);
   EXPECT_EQ(c.trainer.early_stopping.min_delta, 0.01);
   EXPECT_TRUE(c.trainer.early_stopping.enabled);
-  EXPECT_EQ(c.distributed.nproc_per_node, 3);
-  EXPECT_EQ(c.distributed.first_bucket_mb, 0.25);
+  EXPECT_EQ(c.distributed.nproc_per_node(), 3);
+  EXPECT_EQ(c.distributed.first_bucket_mb(), 0.25);
   expect_same(Config::parse(c.to_yaml()), c);
+}
+
+// Every declared key, found through the key table: a key added there without
+// a value here, or that to_yaml() or parse() loses, fails this test.
+TEST(Config, EveryDeclaredKeyRoundTripsThroughYaml) {
+  Config c = every_key_set();
+  c.trainer.early_stopping.enabled = true;
+  c.trainer.eval_every = 7;
+  c.data.val_fraction = 0.25;
+  const Config defaults;
+  const std::vector<KeyDoc> keys = key_docs();
+  ASSERT_GT(keys.size(), 60u);
+  const Config back = Config::parse(c.to_yaml());
+  for (const KeyDoc& k : keys) {
+    EXPECT_NE(value_text(c, k.path), value_text(defaults, k.path))
+        << k.path << ": give it a value other than its default in every_key_set()";
+    EXPECT_EQ(value_text(back, k.path), value_text(c, k.path)) << k.path;
+    EXPECT_EQ(k.default_value, value_text(defaults, k.path)) << k.path;
+    EXPECT_FALSE(k.doc.empty()) << k.path << " has no doc";
+    // Each key read on its own, as an override, gives the same value.
+    if (k.path.rfind("batch.", 0) != 0 && k.path.rfind("trainer.early_stopping.enabled", 0) != 0) {
+      const std::string text = k.path + "=" + value_text(c, k.path);
+      try {
+        EXPECT_EQ(value_text(Config::parse("", {text}), k.path), value_text(c, k.path)) << text;
+      } catch (const ConfigError& e) {
+        // A value that contradicts another key's default is refused, naming it.
+        EXPECT_HAS(std::string(e.what()), k.path);
+      }
+    }
+  }
+  EXPECT_THROW(value_text(c, "optimizer.lrr"), ConfigError);
+}
+
+// docs/config.md's key tables are generated from the key table; after a
+// change to the declarations, run `shardtrain config --docs docs/config.md`
+// (or build the target config-docs).
+TEST(ConfigDocs, KeyTablesMatchTheDeclarations) {
+  const std::string path = std::string(SHARDTRAIN_SOURCE_DIR) + "/docs/config.md";
+  std::ifstream in(path);
+  ASSERT_TRUE(in) << path;
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string docs = text.str();
+  EXPECT_EQ(with_key_tables(docs), docs)
+      << "docs/config.md's key tables differ from src/config/schema.cpp; run `shardtrain config "
+         "--docs docs/config.md` or build the target config-docs";
+  // Every key is in some table.
+  for (const KeyDoc& k : key_docs()) {
+    const size_t dot = k.path.rfind('.');
+    const std::string section = dot == std::string::npos ? k.path : k.path.substr(0, dot);
+    EXPECT_HAS(docs, "<!-- keys:" + section + " -->\n");
+    EXPECT_HAS(docs, "| `" + k.path + "` |");
+  }
+}
+
+TEST(ConfigDocs, TablesAreReplacedBetweenMarkers) {
+  const std::string stale =
+      "intro\n<!-- keys:run -->\n| old |\n<!-- /keys -->\nprose\n<!-- keys:precision -->\n"
+      "<!-- /keys -->";
+  const std::string fresh = with_key_tables(stale);
+  EXPECT_EQ(fresh, "intro\n<!-- keys:run -->\n" + key_table("run") + "<!-- /keys -->\nprose\n" +
+                       "<!-- keys:precision -->\n" + key_table("precision") + "<!-- /keys -->");
+  EXPECT_EQ(with_key_tables(fresh), fresh);
+  EXPECT_HAS(key_table("trainer"), "| `trainer.max_steps` | int | `500` | ≥ 1 |");
+  EXPECT_EQ(key_table("trainer").find("early_stopping"), std::string::npos);
+  EXPECT_HAS(key_table("distributed"),
+             "| `distributed.sharding` | string | `full_shard` | `full_shard`, `shard_grad_op`, "
+             "`no_shard`, `hybrid_shard` |");
+  EXPECT_THROW(with_key_tables("<!-- keys:nosuch -->\n<!-- /keys -->\n"), ConfigError);
+  EXPECT_THROW(with_key_tables("<!-- keys:run -->\n| a |\n"), ConfigError);
 }
 
 // ---- overrides -------------------------------------------------------------------------
@@ -320,7 +418,7 @@ TEST(ConfigOverrides, ScalarListNullAndNested) {
   EXPECT_EQ(c.batch.accumulate, 2);
   EXPECT_EQ(c.trainer.early_stopping.patience, 9);
   EXPECT_EQ(c.run.dir, "runs/x");
-  EXPECT_EQ(c.distributed.nproc_per_node, 0);
+  EXPECT_EQ(c.distributed.nproc_per_node(), 0);
   EXPECT_EQ(c.model.n_layer, 1);
   EXPECT_EQ(c.model.n_embd, Config().model.n_embd);
 }
@@ -490,6 +588,38 @@ TEST(ConfigErrors, ShardingKeysSuggestAndNameTheOverride) {
   EXPECT_HAS(parse_error("distributed:\n  wrap_module_types: []\n"), "test.yaml:2");
 }
 
+// Every closed set of values is an enum; a value outside it is refused where
+// it was written, with the allowed names.
+TEST(ConfigErrors, UnknownEnumValueNamesTheChoices) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"model.type", enum_choices<ModelType>()},
+      {"optimizer.name", enum_choices<OptimizerKind>()},
+      {"schedule.name", enum_choices<LrSchedule>()},
+      {"trainer.progress", enum_choices<ProgressMode>()},
+      {"trainer.early_stopping.mode", enum_choices<MonitorMode>()},
+      {"distributed.strategy", enum_choices<StrategyKind>()},
+      {"distributed.sharding", enum_choices<Sharding>()},
+      {"distributed.param_dtype", enum_choices<DType>()},
+      {"distributed.reduce_dtype", "fp32, bf16, fp16"},
+      {"distributed.auto_wrap_policy", enum_choices<AutoWrapPolicy>()},
+      {"distributed.backward_prefetch", enum_choices<BackwardPrefetch>()},
+      {"distributed.accumulation", enum_choices<Accumulation>()},
+      {"checkpoint.mode", enum_choices<MonitorMode>()},
+      {"precision", enum_choices<PrecisionKind>()},
+  };
+  for (const auto& [key, choices] : cases) {
+    EXPECT_HAS(parse_error("", {key + "=bogus"}),
+               "--set '" + key + "=bogus' (on test.yaml): " + key +
+                   ": got 'bogus', expected one of: " + choices + "; see docs/config.md");
+  }
+  EXPECT_HAS(parse_error("\ntrainer:\n  progress: fancy\n"),
+             "test.yaml:3: trainer.progress: got 'fancy', expected one of: auto, bar, plain, none");
+  // Names are exact: no case folding, no spaces.
+  EXPECT_HAS(parse_error("distributed: {sharding: FULL_SHARD}"), "got 'FULL_SHARD'");
+  // The docs list the same names.
+  EXPECT_HAS(key_table("model"), "`gpt`, `mlp`");
+}
+
 TEST(ConfigErrors, MalformedYamlNamesOriginAndLine) {
   const std::string msg = parse_error("model:\n  n_layer: 2\n   n_head: [4\n", {}, "bad.yaml");
   EXPECT_HAS(msg, "bad.yaml:");
@@ -524,7 +654,7 @@ TEST(ConfigErrors, LoadNamesTheFileAsOrigin) {
 
 TEST(ConfigErrors, PrecisionNamesAndScalerRanges) {
   for (const std::string name : {"fp32", "bf16-mixed", "fp16-mixed", "bf16-true"}) {
-    EXPECT_EQ(Config::parse("precision: " + name + "\n").precision, name);
+    EXPECT_EQ(enum_name(Config::parse("precision: " + name + "\n").precision), name);
   }
   const std::string msg = parse_error("", {"precision=fp8"});
   EXPECT_HAS(msg, "precision: got 'fp8'");
@@ -533,8 +663,8 @@ TEST(ConfigErrors, PrecisionNamesAndScalerRanges) {
   EXPECT_HAS(parse_error("", {"loss_scaler.min_loss_scale=-1"}), "loss_scaler.min_loss_scale");
   EXPECT_HAS(parse_error("", {"distributed.reduce_dtype=fp64"}), "distributed.reduce_dtype: got 'fp64'");
   const Config c = Config::parse("", {"loss_scaler.loss_scale_window=8", "distributed.reduce_dtype=bf16"});
-  EXPECT_EQ(c.loss_scaler.loss_scale_window, 8);
-  EXPECT_EQ(c.distributed.reduce_dtype, "bf16");
+  EXPECT_EQ(c.loss_scaler.loss_scale_window(), 8);
+  EXPECT_EQ(c.distributed.reduce_dtype(), DType::Bf16);
 }
 
 // ---- batch arithmetic --------------------------------------------------------------------

@@ -26,8 +26,8 @@ std::shared_ptr<comm::Communicator> world_of_one() {
 
 LossScalerOptions small_window(int64_t window = 4, int hysteresis = 2) {
   LossScalerOptions o;
-  o.loss_scale_window = window;
-  o.hysteresis = hysteresis;
+  o.loss_scale_window(window);
+  o.hysteresis(hysteresis);
   return o;
 }
 
@@ -54,8 +54,8 @@ TEST(LossScaler, StartsWithDeepSpeedDefaults) {
   EXPECT_EQ(s.state().hysteresis_left, 2);
   EXPECT_EQ(s.state().skipped_steps, 0);
   LossScalerOptions o;
-  EXPECT_EQ(o.loss_scale_window, 1000);
-  EXPECT_EQ(o.min_loss_scale, 1.0);
+  EXPECT_EQ(o.loss_scale_window(), 1000);
+  EXPECT_EQ(o.min_loss_scale(), 1.0);
 }
 
 TEST(LossScaler, GrowsAfterExactlyWindowCleanSteps) {
@@ -132,9 +132,9 @@ TEST(LossScaler, GrowthWindowRestartsAtTheLastOverflow) {
 
 TEST(LossScaler, NeverGoesBelowTheMinimum) {
   LossScalerOptions o = small_window(1000, 1);
-  o.initial_scale_power = 2;  // 4
-  o.min_loss_scale = 1.5;
-  o.max_skips_at_min = 0;  // never fail
+  o.initial_scale_power(2);  // 4
+  o.min_loss_scale(1.5);
+  o.max_skips_at_min(0);  // never fail
   DynamicLossScaler s(o);
   testing::internal::CaptureStderr();
   s.update(true);
@@ -150,9 +150,9 @@ TEST(LossScaler, NeverGoesBelowTheMinimum) {
 
 TEST(LossScaler, WarnsAtTheMinimumThenFails) {
   LossScalerOptions o = small_window(1000, 1);
-  o.initial_scale_power = 1;  // 2
-  o.min_loss_scale = 1.0;
-  o.max_skips_at_min = 3;
+  o.initial_scale_power(1);  // 2
+  o.min_loss_scale(1.0);
+  o.max_skips_at_min(3);
   DynamicLossScaler s(o);
   testing::internal::CaptureStderr();
   s.update(true);  // 2 -> 1: not yet a skip at the minimum
@@ -183,8 +183,8 @@ TEST(LossScaler, WarnsAtTheMinimumThenFails) {
 
 TEST(LossScaler, CleanStepResetsTheSkipsAtMinimum) {
   LossScalerOptions o = small_window(1000, 1);
-  o.initial_scale_power = 0;  // already at the minimum
-  o.max_skips_at_min = 3;
+  o.initial_scale_power(0);  // already at the minimum
+  o.max_skips_at_min(3);
   DynamicLossScaler s(o);
   testing::internal::CaptureStderr();
   s.update(true);
@@ -218,14 +218,14 @@ TEST(LossScaler, RejectsBadOptions) {
     edit(o);
     return o;
   };
-  EXPECT_THROW(DynamicLossScaler(with([](auto& o) { o.loss_scale_window = 0; })), ConfigError);
-  EXPECT_THROW(DynamicLossScaler(with([](auto& o) { o.hysteresis = 0; })), ConfigError);
-  EXPECT_THROW(DynamicLossScaler(with([](auto& o) { o.min_loss_scale = 0; })), ConfigError);
-  EXPECT_THROW(DynamicLossScaler(with([](auto& o) { o.max_skips_at_min = -1; })), ConfigError);
-  EXPECT_THROW(DynamicLossScaler(with([](auto& o) { o.initial_scale_power = 2000; })), ConfigError);
+  EXPECT_THROW(DynamicLossScaler(with([](auto& o) { o.loss_scale_window(0); })), ConfigError);
+  EXPECT_THROW(DynamicLossScaler(with([](auto& o) { o.hysteresis(0); })), ConfigError);
+  EXPECT_THROW(DynamicLossScaler(with([](auto& o) { o.min_loss_scale(0); })), ConfigError);
+  EXPECT_THROW(DynamicLossScaler(with([](auto& o) { o.max_skips_at_min(-1); })), ConfigError);
+  EXPECT_THROW(DynamicLossScaler(with([](auto& o) { o.initial_scale_power(2000); })), ConfigError);
   EXPECT_THROW(DynamicLossScaler(with([](auto& o) {
-                 o.initial_scale_power = 0;
-                 o.min_loss_scale = 2;
+                 o.initial_scale_power(0);
+                 o.min_loss_scale(2);
                })),
                ConfigError);
 }
@@ -370,7 +370,7 @@ TEST(PrecisionCreate, Fp16MixedOnCpuIsAConfigErrorSuggestingBf16) {
 
 TEST(PrecisionCreate, Fp16MixedWithCudaHasAScaler) {
   LossScalerOptions o;
-  o.initial_scale_power = 10;
+  o.initial_scale_power(10);
   auto p = Precision::create("fp16-mixed", o, /*cuda_available=*/true);
   EXPECT_EQ(p->name(), "fp16-mixed");
   ASSERT_NE(p->scaler(), nullptr);
@@ -397,7 +397,7 @@ TEST(PrecisionCreate, UnknownNameListsTheFour) {
 TEST(Fp16Mixed, ScalesUnscalesChecksAndUpdates) {
   auto comm = world_of_one();
   LossScalerOptions o = small_window(2, 1);
-  o.initial_scale_power = 8;  // 256
+  o.initial_scale_power(8);  // 256
   auto p = precision::detail::make_fp16_mixed_for_tests(o);
   EXPECT_EQ(p->name(), "fp16-mixed");
   ASSERT_NE(p->scaler(), nullptr);

@@ -45,7 +45,7 @@ struct TempDir : shardtrain::testing::TempDir {
 // A GPT small enough to sample from in a moment; byte vocabulary.
 shardtrain::config::Config tiny_gpt_config() {
   shardtrain::config::Config c;
-  c.model.type = "gpt";
+  c.model.type = shardtrain::train::ModelType::Gpt;
   c.model.n_layer = 1;
   c.model.n_head = 2;
   c.model.n_embd = 8;

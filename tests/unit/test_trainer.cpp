@@ -37,23 +37,23 @@ std::string temp_dir(const std::string& name) {
 config::Config mlp_config(const std::string& name) {
   config::Config c;
   c.run.dir = temp_dir(name);
-  c.model.type = "mlp";
+  c.model.type = train::ModelType::Mlp;
   c.model.mlp_sizes = {8, 16, 4};
   c.batch.global = 8;
   c.batch.micro = 4;
   c.batch.accumulate.reset();
-  c.optimizer.name = "sgd";
+  c.optimizer.name = train::OptimizerKind::Sgd;
   c.optimizer.lr = 0.05;
   c.optimizer.momentum = 0.9;
   c.optimizer.weight_decay = 0.0;
-  c.schedule.name = "constant";
+  c.schedule.name = train::LrSchedule::Constant;
   c.schedule.warmup_steps = 0;
   c.trainer.max_steps = 3;
   c.trainer.eval_every = 2;
   c.trainer.eval_batches = 2;
   c.trainer.log_every = 1;
-  c.trainer.progress = "none";
-  c.distributed.strategy = "single";
+  c.trainer.progress = train::ProgressMode::None;
+  c.distributed.strategy(strategy::StrategyKind::Single);
   return c;
 }
 
@@ -157,7 +157,7 @@ TEST(Trainer, EarlyStoppingStops) {
 }
 
 TEST(EarlyStoppingCallback, FollowsPatienceMinDeltaAndMode) {
-  train::EarlyStopping es("eval_loss", 2, 0.1, "min");
+  train::EarlyStopping es("eval_loss", 2, 0.1, train::MonitorMode::Min);
   train::TrainerState s;
   train::TrainerControl c;
   auto eval = [&](double v) {
@@ -173,8 +173,9 @@ TEST(EarlyStoppingCallback, FollowsPatienceMinDeltaAndMode) {
   eval(0.45);
   eval(0.44);
   EXPECT_TRUE(c.should_training_stop);
-  EXPECT_THROW(train::EarlyStopping("x", 1, 0, "sideways"), ConfigError);
-  train::EarlyStopping missing("accuracy", 1, 0, "max");
+  EXPECT_THROW(enum_from_name<train::MonitorMode>("sideways", "trainer.early_stopping.mode"),
+               ConfigError);
+  train::EarlyStopping missing("accuracy", 1, 0, train::MonitorMode::Max);
   train::Metrics m;
   m.set("eval_loss", 1.0);
   EXPECT_THROW(missing.on_evaluate(s, c, m), ConfigError);
@@ -186,16 +187,16 @@ TEST(Schedule, WarmupThenDecay) {
   c.schedule.min_lr = 0.1;
   c.schedule.warmup_steps = 4;
   c.trainer.max_steps = 14;
-  c.schedule.name = "cosine";
+  c.schedule.name = train::LrSchedule::Cosine;
   EXPECT_DOUBLE_EQ(train::scheduled_lr(c, 0), 0.25);
   EXPECT_DOUBLE_EQ(train::scheduled_lr(c, 3), 1.0);
   EXPECT_DOUBLE_EQ(train::scheduled_lr(c, 4), 1.0);
   EXPECT_NEAR(train::scheduled_lr(c, 9), 0.55, 1e-12);
   EXPECT_NEAR(train::scheduled_lr(c, 14), 0.1, 1e-12);
-  c.schedule.name = "linear";
+  c.schedule.name = train::LrSchedule::Linear;
   EXPECT_NEAR(train::scheduled_lr(c, 9), 0.55, 1e-12);
   EXPECT_NEAR(train::scheduled_lr(c, 14), 0.1, 1e-12);
-  c.schedule.name = "constant";
+  c.schedule.name = train::LrSchedule::Constant;
   EXPECT_DOUBLE_EQ(train::scheduled_lr(c, 13), 1.0);
 }
 
@@ -328,7 +329,7 @@ TEST(Trainer, UnevenPaddedMicroBatchesGiveTheBigBatchGradient) {
 
 TEST(Precision, Fp16MixedOnCpuIsAConfigErrorSuggestingBf16) {
   auto c = mlp_config("fp16");
-  c.precision = "fp16-mixed";
+  c.precision = precision::PrecisionKind::Fp16Mixed;
   try {
     train::Trainer trainer(c, train::make_task(c, 1), world_of_one());
     if (!torch::cuda::is_available()) FAIL() << "fp16-mixed was accepted without CUDA";
@@ -356,9 +357,9 @@ TEST(Precision, Bf16MixedTrainsLikeFp32) {
     c.schedule.warmup_steps = 5;
     c.trainer.max_steps = 40;
     c.trainer.eval_every = 0;
-    c.trainer.progress = "none";
-    c.distributed.strategy = "single";
-    c.precision = precision;
+    c.trainer.progress = train::ProgressMode::None;
+    c.distributed.strategy(strategy::StrategyKind::Single);
+    c.precision = enum_from_name<precision::PrecisionKind>(precision, "precision");
     std::vector<double> losses;
     train::Trainer trainer(c, train::make_task(c, 1), world_of_one());
     struct Losses : train::Callback {
@@ -396,7 +397,7 @@ TEST(TrainerCheckpoints, CadenceRetentionAndBest) {
   c.checkpoint.every_n_steps = 2;
   c.checkpoint.keep = 2;
   c.checkpoint.monitor = "eval_loss";
-  c.checkpoint.mode = "max";  // the worst loss is "best": the first evaluation, step 1
+  c.checkpoint.mode = train::MonitorMode::Max;  // the worst loss is "best": the first evaluation, step 1
   train::Trainer t(c, train::make_task(c, 1), world_of_one());
   t.fit();
   std::vector<int64_t> steps;
@@ -419,7 +420,7 @@ TEST(TrainerCheckpoints, EveryNMinutes) {
 
 TEST(TrainerCheckpoints, ResumeContinuesBitExactly) {
   auto c = mlp_config("exact");
-  c.optimizer.name = "adamw";
+  c.optimizer.name = train::OptimizerKind::AdamW;
   c.trainer.max_steps = 6;
   c.checkpoint.every_n_steps = 3;
   std::vector<double> whole, resumed;
@@ -548,8 +549,8 @@ TEST(TrainerExport, GptExportHasHuggingFaceLayout) {
   c.batch.accumulate.reset();
   c.trainer.max_steps = 1;
   c.trainer.eval_every = 0;
-  c.trainer.progress = "none";
-  c.distributed.strategy = "single";
+  c.trainer.progress = train::ProgressMode::None;
+  c.distributed.strategy(strategy::StrategyKind::Single);
   const auto check = [&](const std::string& dir, torch::nn::Module& trained) {
     const std::string file = checkpoint::exported_model_path(dir);
     EXPECT_EQ(checkpoint::SafetensorsFile(file).find("h.0.attn.c_attn.weight")->shape,

@@ -23,6 +23,9 @@ int train_main(int argc, char** argv);
 /// `shardtrain estimate [CONFIG] [--set k=v ...] [--nproc-per-node N] [--nnodes M]`.
 int estimate_main(int argc, char** argv);
 
+/// `shardtrain config [CONFIG] [--set k=v ...]`, `--docs FILE`, `--check-docs FILE`.
+int config_main(int argc, char** argv);
+
 /// `shardtrain generate --checkpoint PATH --prompt TEXT --max-new-tokens N`.
 int generate_main(int argc, char** argv);
 

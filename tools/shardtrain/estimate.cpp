@@ -120,7 +120,9 @@ std::string pad_right(const std::string& s, size_t w) {
 // estimate needs only its structure).
 std::shared_ptr<torch::nn::Module> build_model(const config::Config& config) {
   torch::manual_seed(config.run.seed);
-  if (config.model.type == "mlp") return std::make_shared<models::MLPImpl>(config.model.mlp_sizes);
+  if (config.model.type == train::ModelType::Mlp) {
+    return std::make_shared<models::MLPImpl>(config.model.mlp_sizes);
+  }
   const models::GPTConfig g = train::gpt_config(config.model);
   g.validate();
   // Building allocates the weights; refuse before that would exhaust memory.
@@ -154,40 +156,36 @@ int estimate_main(int argc, char** argv) {
 
   // ---- world ----
   const unsigned cpus = std::max(1u, std::thread::hardware_concurrency());
-  int nproc = args.nproc >= 0 ? args.nproc : static_cast<int>(dc.nproc_per_node);
+  int nproc = args.nproc >= 0 ? args.nproc : static_cast<int>(dc.nproc_per_node());
   const bool nproc_auto = nproc == 0;
   if (nproc_auto) nproc = static_cast<int>(cpus);
   int nnodes = args.nnodes;
-  if (dc.strategy == "single") nproc = nnodes = 1;
+  const bool single = dc.strategy() == strategy::StrategyKind::Single;
+  if (single) nproc = nnodes = 1;
   const int world = nproc * nnodes;
 
   // ---- model, units and the estimator's input (the same as strategy auto uses) ----
   auto model = build_model(config);
-  const auto options =
-      strategy::StrategyOptions()
-          .auto_wrap_policy(enum_from_name<strategy::AutoWrapPolicy>(dc.auto_wrap_policy,
-                                                                     "distributed.auto_wrap_policy"))
-          .wrap_module_types(dc.wrap_module_types)
-          .min_num_params(dc.min_num_params);
   const std::vector<strategy::UnitPlan> units =
-      strategy::plan_units(*model, strategy::policy_from_options(options));
+      strategy::plan_units(*model, strategy::policy_from_options(dc));
   strategy::EstimateInput in = train::estimate_input(config, *model, world, nproc);
   const int64_t psi = in.num_params;
   const bool mixed = in.mixed_precision;
-  const bool half_params = dc.param_dtype == "bf16" || dc.param_dtype == "fp16";
-  const int act_bytes = half_params || config.precision != "fp32" ? 2 : 4;
+  const bool half_params =
+      dc.param_dtype() == strategy::DType::Bf16 || dc.param_dtype() == strategy::DType::Fp16;
+  const int act_bytes = half_params || config.precision != precision::PrecisionKind::Fp32 ? 2 : 4;
   const int64_t micro = config.batch.micro ? *config.batch.micro : config.resolve_batch(world).micro;
   const auto rows = strategy::estimate_all(in);
   in.mixed_precision = !mixed;
   const auto other = strategy::estimate_all(in);  // the other state column
   in.mixed_precision = mixed;
 
-  const bool budget_auto = dc.memory_budget_mb <= 0.0;
+  const bool budget_auto = dc.memory_budget_mb() <= 0.0;
   const double budget = budget_auto ? strategy::default_memory_budget_bytes(nproc)
-                                    : dc.memory_budget_mb * 1024.0 * 1024.0;
+                                    : dc.memory_budget_mb() * 1024.0 * 1024.0;
 
   // ---- header ----
-  if (config.model.type == "gpt") {
+  if (config.model.type == train::ModelType::Gpt) {
     const auto& m = config.model;
     std::printf("model: gpt, %lld layers, %lld heads, n_embd %lld, context %lld, vocab %lld\n",
                 (long long)m.n_layer, (long long)m.n_head, (long long)m.n_embd,
@@ -198,9 +196,13 @@ int estimate_main(int argc, char** argv) {
     std::printf("model: mlp [%s]\n", join(widths, ", ").c_str());
   }
   std::printf("parameters (Ψ): %s trainable\n", grouped(psi).c_str());
-  std::string policy = dc.auto_wrap_policy;
-  if (policy == "module_type") policy += " [" + join(dc.wrap_module_types, ", ") + "]";
-  if (policy == "size") policy += " (min_num_params " + grouped(dc.min_num_params) + ")";
+  std::string policy = enum_name(dc.auto_wrap_policy());
+  if (dc.auto_wrap_policy() == strategy::AutoWrapPolicy::ModuleType) {
+    policy += " [" + join(dc.wrap_module_types(), ", ") + "]";
+  }
+  if (dc.auto_wrap_policy() == strategy::AutoWrapPolicy::Size) {
+    policy += " (min_num_params " + grouped(dc.min_num_params()) + ")";
+  }
   std::printf("fsdp units (auto_wrap_policy %s): %zu\n", policy.c_str(), units.size());
   size_t name_w = 6;
   for (const auto& u : units) name_w = std::max(name_w, width(u.name));
@@ -218,17 +220,18 @@ int estimate_main(int argc, char** argv) {
     print_unit(units[i]);
   }
   std::printf("world: %d rank(s) = %d node(s) x %d per node%s\n", world, nnodes, nproc,
-              dc.strategy == "single" ? " (strategy single)"
+              single                   ? " (strategy single)"
               : nproc_auto             ? " (nproc_per_node auto: online CPUs)"
                                        : "");
   std::printf("precision %s, param_dtype %s: %s formulas; activations for micro-batch %lld "
               "in %d-byte elements%s\n",
-              config.precision.c_str(), dc.param_dtype.c_str(), mixed ? "mixed-precision" : "fp32",
+              enum_name(config.precision), enum_name(dc.param_dtype()),
+              mixed ? "mixed-precision" : "fp32",
               (long long)micro, act_bytes,
-              config.model.type == "gpt" && config.model.activation_checkpointing
+              config.model.type == train::ModelType::Gpt && config.model.activation_checkpointing
                   ? ", activation checkpointing on"
                   : "");
-  if (config.precision == "bf16-true") {
+  if (config.precision == precision::PrecisionKind::Bf16True) {
     std::printf("note: bf16-true keeps weights, gradients and Adam state in bf16; its model state "
                 "is about half the fp32 column\n");
   }
@@ -245,9 +248,10 @@ int estimate_main(int argc, char** argv) {
   } catch (const ConfigError& e) {
     failure = e.what();
   }
-  std::string configured = dc.strategy;
-  if (configured == "fsdp") configured += "/" + dc.sharding;
-  if (configured == "auto") configured = chosen;
+  // The configured strategy as the estimator names it ("fsdp/<sharding>").
+  std::string configured = enum_name(dc.strategy());
+  if (dc.strategy() == strategy::StrategyKind::Fsdp) configured += "/" + std::string(enum_name(dc.sharding()));
+  if (dc.strategy() == strategy::StrategyKind::Auto) configured = chosen;
 
   const std::vector<std::string> head = {"strategy",   "state mixed", "state fp32",  "gathered",
                                          "activations", "total",      "comm/step", "fits"};
@@ -258,7 +262,9 @@ int estimate_main(int argc, char** argv) {
     const double state_fp32 = mixed ? other[i].model_state_bytes : r.model_state_bytes;
     const bool gathers = r.strategy == "fsdp/full_shard" || r.strategy == "fsdp/hybrid_shard";
     std::string mark;
-    if (r.strategy == configured) mark = dc.strategy == "auto" ? "  <- auto" : "  <- config";
+    if (r.strategy == configured) {
+      mark = dc.strategy() == strategy::StrategyKind::Auto ? "  <- auto" : "  <- config";
+    }
     cells.push_back({r.strategy, bytes(state_mixed), bytes(state_fp32),
                      gathers ? bytes(r.gathered_bytes) : "-", bytes(r.activation_bytes),
                      bytes(r.total_bytes), fmt("%.2f Ψ", r.comm_volume),
@@ -282,7 +288,7 @@ int estimate_main(int argc, char** argv) {
   for (const auto& row : cells) print_row(row);
   std::printf("\n");
 
-  if (dc.accumulation == "unsharded") {
+  if (dc.accumulation() == strategy::Accumulation::Unsharded) {
     std::printf("note: accumulation unsharded keeps whole gradients across micro-steps under "
                 "fsdp shard_grad_op, full_shard and hybrid_shard: +%s per rank, not in the "
                 "table\n",

@@ -47,8 +47,8 @@ config::Config checkpoint_config(ck::CheckpointReader& reader) {
 }
 
 std::shared_ptr<models::GPTImpl> build_gpt(const config::Config& config, const std::string& from) {
-  ST_CHECK(config.model.type == "gpt", ConfigError, "the model at '", from, "' is a '",
-           config.model.type, "' model; generate needs a gpt");
+  ST_CHECK(config.model.type == train::ModelType::Gpt, ConfigError, "the model at '", from,
+           "' is a '", enum_name(config.model.type), "' model; generate needs a gpt");
   return std::make_shared<models::GPTImpl>(train::gpt_config(config.model));
 }
 

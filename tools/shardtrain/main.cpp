@@ -20,6 +20,7 @@ const Command kCommands[] = {
     {"launch", shardtrain::cli::launch_main, "start the ranks of a job on this node"},
     {"train", shardtrain::cli::train_main, "train the model a YAML config describes"},
     {"estimate", shardtrain::cli::estimate_main, "memory and communication of each strategy"},
+    {"config", shardtrain::cli::config_main, "print a checked config with every key; update docs"},
     {"generate", shardtrain::cli::generate_main, "sample text from a trained GPT"},
     {"checkpoint", shardtrain::cli::checkpoint_main, "inspect or export a sharded checkpoint"},
     {"bench-comm", shardtrain::cli::bench_comm_main, "measure a collective's bandwidth"},

@@ -111,14 +111,14 @@ int train_main(int argc, char** argv) {
   const config::Config config = config::Config::load(args.config, args.overrides);
   const dist::ClusterEnv env = dist::ClusterEnv::detect();
   if (env.source == dist::EnvSource::Standalone) {
-    int nproc = args.nproc >= 0 ? args.nproc : static_cast<int>(config.distributed.nproc_per_node);
+    int nproc = args.nproc >= 0 ? args.nproc : static_cast<int>(config.distributed.nproc_per_node());
     if (nproc == 0) nproc = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    if (config.distributed.strategy == "single") nproc = 1;
+    if (config.distributed.strategy() == strategy::StrategyKind::Single) nproc = 1;
     if (nproc > 1) return relaunch(args, nproc);
   }
 
   auto comm = comm::Communicator::create(comm::CommOptions::from_env());
-  ST_CHECK(config.distributed.strategy != "single" || comm->size() == 1, ConfigError,
+  ST_CHECK(config.distributed.strategy() != strategy::StrategyKind::Single || comm->size() == 1, ConfigError,
            "distributed.strategy 'single' runs one process, but WORLD_SIZE is ", comm->size(),
            "; use ddp or start one rank");
   train::Trainer trainer(config, train::make_task(config, comm->size()), comm);
@@ -126,7 +126,7 @@ int train_main(int argc, char** argv) {
     const auto plan = trainer.batch();
     std::printf("%s | %d rank(s) x %d thread(s) | strategy %s | batch %lld = %lld micro x %lld accumulate x %d ranks\n",
                 env.describe().c_str(), comm->size(), at::get_num_threads(),
-                config.distributed.strategy.c_str(), (long long)plan.global, (long long)plan.micro,
+                enum_name(config.distributed.strategy()), (long long)plan.global, (long long)plan.micro,
                 (long long)plan.accumulate, comm->size());
     if (comm->size() > 1) std::printf("network: %s\n", comm->endpoint().c_str());
     std::fflush(stdout);
@@ -145,7 +145,7 @@ int train_main(int argc, char** argv) {
   if (comm->rank() == 0) {
     // From the exported model: under a sharded strategy no rank holds the
     // whole model, and sampling on rank 0 alone must not communicate.
-    if (config.model.type == "gpt" && config.trainer.sample_tokens > 0) {
+    if (config.model.type == train::ModelType::Gpt && config.trainer.sample_tokens > 0) {
       auto gpt = load_gpt(checkpoint::exported_model_path(state.run_dir));
       std::printf("sample:\n%s\n", sample_text(*gpt, "\n", config.trainer.sample_tokens,
                                                 config.run.seed).c_str());

@@ -30,6 +30,9 @@
 #include <string>
 #include <vector>
 
+#include "shardtrain/core/enum_names.h"
+#include "shardtrain/core/options.h"
+
 namespace at {
 class Tensor;
 }
@@ -42,18 +45,24 @@ class Communicator;
 
 namespace shardtrain::precision {
 
-/// Dynamic loss scaling, with DeepSpeed's semantics and defaults.
+/// How forward and backward compute (the table at the top of this file).
+enum class PrecisionKind { Fp32, Bf16Mixed, Fp16Mixed, Bf16True };
+ST_ENUM_NAMES(PrecisionKind, {PrecisionKind::Fp32, "fp32"}, {PrecisionKind::Bf16Mixed, "bf16-mixed"},
+              {PrecisionKind::Fp16Mixed, "fp16-mixed"}, {PrecisionKind::Bf16True, "bf16-true"});
+
+/// Dynamic loss scaling, with DeepSpeed's semantics and defaults. This struct
+/// is also the `loss_scaler` section of the YAML config (docs/config.md).
 struct LossScalerOptions {
   /// The first scale is 2^initial_scale_power.
-  int initial_scale_power = 16;
+  ST_ARG(int, initial_scale_power) = 16;
   /// The scale doubles after this many consecutive steps without overflow.
-  int64_t loss_scale_window = 1000;
+  ST_ARG(int64_t, loss_scale_window) = 1000;
   /// Overflows tolerated before the scale backs off; refilled by a clean step.
-  int hysteresis = 2;
-  double min_loss_scale = 1.0;
+  ST_ARG(int, hysteresis) = 2;
+  ST_ARG(double, min_loss_scale) = 1.0;
   /// Consecutive skipped steps at the minimum scale before training fails
   /// with an Error (0: never). Every such skip warns.
-  int64_t max_skips_at_min = 50;
+  ST_ARG(int64_t, max_skips_at_min) = 50;
 };
 
 /// The scaler's state, part of the training state (checkpoints).
@@ -112,9 +121,12 @@ class Precision {
  public:
   virtual ~Precision() = default;
 
-  /// "fp32", "bf16-mixed", "fp16-mixed" or "bf16-true". ConfigError for an
-  /// unknown name, and for fp16-mixed when `cuda_available` is false (with a
-  /// hint to use bf16-mixed).
+  /// The plugin for `kind`. ConfigError for fp16-mixed when `cuda_available`
+  /// is false (with a hint to use bf16-mixed).
+  static std::unique_ptr<Precision> create(PrecisionKind kind, const LossScalerOptions& scaler = {},
+                                           bool cuda_available = false);
+  /// The same by name ("fp32", "bf16-mixed", "fp16-mixed" or "bf16-true");
+  /// ConfigError naming the four for any other name.
   static std::unique_ptr<Precision> create(const std::string& name,
                                            const LossScalerOptions& scaler = {},
                                            bool cuda_available = false);

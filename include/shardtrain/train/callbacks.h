@@ -10,6 +10,7 @@
 #include <string>
 
 #include "shardtrain/train/callback.h"
+#include "shardtrain/train/choices.h"
 
 namespace shardtrain::train {
 
@@ -17,8 +18,7 @@ namespace shardtrain::train {
 /// stdout is a terminal, plain lines otherwise (logs, the launcher's pipes).
 class ProgressCallback : public Callback {
  public:
-  /// mode: "auto", "bar", "plain" or "none".
-  explicit ProgressCallback(std::string mode = "auto", FILE* out = stdout);
+  explicit ProgressCallback(ProgressMode mode = ProgressMode::Auto, FILE* out = stdout);
   void on_train_begin(TrainerState&, TrainerControl&) override;
   void on_log(TrainerState&, TrainerControl&, const Metrics& logs) override;
   void on_evaluate(TrainerState&, TrainerControl&, const Metrics& metrics) override;
@@ -56,8 +56,8 @@ class LearningRateMonitor : public Callback {
 /// has not improved by more than min_delta for `patience` evaluations.
 class EarlyStopping : public Callback {
  public:
-  /// mode "min" (lower is better) or "max".
-  EarlyStopping(std::string monitor, int64_t patience, double min_delta, std::string mode);
+  /// mode Min: lower is better; Max: higher is better.
+  EarlyStopping(std::string monitor, int64_t patience, double min_delta, MonitorMode mode);
   void on_evaluate(TrainerState&, TrainerControl&, const Metrics& metrics) override;
   int64_t wait_count() const { return wait_; }
   double best() const { return best_; }

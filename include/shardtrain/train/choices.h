@@ -1,0 +1,36 @@
+// The closed sets of values the trainer chooses between, each with its one
+// name table (core/enum_names.h). The names are the YAML config's values
+// (docs/config.md); the strategy's own choices are in strategy/options.h and
+// the precision's in precision/precision.h.
+#pragma once
+
+#include "shardtrain/core/enum_names.h"
+
+namespace shardtrain::train {
+
+/// The built-in model make_task() builds (models/gpt.h, models/mlp.h).
+enum class ModelType { Gpt, Mlp };
+ST_ENUM_NAMES(ModelType, {ModelType::Gpt, "gpt"}, {ModelType::Mlp, "mlp"});
+
+/// The optimizer built over the strategy's parameter shards.
+enum class OptimizerKind { AdamW, Sgd };
+ST_ENUM_NAMES(OptimizerKind, {OptimizerKind::AdamW, "adamw"}, {OptimizerKind::Sgd, "sgd"});
+
+/// The learning rate's shape after the linear warmup: flat at lr, or
+/// decaying from lr to min_lr at the last step.
+enum class LrSchedule { Constant, Linear, Cosine };
+ST_ENUM_NAMES(LrSchedule, {LrSchedule::Constant, "constant"}, {LrSchedule::Linear, "linear"},
+              {LrSchedule::Cosine, "cosine"});
+
+/// How rank 0 shows progress (ProgressCallback): Auto is a bar on a
+/// terminal and plain lines otherwise.
+enum class ProgressMode { Auto, Bar, Plain, None };
+ST_ENUM_NAMES(ProgressMode, {ProgressMode::Auto, "auto"}, {ProgressMode::Bar, "bar"},
+              {ProgressMode::Plain, "plain"}, {ProgressMode::None, "none"});
+
+/// Whether a lower or a higher value of a monitored metric is better
+/// (early stopping, the best checkpoint).
+enum class MonitorMode { Min, Max };
+ST_ENUM_NAMES(MonitorMode, {MonitorMode::Min, "min"}, {MonitorMode::Max, "max"});
+
+}  // namespace shardtrain::train

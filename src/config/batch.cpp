@@ -1,0 +1,118 @@
+// Batch arithmetic: global = micro × accumulate × world_size. Loading refuses
+// what no world size can fix; resolve_batch() derives the missing number once
+// the world size is known, and shows the arithmetic when the three disagree.
+#include "key_table.h"
+
+namespace shardtrain::config {
+namespace detail {
+
+using shardtrain::detail::str_cat;
+
+namespace {
+
+bool checked_mul(int64_t a, int64_t b, int64_t& out) { return !__builtin_mul_overflow(a, b, &out); }
+
+}  // namespace
+
+std::string batch_text(const BatchConfig& b) {
+  const auto one = [](const std::optional<int64_t>& v) { return format_value(v); };
+  return str_cat("{global: ", one(b.global), ", micro: ", one(b.micro),
+                 ", accumulate: ", one(b.accumulate), "}");
+}
+
+void check_batch(const Source& s, const BatchConfig& b) {
+  const int given = (b.global ? 1 : 0) + (b.micro ? 1 : 0) + (b.accumulate ? 1 : 0);
+  s.require(given >= 2, "batch", batch_text(b),
+            "at least two of batch.global, batch.micro, batch.accumulate "
+            "(global = micro × accumulate × world_size derives the third)");
+  // What no world size can fix is an error now; the rest waits for resolve_batch().
+  if (b.global && b.micro && b.accumulate) {
+    int64_t unit = 0;
+    const bool fits = checked_mul(*b.micro, *b.accumulate, unit);
+    s.require(fits && *b.global % unit == 0, "batch.global", std::to_string(*b.global),
+              str_cat("a multiple of batch.micro × batch.accumulate = ", *b.micro, " × ",
+                      *b.accumulate, " = ", unit,
+                      " for any world size; or set one of the three to null to derive it"),
+              {"batch.micro", "batch.accumulate"});
+  } else if (b.global && (b.micro || b.accumulate)) {
+    const char* name = b.micro ? "batch.micro" : "batch.accumulate";
+    const int64_t other = b.micro ? *b.micro : *b.accumulate;
+    s.require(*b.global % other == 0, "batch.global", std::to_string(*b.global),
+              str_cat("a multiple of ", name, "=", other), {name});
+  }
+}
+
+}  // namespace detail
+
+BatchPlan Config::resolve_batch(int world_size) const {
+  using detail::checked_mul;
+  using shardtrain::detail::str_cat;
+  if (world_size < 1) {
+    throw ConfigError(str_cat("batch: world_size ", world_size,
+                              " is not a number of ranks; it must be >= 1"));
+  }
+  const BatchConfig& b = batch;
+  const auto check_positive = [&](const char* name, const std::optional<int64_t>& v) {
+    if (v && *v < 1) {
+      throw ConfigError(str_cat("batch.", name, ": got ", *v, ", expected an integer >= 1 or null; ",
+                                detail::kDocsHint));
+    }
+  };
+  check_positive("global", b.global);
+  check_positive("micro", b.micro);
+  check_positive("accumulate", b.accumulate);
+  const int64_t world = world_size;
+
+  if (b.global && b.micro && b.accumulate) {
+    int64_t per_world = 0;
+    int64_t product = 0;
+    const bool fits = checked_mul(*b.micro, *b.accumulate, per_world) &&
+                      checked_mul(per_world, world, product);
+    if (!fits || product != *b.global) {
+      throw ConfigError(str_cat(
+          "batch: batch.micro × batch.accumulate × world_size = ", *b.micro, " × ", *b.accumulate,
+          " × ", world, " = ", fits ? std::to_string(product) : std::string("(overflow)"),
+          " ≠ batch.global=", *b.global,
+          "; give only two of the three (set one to null) and the third is derived"));
+    }
+    return {*b.global, *b.micro, *b.accumulate};
+  }
+  if (b.global && b.micro) {
+    int64_t unit = 0;
+    if (!checked_mul(*b.micro, world, unit) || *b.global % unit != 0) {
+      throw ConfigError(str_cat(
+          "batch: batch.global=", *b.global, " is not divisible by batch.micro=", *b.micro,
+          " × world_size=", world, " = ", unit, "; make batch.global a multiple of ", unit,
+          " or change batch.micro"));
+    }
+    return {*b.global, *b.micro, *b.global / unit};
+  }
+  if (b.global && b.accumulate) {
+    int64_t unit = 0;
+    if (!checked_mul(*b.accumulate, world, unit) || *b.global % unit != 0) {
+      throw ConfigError(str_cat(
+          "batch: batch.global=", *b.global, " is not divisible by batch.accumulate=",
+          *b.accumulate, " × world_size=", world, " = ", unit,
+          "; make batch.global a multiple of ", unit, " or change batch.accumulate"));
+    }
+    return {*b.global, *b.global / unit, *b.accumulate};
+  }
+  if (b.micro && b.accumulate) {
+    int64_t per_world = 0;
+    int64_t global = 0;
+    if (!checked_mul(*b.micro, *b.accumulate, per_world) ||
+        !checked_mul(per_world, world, global)) {
+      throw ConfigError(str_cat("batch: batch.micro × batch.accumulate × world_size = ", *b.micro,
+                                " × ", *b.accumulate, " × ", world,
+                                " overflows; use smaller batch numbers"));
+    }
+    return {global, *b.micro, *b.accumulate};
+  }
+  throw ConfigError(str_cat("batch: got ", detail::batch_text(b),
+                            ", expected at least two of batch.global, batch.micro and "
+                            "batch.accumulate (global = micro × accumulate × world_size "
+                            "derives the third); ",
+                            detail::kDocsHint));
+}
+
+}  // namespace shardtrain::config

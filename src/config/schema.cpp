@@ -1,0 +1,286 @@
+// The key table: every config key, declared once. Its name and accessor, its
+// check and its one-line doc are here; its type and default are in the
+// section's struct (config/config.h). The order is to_yaml()'s and the docs'.
+//
+// A key's own range is its Rule; conditions between keys are in
+// check_relations() below, and the docs' Allowed column mentions them.
+#include "key_table.h"
+
+namespace shardtrain::config::detail {
+
+using shardtrain::detail::str_cat;
+
+namespace {
+
+using strategy::DType;
+
+void declare_run_model_data(std::vector<Key>& keys) {
+  section(keys, "run", [](auto& c) -> auto& { return c.run; })
+      .key(ST_FIELD(dir), non_empty("a directory path"), "Directory for checkpoints and logs.")
+      .key(ST_FIELD(seed), any("0 … 2^64−1"), "Seed for weights, data order and sampling.");
+
+  section(keys, "model", [](auto& c) -> auto& { return c.model; })
+      .key(ST_FIELD(type), "Which model to build.")
+      .key(ST_FIELD(n_layer), at_least(1), "GPT: transformer blocks.")
+      .key(ST_FIELD(n_head), at_least(1), "GPT: attention heads per block.")
+      .key(ST_FIELD(n_embd), at_least(1).allowing("≥ 1, a multiple of `n_head`"),
+           "GPT: embedding width.")
+      .key(ST_FIELD(block_size), at_least(1), "GPT: context length in tokens.")
+      .key(ST_FIELD(vocab_size), at_least(1), "GPT: vocabulary size (256: bytes of a text file).")
+      .key(ST_FIELD(activation_checkpointing),
+           "GPT: recompute block activations in backward to save memory.")
+      .key(ST_FIELD(mlp_sizes),
+           rule([](const std::vector<int64_t>& v) {
+                  return v.size() >= 2 &&
+                         std::all_of(v.begin(), v.end(), [](int64_t w) { return w >= 1; });
+                },
+                "a list of at least two layer widths [in, hidden..., out], each an integer >= 1",
+                "≥ 2 entries, each ≥ 1"),
+           "MLP: layer widths `[in, hidden..., out]`.")
+      .key(ST_FIELD(init_from), any("a safetensors file"),
+           "Initialise the weights from this file before training (fine-tuning). Names are "
+           "Hugging Face GPT-2's (those `shardtrain checkpoint consolidate` writes); Conv1D weights "
+           "are transposed on import, and HF's `attn.bias` mask buffers are skipped. A missing, "
+           "extra or mis-shaped tensor is a `CheckpointError` listing them.");
+
+  section(keys, "data", [](auto& c) -> auto& { return c.data; })
+      .key(ST_FIELD(train), non_empty("a path to a text or token file"),
+           "A UTF-8 text file or an llm.c token file; relative to the working directory.")
+      .key(ST_FIELD(val_fraction), fraction("a number in [0, 1); 0 disables evaluation data"),
+           "The last fraction of the tokens, held out for evaluation; 0: none.")
+      .key(ST_FIELD(shuffle), "Shuffle the training samples each epoch.");
+
+  section(keys, "batch", [](auto& c) -> auto& { return c.batch; })
+      .key(ST_FIELD(global), at_least_or_null(1), "Samples per optimizer step, over all ranks.")
+      .key(ST_FIELD(micro), at_least_or_null(1), "Samples per forward/backward on one rank.")
+      .key(ST_FIELD(accumulate), at_least_or_null(1),
+           "Micro-batches accumulated per optimizer step.");
+}
+
+void declare_optimization(std::vector<Key>& keys) {
+  section(keys, "optimizer", [](auto& c) -> auto& { return c.optimizer; })
+      .key(ST_FIELD(name), "The optimizer.")
+      .key(ST_FIELD(lr), above(0.0, "a number > 0, e.g. 3e-4"), "Peak learning rate (after warmup).")
+      .key(ST_FIELD(weight_decay), not_below(0.0, "a number >= 0"),
+           "Decoupled weight decay (adamw) / L2 (sgd).")
+      .key(ST_FIELD(betas),
+           rule([](const std::vector<double>& v) {
+                  return v.size() == 2 && std::all_of(v.begin(), v.end(), [](double b) {
+                           return b >= 0.0 && b < 1.0;
+                         });
+                },
+                "a list of two numbers in [0, 1), e.g. [0.9, 0.95]", "2 entries, each in [0, 1)"),
+           "adamw: moment decay rates.")
+      .key(ST_FIELD(eps), above(0.0, "a number > 0, e.g. 1e-8"), "adamw: denominator epsilon.")
+      .key(ST_FIELD(momentum), fraction("a number in [0, 1)"), "sgd: momentum.");
+
+  section(keys, "schedule", [](auto& c) -> auto& { return c.schedule; })
+      .key(ST_FIELD(name),
+           "Learning-rate shape after warmup: flat at `lr`, or decaying from `lr` to `min_lr` at "
+           "`trainer.max_steps`.")
+      .key(ST_FIELD(warmup_steps), at_least(0), "Steps of linear warmup from 0 to `lr`.")
+      .key(ST_FIELD(min_lr),
+           not_below(0.0, "a number >= 0")
+               .allowing("≥ 0; ≤ `optimizer.lr` for `linear` and `cosine`"),
+           "The learning rate at the last step.");
+
+  section(keys, "trainer", [](auto& c) -> auto& { return c.trainer; })
+      .key(ST_FIELD(max_steps), at_least(1), "Optimizer steps to run.")
+      .key(ST_FIELD(eval_every), at_least(0), "Evaluate every N steps and at the end; 0: never.")
+      .key(ST_FIELD(eval_batches), at_least(1), "Micro-batches per evaluation.")
+      .key(ST_FIELD(log_every), at_least(1), "Log a training line every N steps.")
+      .key(ST_FIELD(max_grad_norm), not_below(0.0, "a number >= 0; 0 disables clipping"),
+           "Clip the global gradient norm to this; 0: no clipping.")
+      .key(ST_FIELD(progress), "`auto`: a bar on a terminal, plain lines otherwise.")
+      .key(ST_FIELD(sample_tokens), at_least(0),
+           "Tokens sampled at the end of `shardtrain train`; 0: none.");
+
+  section(keys, "trainer.early_stopping",
+          [](auto& c) -> auto& { return c.trainer.early_stopping; })
+      .key(ST_FIELD(enabled), any("needs `trainer.eval_every` > 0 and `data.val_fraction` > 0"),
+           "Stop when the monitored metric stops improving.")
+      .key(ST_FIELD(monitor), non_empty("a metric name from the evaluation lines, e.g. eval_loss"),
+           "A metric name from the evaluation lines.")
+      .key(ST_FIELD(patience), at_least(1), "Evaluations without improvement before stopping.")
+      .key(ST_FIELD(min_delta), not_below(0.0, "a number >= 0"),
+           "Smallest change that counts as an improvement.")
+      .key(ST_FIELD(mode), "Whether lower or higher is better.");
+}
+
+void declare_distributed(std::vector<Key>& keys) {
+  // The fsdp keys are checked whatever the strategy, so a file stays valid
+  // when the strategy is switched.
+  section(keys, "distributed", [](auto& c) -> auto& { return c.distributed; })
+      .key(ST_OPTION(strategy), "How ranks share the work; see below.")
+      .auto_count(ST_OPTION(nproc_per_node),
+                  "Ranks on this node; `auto`: the number of online CPUs (0 in the struct). With "
+                  "`single`: `auto` or 1.")
+      .key(ST_OPTION(bucket_cap_mb), above(0.0, "a number of MiB > 0"),
+           "ddp: gradient bucket size in MiB.")
+      .key(ST_OPTION(first_bucket_mb), above(0.0, "a number of MiB > 0"),
+           "ddp: size of the first bucket in MiB, small so communication starts early.")
+      .key(ST_OPTION(find_unused_parameters),
+           "`true`: parameters without a gradient in a step are reduced as zeros; `false`: such a "
+           "parameter is an error that names it.")
+      .key(ST_OPTION(threads_per_rank), at_least(0),
+           "Intra-op threads per rank; 0: cores / local ranks.")
+      .key(ST_OPTION(reduce_dtype), one_of({DType::Fp32, DType::Bf16, DType::Fp16}),
+           "dtype gradients are reduced in; bf16/fp16 halve the bytes moved and round once per "
+           "ring hop. See [dtypes](#param_dtype-and-reduce_dtype-under-each-precision).")
+      .key(ST_OPTION(param_dtype),
+           "zero1, fsdp: dtype of the gathered (compute) copy of the parameters; `auto`: each "
+           "parameter's own dtype. The sharded master copy keeps the parameter's own dtype. See "
+           "[dtypes](#param_dtype-and-reduce_dtype-under-each-precision).")
+      .key(ST_OPTION(sharding), "fsdp only: what is sharded; see below.")
+      .key(ST_OPTION(auto_wrap_policy),
+           "fsdp: which submodules become units (gathered and freed as a whole). `module_type`: "
+           "modules whose type name ends with one of `wrap_module_types`; `size`: modules with "
+           "children whose not-yet-wrapped parameters number at least `min_num_params` (children "
+           "are considered before parents); `none`: one unit, the whole model. Parameters no unit "
+           "claims belong to the root unit.")
+      .key(ST_OPTION(wrap_module_types),
+           rule([](const std::vector<std::string>& v) {
+                  return std::none_of(v.begin(), v.end(),
+                                      [](const std::string& t) { return t.empty(); });
+                },
+                "non-empty module type names (or their suffixes), e.g. [BlockImpl]",
+                "non-empty names; at least one with `module_type`"),
+           "fsdp, `module_type`: class names without namespaces, compared with `Module::name()` "
+           "(e.g. `BlockImpl` matches `shardtrain::models::BlockImpl`, not `MLPBlockImpl`).")
+      .key(ST_OPTION(min_num_params), at_least(1),
+           "fsdp, `size`: parameters a module needs to become a unit.")
+      .key(ST_OPTION(backward_prefetch),
+           "fsdp: when to gather the next unit in backward: before computing the current unit's "
+           "gradients (`backward_pre`, more overlap, one more unit in memory), after them "
+           "(`backward_post`), or not ahead of time (`none`).")
+      .key(ST_OPTION(forward_prefetch),
+           "fsdp: gather the next unit while the current unit's forward runs.")
+      .key(ST_OPTION(limit_all_gathers), at_least(1),
+           "fsdp: unit all-gathers in flight at most, prefetches included; bounds the gathered "
+           "memory.")
+      .key(ST_OPTION(accumulation),
+           "fsdp `full_shard`, `shard_grad_op`, `hybrid_shard`: how gradients are accumulated over "
+           "the micro-steps of `batch.accumulate`; see below.")
+      .key(ST_OPTION(memory_budget_mb),
+           not_below(0.0, "a number of MiB >= 0; 0: MemAvailable divided by the local ranks"),
+           "Memory one rank may use, in MiB, for `strategy: auto` and `shardtrain estimate`; 0: "
+           "this machine's MemAvailable (`/proc/meminfo`) divided by the local ranks.");
+}
+
+void declare_checkpoint_precision(std::vector<Key>& keys) {
+  section(keys, "checkpoint", [](auto& c) -> auto& { return c.checkpoint; })
+      .key(ST_FIELD(every_n_steps), at_least(0),
+           "Save every this many optimizer steps; 0: only at the end of training (and on a "
+           "signal).")
+      .key(ST_FIELD(every_n_minutes),
+           not_below(0.0, "a number of minutes >= 0; 0 turns time-based saving off"),
+           "Also save once this many minutes passed since the last save (any rank's clock); 0: off.")
+      .key(ST_FIELD(keep), at_least(0),
+           "Complete checkpoints kept: the newest `keep` (plus the best); torn ones are removed "
+           "too. 0 keeps all.")
+      .key(ST_FIELD(monitor), any("a metric of the evaluation lines, e.g. `eval_loss`"),
+           "Keep the checkpoint of the best evaluation as well; a new best saves at once. `\"\"`: "
+           "no best.")
+      .key(ST_FIELD(mode), "Which value of `monitor` is best.")
+      .key(ST_FIELD(resume), any("`\"\"`, `auto`, a checkpoint directory"),
+           "`auto`: continue from the newest complete checkpoint of `run.dir`, or start fresh if "
+           "there is none. A path: continue from that checkpoint (written at any world size, by "
+           "any strategy). At the same world size and strategy the continuation is bit-exact in "
+           "fp32.")
+      .key(ST_FIELD(save_on_signal),
+           "On SIGTERM or SIGINT: finish the step, save, exit with 128 + the signal. `shardtrain "
+           "train` gives its ranks 300 s for that before SIGKILL; under your own `shardtrain "
+           "launch`, pass `--stop-grace` long enough for a step and a save.");
+
+  // fp16-mixed is a known name; whether this machine can run it (CUDA) is
+  // decided when the precision plugin is created.
+  section(keys, "", [](auto& c) -> auto& { return c; })
+      .key(ST_FIELD(precision), "How forward and backward compute.");
+
+  section(keys, "loss_scaler", [](auto& c) -> auto& { return c.loss_scaler; })
+      .key(ST_OPTION(initial_scale_power),
+           in_range(0, 64, "an integer in 0..64 (the first scale is 2^power)"),
+           "The first scale is 2^power.")
+      .key(ST_OPTION(loss_scale_window), at_least(1),
+           "Clean steps since the last overflow before the scale doubles.")
+      .key(ST_OPTION(hysteresis), at_least(1),
+           "Overflows tolerated before the scale halves; a clean step refills it.")
+      .key(ST_OPTION(min_loss_scale), above(0.0, "a number > 0"),
+           "The scale never goes below this.")
+      .key(ST_OPTION(max_skips_at_min), at_least(0),
+           "Consecutive skipped steps at the minimum scale before training fails (each warns); 0: "
+           "never fail.");
+}
+
+}  // namespace
+
+const std::vector<Key>& keys() {
+  static const std::vector<Key> table = [] {
+    std::vector<Key> k;
+    declare_run_model_data(k);
+    declare_optimization(k);
+    declare_distributed(k);
+    declare_checkpoint_precision(k);
+    return k;
+  }();
+  return table;
+}
+
+const Key* find_key(const std::string& path) {
+  for (const Key& k : keys()) {
+    if (k.path == path) return &k;
+  }
+  return nullptr;
+}
+
+void check_relations(const Source& s, const Config& c) {
+  const ModelConfig& m = c.model;
+  s.require(m.n_embd % m.n_head == 0, "model.n_embd", std::to_string(m.n_embd),
+            str_cat("a multiple of model.n_head=", m.n_head,
+                    " (each head gets n_embd / n_head channels)"),
+            {"model.n_head"});
+
+  check_batch(s, c.batch);
+
+  const ScheduleConfig& sc = c.schedule;
+  if (sc.name != train::LrSchedule::Constant) {
+    s.require(sc.min_lr <= c.optimizer.lr, "schedule.min_lr", format_double(sc.min_lr),
+              str_cat("a number <= optimizer.lr=", format_double(c.optimizer.lr), " (the ",
+                      enum_name(sc.name), " schedule decays from lr down to min_lr)"),
+              {"optimizer.lr", "schedule.name"});
+  }
+
+  if (c.trainer.early_stopping.enabled) {
+    s.require(c.trainer.eval_every > 0, "trainer.early_stopping.enabled", "true",
+              "false while trainer.eval_every=0: early stopping needs evaluations; set "
+              "trainer.eval_every > 0",
+              {"trainer.eval_every"});
+    s.require(c.data.val_fraction > 0.0, "trainer.early_stopping.enabled", "true",
+              "false while data.val_fraction=0: early stopping needs held-out data",
+              {"data.val_fraction"});
+  }
+
+  using strategy::StrategyKind;
+  const DistributedConfig& d = c.distributed;
+  s.require(d.strategy() != StrategyKind::Single || d.nproc_per_node() <= 1,
+            "distributed.nproc_per_node", std::to_string(d.nproc_per_node()),
+            "auto or 1 with distributed.strategy=single (it runs one process); use "
+            "strategy ddp, zero1, fsdp or auto for more ranks",
+            {"distributed.strategy"});
+  const bool separate_copy =
+      d.strategy() != StrategyKind::Single && d.strategy() != StrategyKind::Ddp;
+  s.require(d.param_dtype() == DType::Auto || separate_copy, "distributed.param_dtype",
+            enum_name(d.param_dtype()),
+            str_cat("auto with strategy ", enum_name(d.strategy()),
+                    ": a separate gathered copy needs zero1 or fsdp (fsdp with sharding no_shard "
+                    "is ddp through that path); or use precision bf16-mixed"),
+            {"distributed.strategy"});
+  s.require(d.auto_wrap_policy() != strategy::AutoWrapPolicy::ModuleType ||
+                !d.wrap_module_types().empty(),
+            "distributed.wrap_module_types", "[]",
+            "at least one module type name with distributed.auto_wrap_policy=module_type, "
+            "e.g. [BlockImpl]; for a single unit use auto_wrap_policy none",
+            {"distributed.auto_wrap_policy"});
+}
+
+}  // namespace shardtrain::config::detail
