@@ -3,7 +3,8 @@
 # each, started as a user would on two machines: `shardtrain launch --nnodes 2
 # --node-rank R --master-addr <host 0>` with no interface variable set. Each
 # rank must pick the interface that routes to the master (not loopback), and
-# ddp and fsdp hybrid_shard must log the single-process run's losses.
+# ddp and fsdp hybrid_shard must log the single-process run's losses. The
+# hybrid run is started by `shardtrain train --nnodes 2 ...` itself.
 # Needs root (it creates and removes the namespaces); exits 77 (skipped) without.
 set -euo pipefail
 cli=$(readlink -f "$1") src=$2
@@ -57,9 +58,13 @@ for strategy in ddp hybrid; do
   for node in 0 1; do
     ns=$a
     [ "$node" = 1 ] && ns=$b
-    ip netns exec "$ns" env SHARDTRAIN_TIMEOUT_S=60 "$cli" launch --nnodes 2 --node-rank "$node" \
-      --nproc-per-node 2 --master-addr "${net}1" --master-port "$port" -- \
-      "$cli" train "${common[@]}" "${extra[@]}" --set run.dir="$run" >"$work/$strategy.$node.log" 2>&1 &
+    # ddp through `shardtrain launch`, hybrid through `shardtrain train`'s own launch options.
+    launch=("$cli" launch --nnodes 2 --node-rank "$node" --nproc-per-node 2 --master-addr "${net}1"
+            --master-port "$port" -- "$cli" train)
+    [ "$strategy" = hybrid ] && launch=("$cli" train --nnodes 2 --node-rank "$node" --nproc-per-node 2
+                                        --master-addr "${net}1" --master-port "$port")
+    ip netns exec "$ns" env SHARDTRAIN_TIMEOUT_S=60 "${launch[@]}" "${common[@]}" "${extra[@]}" \
+      --set run.dir="$run" >"$work/$strategy.$node.log" 2>&1 &
     pids+=($!)
   done
   rc=0

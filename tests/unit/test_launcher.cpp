@@ -362,6 +362,12 @@ TEST(Launcher, BadFlagsExit2WithAMessage) {
        "--node-rank"},
       {{"launch", "--master-port", "70000", "--", kProbe}, "--master-port"},
       {{"launch", "--max-restarts", "-1", "--", kProbe}, "--max-restarts"},
+      // `shardtrain train` takes the same flags with the same checks.
+      {{"train", "--nnodes", "2", "--master-addr", "h"}, "--master-port"},
+      {{"train", "--nnodes", "2", "--node-rank", "2", "--master-port", "5"}, "--node-rank"},
+      {{"train", "--max-restarts", "-1"}, "--max-restarts"},
+      {{"train", "--master_port=0"}, "--master-port"},
+      {{"train", "--bogus"}, "unexpected argument '--bogus'"},
   };
   for (const auto& c : cases) {
     const Result r = run(c.args);

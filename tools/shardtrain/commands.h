@@ -17,7 +17,7 @@ int launch_main(int argc, char** argv);
 /// `shardtrain bench-comm --op OP --bytes B ...`; argv[0] is "bench-comm".
 int bench_comm_main(int argc, char** argv);
 
-/// `shardtrain train [CONFIG] [--set k=v ...] [--nproc-per-node N]`.
+/// `shardtrain train [CONFIG] [--set k=v ...] [launch options as for launch]`.
 int train_main(int argc, char** argv);
 
 /// `shardtrain estimate [CONFIG] [--set k=v ...] [--nproc-per-node N] [--nnodes M]`.

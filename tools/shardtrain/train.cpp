@@ -1,4 +1,4 @@
-// `shardtrain train [CONFIG] [--set k=v ...] [--nproc-per-node N]`: one
+// `shardtrain train [CONFIG] [--set k=v ...] [launch options]`: one
 // training run. Outside any launcher, with more than one rank asked for, it
 // starts its own ranks through the launcher and waits for them.
 #include <torch/torch.h>
@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "launch_flags.h"
 #include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/config/config.h"
@@ -27,17 +28,23 @@ namespace shardtrain::cli {
 namespace {
 
 const char kUsage[] =
-    "usage: shardtrain train [CONFIG] [--set KEY=VALUE ...] [--nproc-per-node N]\n"
+    "usage: shardtrain train [CONFIG] [--set KEY=VALUE ...] [LAUNCH OPTIONS]\n"
     "\n"
     "Trains the model CONFIG describes (default: configs/default.yaml). KEY is a\n"
     "dotted config key (optimizer.lr, batch.micro, ...; see docs/config.md).\n"
-    "Without a surrounding launcher and with N > 1 (default: distributed.nproc_per_node,\n"
-    "auto = this machine's cores), it starts N ranks through `shardtrain launch`.\n";
+    "Without a surrounding launcher, it starts its ranks through `shardtrain launch`\n"
+    "when there is more than one (--nproc-per-node, default distributed.nproc_per_node,\n"
+    "auto = this machine's cores), more than one node, or restarts to allow. The\n"
+    "launch options mean what they mean to `shardtrain launch` (--stop-grace defaults\n"
+    "to 300 here, time for the ranks to save a checkpoint):\n"
+    "%s";
 
 struct TrainArgs {
   std::string config = "configs/default.yaml";
   std::vector<std::string> overrides;
-  int nproc = -1;  // -1: from the config
+  dist::LaunchOptions launch = dist::LaunchOptions().stop_grace_s(300.0);
+  int nproc = -1;             // -1: from the config
+  bool launch_flags = false;  // any launcher flag given
 };
 
 TrainArgs parse(int argc, char** argv) {
@@ -45,36 +52,31 @@ TrainArgs parse(int argc, char** argv) {
   bool have_config = false;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    const auto value = [&](const std::string& flag) -> std::string {
-      const auto eq = arg.find('=');
-      if (arg.rfind(flag + "=", 0) == 0) return arg.substr(eq + 1);
-      ST_CHECK(i + 1 < argc, ConfigError, flag, " needs a value; see shardtrain train --help");
-      return argv[++i];
-    };
     if (arg == "--set" || arg.rfind("--set=", 0) == 0) {
-      a.overrides.push_back(value("--set"));
-    } else if (arg == "--nproc-per-node" || arg.rfind("--nproc-per-node=", 0) == 0) {
-      const std::string v = value("--nproc-per-node");
-      a.nproc = v == "auto" ? 0 : std::atoi(v.c_str());
-      ST_CHECK(v == "auto" || a.nproc > 0, ConfigError, "--nproc-per-node '", v,
-               "' is not a positive number or auto");
+      if (arg == "--set") {
+        ST_CHECK(i + 1 < argc, ConfigError, "--set needs a value; see shardtrain train --help");
+        a.overrides.push_back(argv[++i]);
+      } else {
+        a.overrides.push_back(arg.substr(6));
+      }
+    } else if (launch_flag(argc, argv, i, a.launch)) {
+      a.launch_flags = true;
+      if (arg.rfind("--nproc", 0) == 0) a.nproc = a.launch.nproc_per_node();
     } else if (!arg.empty() && arg[0] != '-' && !have_config) {
       a.config = arg;
       have_config = true;
     } else {
-      ST_CHECK(false, ConfigError, "unexpected argument '", arg, "'; see shardtrain train --help");
+      ST_CHECK(false, ConfigError, "unexpected argument '", arg, "'; allowed: CONFIG, --set, ",
+               kLaunchFlags, "; see shardtrain train --help");
     }
   }
   return a;
 }
 
-// Starts `nproc` copies of this command under the launcher.
+// Starts `nproc` copies of this command on this node under the launcher.
 int relaunch(const TrainArgs& args, int nproc) {
-  dist::LaunchOptions options;
+  dist::LaunchOptions options = args.launch;
   options.nproc_per_node(nproc);
-  // On SIGTERM/SIGINT the ranks finish their step and save a checkpoint
-  // before exiting; give them time before the launcher's SIGKILL.
-  options.stop_grace_s(300.0);
   char self[4096] = {0};
   const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
   ST_CHECK(n > 0, Error, "cannot find this program's path to start its ranks");
@@ -83,8 +85,8 @@ int relaunch(const TrainArgs& args, int nproc) {
     options.command().push_back("--set");
     options.command().push_back(o);
   }
-  std::printf("starting %d ranks: shardtrain launch --nproc-per-node %d -- shardtrain train %s\n",
-              nproc, nproc, args.config.c_str());
+  std::printf("starting %d ranks on node %d of %d: shardtrain launch -- shardtrain train %s\n",
+              nproc, options.node_rank(), options.nnodes(), args.config.c_str());
   std::fflush(stdout);
   return dist::launch(options);
 }
@@ -103,18 +105,27 @@ std::string sample_text(models::GPTImpl& model, const std::string& prompt, int64
 int train_main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h")) {
-      std::fputs(kUsage, stdout);
+      std::printf(kUsage, kLaunchFlagsUsage);
       return 0;
     }
   }
   const TrainArgs args = parse(argc, argv);
+  check_launch_flags(args.launch);
   const config::Config config = config::Config::load(args.config, args.overrides);
   const dist::ClusterEnv env = dist::ClusterEnv::detect();
   if (env.source == dist::EnvSource::Standalone) {
     int nproc = args.nproc >= 0 ? args.nproc : static_cast<int>(config.distributed.nproc_per_node());
     if (nproc == 0) nproc = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     if (config.distributed.strategy() == strategy::StrategyKind::Single) nproc = 1;
-    if (nproc > 1) return relaunch(args, nproc);
+    const bool launched = nproc > 1 || args.launch.nnodes() > 1 || args.launch.max_restarts() > 0;
+    ST_CHECK(args.launch.nnodes() == 1 || config.distributed.strategy() != strategy::StrategyKind::Single,
+             ConfigError, "distributed.strategy 'single' runs one process, but --nnodes is ",
+             args.launch.nnodes(), "; use ddp, zero1 or fsdp across nodes");
+    if (launched) return relaunch(args, nproc);
+  } else {
+    ST_CHECK(!args.launch_flags, ConfigError, "launch options (", kLaunchFlags,
+             ") apply only outside a launcher, but this process is already rank ", env.rank,
+             " of a launched job; give them to the launcher instead");
   }
 
   auto comm = comm::Communicator::create(comm::CommOptions::from_env());

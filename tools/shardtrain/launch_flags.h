@@ -1,0 +1,25 @@
+// The launcher's options as command-line flags, shared by `shardtrain launch`
+// and `shardtrain train` so that each flag means the same in both.
+#pragma once
+
+#include "shardtrain/dist/launcher.h"
+
+namespace shardtrain::cli {
+
+/// The flags launch_flag() knows, for "allowed:" lists in errors.
+extern const char kLaunchFlags[];
+
+/// Usage lines describing those flags (for --help texts).
+extern const char kLaunchFlagsUsage[];
+
+/// When argv[i] is one of the launcher's flags (as `--flag value` or
+/// `--flag=value`; torchrun's underscore spellings too), applies it to
+/// `options`, leaves `i` on its last word and returns true; false for any
+/// other word. A bad value is a ConfigError naming the flag.
+bool launch_flag(int argc, char** argv, int& i, dist::LaunchOptions& options);
+
+/// The checks between flags: node rank below the node count, and a master
+/// address and port for a job of several nodes. ConfigError otherwise.
+void check_launch_flags(const dist::LaunchOptions& options);
+
+}  // namespace shardtrain::cli
