@@ -58,9 +58,12 @@ std::vector<StrategyEstimate> estimate_all(const EstimateInput& in) {
   const int n_local = in.local_world_size;
 
   std::vector<StrategyEstimate> out;
-  const auto add = [&](const char* name, double state, double gather, double comm, int colls) {
+  const auto add = [&](StrategyKind kind, Sharding sharding, double state, double gather,
+                       double comm, int colls) {
     StrategyEstimate e;
-    e.strategy = name;
+    e.kind = kind;
+    e.sharding = sharding;
+    e.strategy = StrategyOptions().strategy(kind).sharding(sharding).display_name();
     e.model_state_bytes = state;
     e.gathered_bytes = gather;
     e.activation_bytes = activations;
@@ -69,16 +72,16 @@ std::vector<StrategyEstimate> estimate_all(const EstimateInput& in) {
     e.collectives = colls;
     out.push_back(e);
   };
-  add("ddp", stage(16, 0, n), 0.0, 2.0, 1);
-  add("zero1", mixed ? stage(4, 12, n) : stage(8, 8, n), 0.0, 3.0, 2);
-  add("fsdp/shard_grad_op", mixed ? stage(2, 14, n) : stage(4, 12, n), 0.0, 2.0, 2);
-  add("fsdp/full_shard", stage(0, 16, n), gathered, 3.0, 3);
+  add(StrategyKind::Ddp, Sharding::FullShard, stage(16, 0, n), 0.0, 2.0, 1);
+  add(StrategyKind::Zero1, Sharding::FullShard, mixed ? stage(4, 12, n) : stage(8, 8, n), 0.0, 3.0, 2);
+  add(StrategyKind::Fsdp, Sharding::ShardGradOp, mixed ? stage(2, 14, n) : stage(4, 12, n), 0.0, 2.0, 2);
+  add(StrategyKind::Fsdp, Sharding::FullShard, stage(0, 16, n), gathered, 3.0, 3);
   // hybrid_shard: full_shard within a node, then an all-reduce of each
   // rank's shard (Ψ/N_local) across nodes; on one node there is no such step.
   const bool nodes = n > n_local;
-  add("fsdp/hybrid_shard", stage(0, 16, n_local), gathered, nodes ? 3.0 + 2.0 / n_local : 3.0,
+  add(StrategyKind::Fsdp, Sharding::HybridShard, stage(0, 16, n_local), gathered, nodes ? 3.0 + 2.0 / n_local : 3.0,
       nodes ? 4 : 3);
-  add("fsdp/no_shard", stage(16, 0, n), 0.0, 2.0, 1);
+  add(StrategyKind::Fsdp, Sharding::NoShard, stage(16, 0, n), 0.0, 2.0, 1);
   return out;
 }
 

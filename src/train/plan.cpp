@@ -25,7 +25,20 @@ strategy::StrategyOptions options_from(const config::Config& config, strategy::S
   return options.strategy(kind).sharding(sharding);
 }
 
+bool half_params(const config::Config& config) {
+  const strategy::DType d = config.distributed.param_dtype();
+  return d == strategy::DType::Bf16 || d == strategy::DType::Fp16;
+}
+
 }  // namespace
+
+int activation_element_bytes(const config::Config& config) {
+  return half_params(config) || config.precision != precision::PrecisionKind::Fp32 ? 2 : 4;
+}
+
+int64_t estimate_micro_batch(const config::Config& config, int world_size) {
+  return config.batch.micro ? *config.batch.micro : config.resolve_batch(world_size).micro;
+}
 
 strategy::EstimateInput estimate_input(const config::Config& config, torch::nn::Module& model,
                                        int world_size, int local_world_size) {
@@ -44,15 +57,9 @@ strategy::EstimateInput estimate_input(const config::Config& config, torch::nn::
   in.second_unit_params = sizes.size() > 1 ? sizes[1] : 0;
   in.world_size = world_size;
   in.local_world_size = local_world_size;
-  using precision::PrecisionKind;
-  const strategy::DType param_dtype = config.distributed.param_dtype();
-  const bool half_params = param_dtype == strategy::DType::Bf16 || param_dtype == strategy::DType::Fp16;
-  in.mixed_precision = half_params || config.precision == PrecisionKind::Fp16Mixed;
-  const int act_bytes = half_params || config.precision != PrecisionKind::Fp32 ? 2 : 4;
-  // batch.micro when given, so that layouts the global batch does not divide
-  // into can still be estimated.
-  const int64_t micro =
-      config.batch.micro ? *config.batch.micro : config.resolve_batch(world_size).micro;
+  in.mixed_precision = half_params(config) || config.precision == precision::PrecisionKind::Fp16Mixed;
+  const int act_bytes = activation_element_bytes(config);
+  const int64_t micro = estimate_micro_batch(config, world_size);
   in.activation_bytes = config.model.type == train::ModelType::Mlp
                             ? strategy::mlp_activation_bytes(config.model.mlp_sizes, micro, act_bytes)
                             : strategy::gpt_activation_bytes(gpt_config(config.model), micro, act_bytes);
@@ -68,14 +75,8 @@ strategy::StrategyOptions strategy_options(const config::Config& config, torch::
                             : strategy::default_memory_budget_bytes(local_world_size);
   const auto chosen = strategy::choose_strategy(
       estimate_input(config, model, world_size, local_world_size), budget);
-  // The estimator names its choice "ddp", "zero1" or "fsdp/<sharding>".
-  const auto slash = chosen.strategy.find('/');
-  const auto kind = enum_from_name<strategy::StrategyKind>(chosen.strategy.substr(0, slash),
-                                                           "the estimator's strategy");
-  if (slash == std::string::npos) return options_from(config, kind, d.sharding());
-  return options_from(config, kind,
-                      enum_from_name<strategy::Sharding>(chosen.strategy.substr(slash + 1),
-                                                         "the estimator's sharding"));
+  return options_from(config, chosen.kind,
+                      chosen.kind == strategy::StrategyKind::Fsdp ? chosen.sharding : d.sharding());
 }
 
 }  // namespace shardtrain::train

@@ -23,10 +23,15 @@
 #include "shardtrain/models/gpt.h"
 #include "shardtrain/train/task.h"
 #include "temp_dir.h"
+#include "test_helpers.h"
 
 #ifndef SHARDTRAIN_CLI_PATH
 #error "SHARDTRAIN_CLI_PATH must be the absolute path of the shardtrain binary"
 #endif
+
+using shardtrain::testing::cli;
+using shardtrain::testing::CliRun;
+using shardtrain::testing::checkpoint_error;
 
 namespace {
 
@@ -107,19 +112,6 @@ std::vector<std::pair<std::string, at::Tensor>> small_tensors() {
   return {{"w", torch::arange(10, torch::kFloat).view({2, 5})}, {"b", torch::ones({3})}};
 }
 
-template <typename Fn>
-std::string checkpoint_error(Fn&& fn) {
-  try {
-    fn();
-  } catch (const CheckpointError& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "expected a CheckpointError, got: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "expected a CheckpointError, nothing was thrown";
-  return {};
-}
 
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
@@ -224,22 +216,6 @@ TEST(ResolveCheckpoint, TheExportedModelWhenAskedForAndNotOlder) {
 
 // ---- the commands -----------------------------------------------------------------------
 
-struct CliRun {
-  int code = -1;
-  std::string out;
-};
-
-CliRun cli(const std::string& args) {
-  CliRun r;
-  const std::string cmd = std::string(SHARDTRAIN_CLI_PATH) + " " + args + " 2>&1";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
-  const int status = ::pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
 
 // The sampled text of a `generate` run, without its note on stderr.
 std::string sample_of(const CliRun& r) {

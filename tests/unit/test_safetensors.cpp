@@ -22,10 +22,15 @@
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/gpt.h"
 #include "temp_dir.h"
+#include "test_helpers.h"
 
 #ifndef SHARDTRAIN_CLI_PATH
 #error "SHARDTRAIN_CLI_PATH must be the absolute path of the shardtrain binary"
 #endif
+
+using shardtrain::testing::cli;
+using shardtrain::testing::CliRun;
+using shardtrain::testing::checkpoint_error;
 
 namespace {
 
@@ -68,19 +73,6 @@ void expect_same_parameters(torch::nn::Module& a, torch::nn::Module& b) {
   }
 }
 
-template <typename Fn>
-std::string checkpoint_error(Fn&& fn) {
-  try {
-    fn();
-  } catch (const CheckpointError& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "expected a CheckpointError, got: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "expected a CheckpointError, nothing was thrown";
-  return {};
-}
 
 // ---- files assembled by hand, from the specification --------------------------------------
 
@@ -346,22 +338,6 @@ TEST(Safetensors, ConsolidateAShardedCheckpoint) {
 
 // ---- the command ------------------------------------------------------------------------
 
-struct CliRun {
-  int code = -1;
-  std::string out;
-};
-
-CliRun cli(const std::string& args) {
-  CliRun r;
-  const std::string cmd = std::string(SHARDTRAIN_CLI_PATH) + " " + args + " 2>&1";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
-  const int status = ::pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
 
 TEST(CheckpointCommand, InspectConsolidateAndList) {
   TempDir tmp;

@@ -27,6 +27,9 @@
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/core/error.h"
 #include "temp_dir.h"
+#include "test_helpers.h"
+
+using shardtrain::testing::checkpoint_error;
 
 namespace {
 
@@ -75,20 +78,6 @@ void flip_byte(const std::string& path, int64_t offset) {
   f.write(&c, 1);
 }
 
-// Runs `fn`, expects a CheckpointError, returns its message.
-template <typename Fn>
-std::string checkpoint_error(Fn&& fn) {
-  try {
-    fn();
-  } catch (const CheckpointError& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "expected a CheckpointError, got: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "expected a CheckpointError, nothing was thrown";
-  return {};
-}
 
 // ---- checksum -------------------------------------------------------------------------
 

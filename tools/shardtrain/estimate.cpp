@@ -171,10 +171,8 @@ int estimate_main(int argc, char** argv) {
   strategy::EstimateInput in = train::estimate_input(config, *model, world, nproc);
   const int64_t psi = in.num_params;
   const bool mixed = in.mixed_precision;
-  const bool half_params =
-      dc.param_dtype() == strategy::DType::Bf16 || dc.param_dtype() == strategy::DType::Fp16;
-  const int act_bytes = half_params || config.precision != precision::PrecisionKind::Fp32 ? 2 : 4;
-  const int64_t micro = config.batch.micro ? *config.batch.micro : config.resolve_batch(world).micro;
+  const int act_bytes = train::activation_element_bytes(config);
+  const int64_t micro = train::estimate_micro_batch(config, world);
   const auto rows = strategy::estimate_all(in);
   in.mixed_precision = !mixed;
   const auto other = strategy::estimate_all(in);  // the other state column
@@ -249,8 +247,7 @@ int estimate_main(int argc, char** argv) {
     failure = e.what();
   }
   // The configured strategy as the estimator names it ("fsdp/<sharding>").
-  std::string configured = enum_name(dc.strategy());
-  if (dc.strategy() == strategy::StrategyKind::Fsdp) configured += "/" + std::string(enum_name(dc.sharding()));
+  std::string configured = dc.display_name();
   if (dc.strategy() == strategy::StrategyKind::Auto) configured = chosen;
 
   const std::vector<std::string> head = {"strategy",   "state mixed", "state fp32",  "gathered",
@@ -260,7 +257,8 @@ int estimate_main(int argc, char** argv) {
     const auto& r = rows[i];
     const double state_mixed = mixed ? r.model_state_bytes : other[i].model_state_bytes;
     const double state_fp32 = mixed ? other[i].model_state_bytes : r.model_state_bytes;
-    const bool gathers = r.strategy == "fsdp/full_shard" || r.strategy == "fsdp/hybrid_shard";
+    const bool gathers = r.kind == strategy::StrategyKind::Fsdp &&
+                         (r.sharding == strategy::Sharding::FullShard || r.sharding == strategy::Sharding::HybridShard);
     std::string mark;
     if (r.strategy == configured) {
       mark = dc.strategy() == strategy::StrategyKind::Auto ? "  <- auto" : "  <- config";

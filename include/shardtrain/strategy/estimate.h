@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "shardtrain/strategy/options.h"
+
 namespace shardtrain::models {
 struct GPTConfig;
 }
@@ -51,8 +53,11 @@ struct EstimateInput {
 };
 
 struct StrategyEstimate {
-  /// "ddp", "zero1", "fsdp/shard_grad_op", "fsdp/full_shard",
-  /// "fsdp/hybrid_shard" or "fsdp/no_shard".
+  /// The strategy (ddp, zero1 or fsdp) and, for fsdp, its sharding.
+  StrategyKind kind = StrategyKind::Ddp;
+  Sharding sharding = Sharding::FullShard;
+  /// Its display name: "ddp", "zero1", "fsdp/shard_grad_op",
+  /// "fsdp/full_shard", "fsdp/hybrid_shard" or "fsdp/no_shard".
   std::string strategy;
   /// Parameters, gradients and Adam state per rank (the table above), bytes.
   double model_state_bytes = 0.0;

@@ -17,6 +17,15 @@ namespace shardtrain::train {
 strategy::EstimateInput estimate_input(const config::Config& config, torch::nn::Module& model,
                                        int world_size, int local_world_size);
 
+/// Bytes per activation element the estimate assumes: 2 under 16-bit
+/// parameters or any mixed or 16-bit precision, else 4.
+int activation_element_bytes(const config::Config& config);
+
+/// The micro-batch the estimate assumes: batch.micro when given (so that
+/// layouts the global batch does not divide into can still be estimated),
+/// else the one the batch arithmetic derives for `world_size`.
+int64_t estimate_micro_batch(const config::Config& config, int world_size);
+
 /// The strategy options the config's distributed section asks for; strategy
 /// "auto" becomes the one choose_strategy() picks for the memory budget
 /// (distributed.memory_budget_mb, or MemAvailable / local ranks).
