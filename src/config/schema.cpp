@@ -182,11 +182,13 @@ void declare_checkpoint_precision(std::vector<Key>& keys) {
            "Keep the checkpoint of the best evaluation as well; a new best saves at once. `\"\"`: "
            "no best.")
       .key(ST_FIELD(mode), "Which value of `monitor` is best.")
-      .key(ST_FIELD(resume), any("`\"\"`, `auto`, a checkpoint directory"),
-           "`auto`: continue from the newest complete checkpoint of `run.dir`, or start fresh if "
+      .key(ST_FIELD(resume), any("`\"\"`, `auto`, `never`, a checkpoint directory"),
+           "`auto`: continue from the newest complete checkpoint of `run.dir` that loads (a "
+           "damaged one is named in a warning and the previous one is used), or start fresh if "
            "there is none. A path: continue from that checkpoint (written at any world size, by "
-           "any strategy). At the same world size and strategy the continuation is bit-exact in "
-           "fp32.")
+           "any strategy). `\"\"`: start fresh, except after a launcher restart, which continues "
+           "as `auto` does. `never`: always start fresh. At the same world size and strategy the "
+           "continuation is bit-exact in fp32.")
       .key(ST_FIELD(save_on_signal),
            "On SIGTERM or SIGINT: finish the step, save, exit with 128 + the signal. `shardtrain "
            "train` gives its ranks 300 s for that before SIGKILL; under your own `shardtrain "

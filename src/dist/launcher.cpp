@@ -510,6 +510,11 @@ int find_free_port() {
   return ntohs(addr.sin_port);
 }
 
+namespace {
+// What shardtrain's tools exit with for a configuration error or bad arguments.
+constexpr int kBadInputExitCode = 2;
+}  // namespace
+
 int launch(const LaunchOptions& options) {
   validate(options);
   // One port for every attempt: a restarted group meets where the first did.
@@ -519,6 +524,12 @@ int launch(const LaunchOptions& options) {
     Group group(options, port, restart);
     const int code = group.run();
     if (code == 0 || group.interrupted() || group.failed_rank() < 0) return code;
+    if (code == kBadInputExitCode && options.max_restarts() > 0) {
+      // Bad input fails the same way every time: restarting cannot help.
+      say(::shardtrain::detail::str_cat("not restarting: rank ", group.failed_rank(), " exited with ",
+                                        code, " (bad input, e.g. a configuration error)"));
+      return code;
+    }
     if (restart >= options.max_restarts()) {
       if (options.max_restarts() > 0) {
         say(::shardtrain::detail::str_cat("giving up after ", options.max_restarts(),

@@ -99,25 +99,49 @@ std::string Trainer::save_checkpoint() {
 }
 
 std::string Trainer::resume(const std::string& spec) {
-  std::string dir = spec;
-  if (spec == "auto") {
-    // Rank 0 decides, so every rank loads the same one even if their views
-    // of a shared filesystem differ for a moment.
-    int64_t step = -1;
-    if (comm_->rank() == 0) {
-      if (const auto latest = ck::latest_complete(config_.run.dir)) step = latest->step;
-    }
-    auto t = torch::tensor({step}, torch::kLong);
-    comm_->broadcast(t);
-    step = t.item<int64_t>();
-    if (step < 0) return "";  // nothing to resume from: a fresh start
-    dir = ck::checkpoint_dir(config_.run.dir, step);
+  if (spec != "auto") {
+    restore_train_state(spec, load_checkpoint(spec));
+    return spec;
   }
+  // Rank 0 lists the complete checkpoints, newest first, so every rank tries
+  // the same ones even if their views of a shared filesystem differ a moment.
+  std::vector<int64_t> steps;
+  if (comm_->rank() == 0) {
+    for (const auto& e : ck::list_complete(config_.run.dir)) steps.push_back(e.step);
+  }
+  auto count = torch::tensor({static_cast<int64_t>(steps.size())}, torch::kLong);
+  comm_->broadcast(count);
+  steps.resize(static_cast<size_t>(count.item<int64_t>()));
+  if (steps.empty()) return "";  // nothing to resume from: a fresh start
+  auto all = torch::tensor(steps, torch::kLong);
+  comm_->broadcast(all);
+  for (int64_t i = 0; i < all.numel(); ++i) {
+    const std::string dir = ck::checkpoint_dir(config_.run.dir, all[i].item<int64_t>());
+    try {
+      restore_train_state(dir, load_checkpoint(dir));
+      return dir;
+    } catch (const CheckpointError& e) {
+      // Load errors reach every rank alike, so all ranks fall back together.
+      if (i + 1 == all.numel()) throw;
+      if (comm_->rank() == 0) {
+        std::fprintf(stderr, "warning: cannot resume from %s: %s; falling back to the previous "
+                     "complete checkpoint\n", dir.c_str(), e.what());
+        std::fflush(stderr);
+      }
+    }
+  }
+  return "";
+}
+
+ck::LoadResult Trainer::load_checkpoint(const std::string& dir) {
   std::vector<strategy::ShardedTensor> targets = strategy_->sharded_state_dict();
-  const ck::LoadResult loaded = ck::load_sharded(dir, *comm_, targets);
+  ck::LoadResult loaded = ck::load_sharded(dir, *comm_, targets);
   strategy_->reload_parameters();
   ck::load_optimizer_state(dir, *comm_, *optimizer_, strategy_->optimizer_parameters());
+  return loaded;
+}
 
+void Trainer::restore_train_state(const std::string& dir, const ck::LoadResult& loaded) {
   nlohmann::json state;
   try {
     state = nlohmann::json::parse(loaded.train_state);
@@ -150,7 +174,6 @@ std::string Trainer::resume(const std::string& spec) {
   // The same rank layout continues its own random streams; another one
   // starts them from the seed (the data order does not depend on them).
   if (loaded.rank_state_restored && !loaded.rank_state.empty()) set_rng_state(loaded.rank_state);
-  return dir;
 }
 
 void Trainer::note_evaluation() {

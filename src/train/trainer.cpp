@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cmath>
 #include <filesystem>
 #include <thread>
@@ -86,6 +87,7 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
            "a TrainTask needs a model, loss_sum, count_targets and train_batch");
   batch_ = config_.resolve_batch(comm_->size());
   const dist::ClusterEnv env = dist::ClusterEnv::detect();
+  restarts_ = env.restart_count;
   at::set_num_threads(threads_for_rank(config_.distributed.threads_per_rank(), env.local_world_size));
 
   precision_ = precision::Precision::create(config_.precision, config_.loss_scaler,
@@ -243,6 +245,7 @@ void Trainer::run_step() {
   m.set("precision", precision_->name());
   m.set("loss_scale", precision_->loss_scale());
   m.set("skipped", static_cast<int64_t>(skipped ? 1 : 0));
+  m.set("restarts", static_cast<int64_t>(restarts_));
   for (const auto& [key, value] : task_.static_metrics.entries()) m.set(key, value);
   state_.metrics = std::move(m);
 
@@ -332,8 +335,17 @@ const TrainerState& Trainer::fit() {
   // rank agrees (control flags), a checkpoint is written and fit returns.
   const detail::SignalGuard signals(config_.checkpoint.save_on_signal);
   int64_t saved_at = -1;  // step of the last checkpoint written or loaded
-  if (!config_.checkpoint.resume.empty() && !resume(config_.checkpoint.resume).empty()) {
+  // A restarted job continues from its newest checkpoint unless told never to.
+  std::string spec = config_.checkpoint.resume;
+  if (spec == "never") spec.clear();
+  else if (spec.empty() && restarts_ > 0) spec = "auto";
+  if (!spec.empty() && !resume(spec).empty()) {
     saved_at = state_.step;  // never rewrite the checkpoint we resumed from
+    if (comm_->rank() == 0 && restarts_ > 0) {
+      std::printf("resumed from step %lld after restart %d\n", static_cast<long long>(state_.step),
+                  restarts_);
+      std::fflush(stdout);
+    }
   }
 
   const auto epoch_of = [this](int64_t step) { return task_.epoch_of ? task_.epoch_of(step) : 0; };

@@ -279,6 +279,20 @@ TEST(Launcher, ExhaustedRestartsReturnTheFailure) {
   EXPECT_FALSE(contains(r.out, "restart count 2\n")) << r.out;
 }
 
+TEST(Launcher, BadInputIsNotRestarted) {
+  // Exit code 2 (a configuration error) fails the same way on every attempt.
+  const Result r = run({"launch", "--nproc-per-node", "2", "--max-restarts", "3", "--", kProbe,
+                        "fail-rank", "1", "2"});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_EQ(count_of(r.err, "restarting all"), 0) << r.err;
+  EXPECT_TRUE(contains(r.err, "not restarting: rank 1 exited with 2")) << r.err;
+  // Any other failure is restarted.
+  const Result other = run({"launch", "--nproc-per-node", "2", "--max-restarts", "1", "--", kProbe,
+                            "fail-rank", "1", "3"});
+  EXPECT_EQ(other.code, 3) << other.err;
+  EXPECT_EQ(count_of(other.err, "restarting all 2 ranks"), 1) << other.err;
+}
+
 class LauncherSignal : public testing::TestWithParam<int> {};
 
 TEST_P(LauncherSignal, ReachesEveryRank) {

@@ -58,8 +58,9 @@ struct CheckpointConfig {
   /// "": keep no best checkpoint.
   std::string monitor;
   train::MonitorMode mode = train::MonitorMode::Min;
-  /// "": start fresh; "auto": the newest complete checkpoint of run.dir, if
-  /// any; otherwise a checkpoint directory.
+  /// "": start fresh (after a launcher restart: as "auto"); "auto": the
+  /// newest complete checkpoint of run.dir that loads, if any; "never":
+  /// always start fresh; otherwise a checkpoint directory.
   std::string resume;
   bool save_on_signal = true;
 };

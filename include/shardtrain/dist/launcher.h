@@ -38,7 +38,10 @@ struct LaunchOptions {
 /// of the first rank that failed (128 + signal for a rank killed by a signal),
 /// after stopping the rest and printing that rank's last lines to stderr.
 /// Restarts the whole group up to max_restarts times after a failure, with
-/// SHARDTRAIN_RESTART_COUNT incremented and the same master port.
+/// SHARDTRAIN_RESTART_COUNT incremented and the same master port, except
+/// when a rank exits with 2 (bad input: a configuration error), which a
+/// restart cannot cure. The Trainer resumes a restarted job from its newest
+/// checkpoint (checkpoint.resume).
 ///
 /// Conventions:
 ///   - "k" in the prefix is the global rank; stdout lines go to stdout, stderr

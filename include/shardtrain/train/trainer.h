@@ -30,6 +30,10 @@ namespace shardtrain::precision {
 class Precision;
 }
 
+namespace shardtrain::checkpoint {
+struct LoadResult;
+}
+
 namespace shardtrain::train {
 
 class Trainer {
@@ -73,8 +77,10 @@ class Trainer {
   std::string save_checkpoint();
 
   /// Collective: continues from a checkpoint written by any strategy at any
-  /// world size: "auto" takes the newest complete one of run.dir (none: a
-  /// fresh start, returns ""), anything else is a checkpoint directory.
+  /// world size: "auto" takes the newest complete one of run.dir that loads
+  /// (one that fails, e.g. its checksums, is named in a warning and the
+  /// previous one is tried; none: a fresh start, returns ""), anything else
+  /// is a checkpoint directory.
   /// Restores parameters, optimizer state, step, epoch, loss scaler, best
   /// value and (same world size) each rank's RNG. CheckpointError for a
   /// missing, torn, corrupt or mismatched checkpoint. Returns its directory.
@@ -96,6 +102,10 @@ class Trainer {
   void agree_on_control();
   // After an evaluation: tracks the best checkpoint.monitor value.
   void note_evaluation();
+  // Collective: parameters and optimizer state from checkpoint `dir`.
+  checkpoint::LoadResult load_checkpoint(const std::string& dir);
+  // Step, epoch, loss scaler, best value and RNG from what it loaded.
+  void restore_train_state(const std::string& dir, const checkpoint::LoadResult& loaded);
 
   config::Config config_;
   TrainTask task_;
@@ -114,6 +124,8 @@ class Trainer {
   std::string last_checkpoint_;
   int64_t last_checkpoint_step_ = -1;
   std::chrono::steady_clock::time_point last_save_ = std::chrono::steady_clock::now();
+  // Times the launcher restarted this job (SHARDTRAIN_RESTART_COUNT).
+  int restarts_ = 0;
 };
 
 }  // namespace shardtrain::train
