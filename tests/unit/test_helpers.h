@@ -11,6 +11,10 @@
 
 #include "shardtrain/core/error.h"
 
+#ifndef SHARDTRAIN_CLI_PATH
+#error "SHARDTRAIN_CLI_PATH must be the absolute path of the shardtrain binary"
+#endif
+
 namespace shardtrain::testing {
 
 struct CliRun {

@@ -25,10 +25,6 @@
 #include "temp_dir.h"
 #include "test_helpers.h"
 
-#ifndef SHARDTRAIN_CLI_PATH
-#error "SHARDTRAIN_CLI_PATH must be the absolute path of the shardtrain binary"
-#endif
-
 using shardtrain::testing::cli;
 using shardtrain::testing::CliRun;
 using shardtrain::testing::checkpoint_error;
