@@ -16,7 +16,7 @@ BENCH_PACKAGES := python3-torch
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all deps bench-deps configure build test train bench-comm bench-train bench-sharding bench-precision bench-checkpoint install clean
+.PHONY: all deps bench-deps configure build test train bench-comm bench-train bench-sharding bench-multinode bench-precision bench-checkpoint install clean
 
 all: build
 
@@ -62,6 +62,10 @@ bench-train: build bench-deps
 
 bench-sharding: build bench-deps
 	bash bench/sharding.sh
+
+# Two network-namespace hosts over a shaped link (needs root).
+bench-multinode: build
+	bash bench/multinode.sh
 
 bench-precision: build
 	bash bench/precision.sh
