@@ -145,6 +145,7 @@ class Group {
   std::shared_ptr<gloo::rendezvous::Store> store;
   std::shared_ptr<gloo::transport::Device> device;
   Endpoint endpoint;  // the interface and address `device` is bound to
+  int ranks_per_node = 0;  // LOCAL_WORLD_SIZE when the world spans several nodes, else 0
   std::string store_prefix;
   std::shared_ptr<gloo::rendezvous::Context> ctx;
   uint64_t groups_created = 0;
@@ -177,6 +178,7 @@ class Group {
     oc.seq = seq_no;
     oc.group_name = &name;
     oc.global_ranks = &global_ranks;
+    oc.ranks_per_node = ranks_per_node;
     oc.deadline = Clock::now() + (op_timeout.count() > 0 ? op_timeout : timeout);
     oc.segment_bytes = segment_bytes;
     oc.scratch = &scratch;
@@ -189,8 +191,15 @@ class Group {
 std::string OpContext::describe(int peer) const {
   std::string text = str_cat(op, " #", seq, " on group '", *group_name, "' failed on rank ", rank,
                              " (global ", (*global_ranks)[rank], ")");
-  if (peer >= 0) text += str_cat(" with peer rank ", peer, " (global ", (*global_ranks)[peer], ")");
-  return text;
+  if (peer < 0) return text;
+  const int global = (*global_ranks)[peer];
+  text += str_cat(" with peer rank ", peer, " (global ", global);
+  if (ranks_per_node > 0) {
+    const int node = global / ranks_per_node;
+    text += str_cat(", on node ", node, ": global ranks ", node * ranks_per_node, "..",
+                    (node + 1) * ranks_per_node - 1);
+  }
+  return text + ")";
 }
 
 namespace {
@@ -398,6 +407,11 @@ std::shared_ptr<Communicator> Communicator::create(const CommOptions& options) {
                                       options.master_port(), options.rank(),
                                       options.world_size(), options.timeout());
     group->device = detail::make_device(options.master_addr(), group->endpoint);
+    // Launchers start the same number of ranks on every node (LOCAL_WORLD_SIZE).
+    if (const char* local = std::getenv("LOCAL_WORLD_SIZE")) {
+      const int n = std::atoi(local);
+      if (n > 0 && n < group->size && group->size % n == 0) group->ranks_per_node = n;
+    }
     group->store_prefix = "shardtrain/world";
     group->ctx = detail::connect(*group->store, group->store_prefix, group->device, group->rank,
                                  group->size, group->timeout, group->name);
@@ -625,6 +639,7 @@ std::shared_ptr<Communicator> Communicator::new_group(std::vector<int> ranks) {
     group->store = parent.store;
     group->device = parent.device;
     group->endpoint = parent.endpoint;
+    group->ranks_per_node = parent.ranks_per_node;
     group->store_prefix = str_cat(parent.store_prefix, "/group", id);
     group->ctx = detail::connect(*group->store, group->store_prefix, group->device, group->rank,
                                  group->size, group->timeout, group->name);

@@ -60,6 +60,9 @@ struct OpContext {
   uint64_t seq = 0;
   const std::string* group_name = nullptr;
   const std::vector<int>* global_ranks = nullptr;
+  // Ranks per node when the world spans several nodes (errors name the
+  // peer's node), else 0.
+  int ranks_per_node = 0;
   Clock::time_point deadline;
   int64_t segment_bytes = int64_t{1} << 20;
   ScratchArena* scratch = nullptr;

@@ -4,7 +4,8 @@
 # --node-rank R --master-addr <host 0>` with no interface variable set. Each
 # rank must pick the interface that routes to the master (not loopback), and
 # ddp and fsdp hybrid_shard must log the single-process run's losses. The
-# hybrid run is started by `shardtrain train --nnodes 2 ...` itself.
+# hybrid run is started by `shardtrain train --nnodes 2 ...` itself. Then
+# host 1 dies mid-run and host 0 must stop promptly, naming the lost node.
 # Needs root (it creates and removes the namespaces); exits 77 (skipped) without.
 set -euo pipefail
 cli=$(readlink -f "$1") src=$2
@@ -84,3 +85,33 @@ for r, g in zip(ref, got):
 PY
 done
 echo "two hosts OK: ddp and hybrid_shard match the single process"
+
+# Node loss: every rank of host 1 dies mid-run; host 0's ranks stop at once
+# (well within the collective timeout) with an error naming the lost node.
+run="$work/loss"
+port=$((port + 1))
+pids=()
+for node in 0 1; do
+  ns=$a
+  [ "$node" = 1 ] && ns=$b
+  ip netns exec "$ns" env SHARDTRAIN_TIMEOUT_S=60 "$cli" train --nnodes 2 --node-rank "$node" \
+    --nproc-per-node 2 --master-addr "${net}1" --master-port "$port" "${common[@]}" \
+    --set trainer.max_steps=100000 --set distributed.strategy=ddp --set run.dir="$run" \
+    >"$work/loss.$node.log" 2>&1 &
+  pids+=($!)
+done
+until grep -q '"step": 3,' "$run/metrics.jsonl" 2>/dev/null; do
+  kill -0 "${pids[0]}" 2>/dev/null || { cat "$work/loss.0.log"; fail "node-loss run ended early"; }
+  sleep 0.1
+done
+ip netns pids "$b" | xargs -r kill -9
+start=$SECONDS
+rc=0
+wait "${pids[0]}" || rc=$?
+wait "${pids[1]}" 2>/dev/null || true
+took=$((SECONDS - start))
+[ "$rc" != 0 ] || fail "host 0 exited 0 after losing host 1"
+[ "$took" -le 30 ] || fail "host 0 took ${took}s to stop after losing host 1"
+grep -q "on node 1: global ranks 2..3" "$work/loss.0.log" || {
+  cat "$work/loss.0.log"; fail "host 0's error does not name the lost node"; }
+echo "node loss OK: host 0 stopped in ${took}s (exit $rc), naming node 1"
