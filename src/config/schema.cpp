@@ -123,7 +123,7 @@ void declare_distributed(std::vector<Key>& keys) {
            "`true`: parameters without a gradient in a step are reduced as zeros; `false`: such a "
            "parameter is an error that names it.")
       .key(ST_OPTION(threads_per_rank), at_least(0),
-           "Intra-op threads per rank; 0: cores / local ranks.")
+           "Intra-op threads per rank, for LibTorch and OpenBLAS alike; 0: cores / local ranks.")
       .key(ST_OPTION(reduce_dtype), one_of({DType::Fp32, DType::Bf16, DType::Fp16}),
            "dtype gradients are reduced in; bf16/fp16 halve the bytes moved and round once per "
            "ring hop. See [dtypes](#param_dtype-and-reduce_dtype-under-each-precision).")

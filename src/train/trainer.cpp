@@ -1,6 +1,7 @@
 // Trainer::fit, the loop every strategy runs under.
 #include "shardtrain/train/trainer.h"
 
+#include <dlfcn.h>
 #include <sys/resource.h>
 #include <torch/torch.h>
 
@@ -37,6 +38,16 @@ int threads_for_rank(int64_t requested, int local_world_size) {
   if (requested > 0) return static_cast<int>(requested);
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   return std::max(1, static_cast<int>(cores) / std::max(1, local_world_size));
+}
+
+// Debian's LibTorch sees a generic BLAS, so at::set_num_threads does not
+// reach OpenBLAS, whose own pool (sized to the machine, spinning while idle)
+// would compete with the other ranks. Sets it too when OpenBLAS is the BLAS.
+void set_blas_threads(int threads) {
+  using SetThreads = void (*)(int);
+  if (auto set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
+    set(threads);
+  }
 }
 
 // Peak resident memory of this process so far, in MB.
@@ -88,7 +99,9 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
   batch_ = config_.resolve_batch(comm_->size());
   const dist::ClusterEnv env = dist::ClusterEnv::detect();
   restarts_ = env.restart_count;
-  at::set_num_threads(threads_for_rank(config_.distributed.threads_per_rank(), env.local_world_size));
+  const int threads = threads_for_rank(config_.distributed.threads_per_rank(), env.local_world_size);
+  at::set_num_threads(threads);
+  set_blas_threads(threads);
 
   precision_ = precision::Precision::create(config_.precision, config_.loss_scaler,
                                             torch::cuda::is_available());

@@ -1,5 +1,6 @@
 // The trainer in one process: event order, control flags, early stopping,
 // schedules, the metrics file and accumulation through the loop.
+#include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -102,6 +103,22 @@ TEST(Trainer, EventsFireInTheDocumentedOrder) {
   want.insert(want.end(), step.begin(), step.end());
   for (const char* e : {"evaluate", "epoch_end", "save", "train_end"}) want.push_back(e);
   EXPECT_EQ(rec->events, want);
+}
+
+// threads_per_rank governs OpenBLAS's own pool too (Debian's LibTorch does
+// not pass its thread count on to OpenBLAS, which sizes itself to the machine).
+TEST(Trainer, ThreadsPerRankReachesOpenBlas) {
+  using GetThreads = int (*)();
+  using SetThreads = void (*)(int);
+  auto get = reinterpret_cast<GetThreads>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  auto set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  if (get == nullptr || set == nullptr) GTEST_SKIP() << "the BLAS in use is not OpenBLAS";
+  set(3);
+  auto c = mlp_config("blas_threads");
+  c.distributed.threads_per_rank(1);
+  train::Trainer trainer(c, train::make_task(c, 1), world_of_one());
+  EXPECT_EQ(at::get_num_threads(), 1);
+  EXPECT_EQ(get(), 1);
 }
 
 // A flag set by one callback survives the others (OR) and the trainer acts on it.
