@@ -72,11 +72,13 @@ Endpoint choose_endpoint(const std::string& master_addr) {
   }
   // The kernel's choice of source address for a datagram to the master: a
   // UDP connect() only consults the routing table, it sends nothing.
+  // Gloo's TCP transport here is IPv4; an IPv6 loopback master means this host.
+  const std::string target = master_addr == "::1" ? "127.0.0.1" : master_addr;
   addrinfo hints{};
   hints.ai_family = AF_INET;
   hints.ai_socktype = SOCK_DGRAM;
   addrinfo* found = nullptr;
-  const int rc = getaddrinfo(master_addr.c_str(), "9", &hints, &found);
+  const int rc = getaddrinfo(target.c_str(), "9", &hints, &found);
   ST_CHECK(rc == 0 && found != nullptr, CommError, "cannot resolve the master address '",
            master_addr, "' (", gai_strerror(rc),
            "); set MASTER_ADDR (--master-addr) to host 0's address or name");
