@@ -106,7 +106,6 @@ at::ScalarType scalar_type(DType dtype, at::ScalarType own) {
 
 int64_t mib_to_bytes(double mib) { return static_cast<int64_t>(mib * (1 << 20)); }
 
-
 double clip_grad_norm(const std::vector<at::Tensor>& grads, double max_norm,
                       comm::Communicator* sum_over) {
   at::NoGradGuard no_grad;

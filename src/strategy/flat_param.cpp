@@ -48,7 +48,6 @@ void FlatParam::adopt_grad(size_t i) {
 }
 
 void FlatParam::adopt_grads() {
-  if (!grad_full.defined()) grad_full = flat_empty(layout.padded, compute_dtype);
   for (size_t i = 0; i < params.size(); ++i) adopt_grad(i);
 }
 

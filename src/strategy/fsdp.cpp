@@ -364,12 +364,17 @@ void ShardedStrategy::param_ready(size_t f, size_t p) {
   if (sync_ || reducer_->reduces_every_micro_step(options_.accumulation())) {
     for (size_t g : unit.flats) {
       if (!flats_[g].trainable) continue;
-      reducer_->launch(g);
-      ++collectives_;
-      order_hash_ = order_hash_ * 1000003 + static_cast<int64_t>(g) + 1;
+      launch_reduction(g);
     }
   }
   gatherer_->reshard(u);
+}
+
+// Every reduction goes through here, counted and folded into the order check.
+void ShardedStrategy::launch_reduction(size_t f) {
+  reducer_->launch(f);
+  ++collectives_;
+  order_hash_ = order_hash_ * 1000003 + static_cast<int64_t>(f) + 1;
 }
 
 // ---- finish -------------------------------------------------------------------------------
@@ -385,9 +390,7 @@ void ShardedStrategy::finish_gradient_sync() {
       if (!flats_[f].trainable || !reducer_->needs_reduction(f)) continue;
       reducer_->clear_stale(f);
       flats_[f].adopt_grads();
-      reducer_->launch(f);
-      ++collectives_;
-      order_hash_ = order_hash_ * 1000003 + static_cast<int64_t>(f) + 1;
+      launch_reduction(f);
     }
     reducer_->complete_all();
     check_reduction_order();

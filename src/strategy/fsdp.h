@@ -102,6 +102,7 @@ class ShardedStrategy final : public Strategy {
   void begin_backward();
   void end_backward();
   void open_window();
+  void launch_reduction(size_t f);
   void check_reduction_order();
   void check_units_called();
   bool primary_params() const;

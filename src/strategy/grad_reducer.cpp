@@ -155,7 +155,6 @@ class AllReduceReducer final : public GradReducer {
   void launch(size_t f) override {
     FlatParam& fl = flats_[f];
     at::NoGradGuard no_grad;
-    clear_stale(f);
     Reduction r;
     r.flat = f;
     r.src = r.out = in_reduce_dtype(fl);

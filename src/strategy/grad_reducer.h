@@ -36,7 +36,9 @@ class GradReducer {
 
   /// A new accumulation window begins: forget the last one's sums.
   virtual void start_window() = 0;
-  /// Before the first gradient of a window reaches flat f's whole buffer.
+  /// Before the first gradient of a window reaches flat f's whole buffer
+  /// (accumulator pre-hooks), and before finish reduces a flat that no
+  /// gradient reached: launch() expects it done.
   virtual void clear_stale(size_t f) {}
   /// Whether finish must still reduce flat f (no hook reduced its latest
   /// gradients in this window).

@@ -84,15 +84,13 @@ void UnitGatherer::refresh_from_shards() {
 }
 
 void UnitGatherer::record(size_t u) {
-  if (frozen_) return;
-  if (position_.size() < units_.size()) position_.resize(units_.size(), -1);
-  if (position_[u] >= 0) return;
+  if (frozen_ || position_[u] >= 0) return;
   position_[u] = static_cast<long>(order_.size());
   order_.push_back(u);
 }
 
 long UnitGatherer::next_in_order(size_t u, int direction) const {
-  if (!frozen_ || u >= position_.size() || position_[u] < 0) return -1;
+  if (!frozen_ || position_[u] < 0) return -1;
   const long next = position_[u] + direction;
   if (next < 0 || next >= static_cast<long>(order_.size())) return -1;
   return static_cast<long>(order_[static_cast<size_t>(next)]);

@@ -41,11 +41,13 @@ struct Unit {
 
 class UnitGatherer {
  public:
-  /// `comm` is the shard group (null when nothing is sharded); at most
+  /// `units` are final (set-up is done); `comm` is the shard group (null
+  /// when nothing is sharded); at most
   /// `limit` unit gathers are in flight at once through prefetching.
   UnitGatherer(std::vector<Unit>& units, std::vector<FlatParam>& flats, comm::Communicator* comm,
                int64_t limit, WaitClock& clock)
-      : units_(units), flats_(flats), comm_(comm), limit_(limit), clock_(clock) {}
+      : units_(units), flats_(flats), comm_(comm), limit_(limit), clock_(clock),
+        position_(units.size(), -1) {}
 
   /// Sharded -> Gathering: one async all-gather per flat of the unit.
   void issue(size_t u);
