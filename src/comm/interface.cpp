@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 #include "shardtrain/core/error.h"
 
@@ -20,25 +21,28 @@ using ::shardtrain::detail::str_cat;
 
 namespace {
 
-std::string numeric(const sockaddr* sa) {
-  char buf[INET6_ADDRSTRLEN] = {0};
-  const void* raw = sa->sa_family == AF_INET
-                        ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(sa)->sin_addr)
-                        : static_cast<const void*>(&reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr);
-  return inet_ntop(sa->sa_family, raw, buf, sizeof(buf)) != nullptr ? buf : "";
+std::string numeric(const sockaddr_in& addr) {
+  char buf[INET_ADDRSTRLEN] = {0};
+  return inet_ntop(AF_INET, &addr.sin_addr, buf, sizeof(buf)) != nullptr ? buf : "";
 }
 
-// Calls fn(name, address) for each interface address of the family `family`.
-template <typename Fn>
-void each_address(int family, Fn&& fn) {
+// The first interface that is up and for which match(name, IPv4 address)
+// holds, as {name, address}; {"", ""} when none.
+template <typename Match>
+std::pair<std::string, std::string> find_ipv4(Match&& match) {
+  std::pair<std::string, std::string> found;
   ifaddrs* list = nullptr;
-  if (getifaddrs(&list) != 0) return;
+  if (getifaddrs(&list) != 0) return found;
   for (ifaddrs* a = list; a != nullptr; a = a->ifa_next) {
-    if (a->ifa_addr != nullptr && a->ifa_addr->sa_family == family && (a->ifa_flags & IFF_UP)) {
-      fn(std::string(a->ifa_name), numeric(a->ifa_addr));
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET || !(a->ifa_flags & IFF_UP)) continue;
+    const std::string addr = numeric(*reinterpret_cast<const sockaddr_in*>(a->ifa_addr));
+    if (match(a->ifa_name, addr)) {
+      found = {a->ifa_name, addr};
+      break;
     }
   }
   freeifaddrs(list);
+  return found;
 }
 
 const char* env_interface(std::string& source) {
@@ -60,9 +64,7 @@ Endpoint choose_endpoint(const std::string& master_addr) {
   if (const char* iface = env_interface(source)) {
     e.iface = iface;
     e.named = true;
-    each_address(AF_INET, [&](const std::string& name, const std::string& addr) {
-      if (name == e.iface && e.address.empty()) e.address = addr;
-    });
+    e.address = find_ipv4([&](const std::string& name, const std::string&) { return name == e.iface; }).second;
     ST_CHECK(!e.address.empty(), CommError, source, "='", e.iface,
              "' names no interface that is up with an IPv4 address on this host; list them with "
              "`ip -4 addr` and name one the ranks share, or unset ", source,
@@ -93,11 +95,9 @@ Endpoint choose_endpoint(const std::string& master_addr) {
   ST_CHECK(routed, CommError, "no route from this host to the master address '", master_addr,
            "' (", std::strerror(err),
            "); check the address, or name the interface with SHARDTRAIN_SOCKET_IFNAME");
-  e.address = numeric(reinterpret_cast<const sockaddr*>(&local));
-  e.iface = "?";
-  each_address(AF_INET, [&](const std::string& name, const std::string& addr) {
-    if (addr == e.address && e.iface == "?") e.iface = name;
-  });
+  e.address = numeric(local);
+  e.iface = find_ipv4([&](const std::string&, const std::string& addr) { return addr == e.address; }).first;
+  if (e.iface.empty()) e.iface = "?";
   e.why = str_cat("routes to ", master_addr);
   return e;
 }
