@@ -510,11 +510,6 @@ int find_free_port() {
   return ntohs(addr.sin_port);
 }
 
-namespace {
-// What shardtrain's tools exit with for a configuration error or bad arguments.
-constexpr int kBadInputExitCode = 2;
-}  // namespace
-
 int launch(const LaunchOptions& options) {
   validate(options);
   // One port for every attempt: a restarted group meets where the first did.

@@ -50,8 +50,8 @@ int launch_main(int argc, char** argv) {
     // The first word that is not an option starts the program, as in torchrun.
     if (arg.size() < 2 || arg[0] != '-') break;
 
-    ST_CHECK(launch_flag(argc, argv, i, options), ConfigError, "unknown option '", arg,
-             "'; allowed: ", kLaunchFlags, ", --help, then '--' and the program");
+    ST_CHECK(launch_flag(argc, argv, i, options) != nullptr, ConfigError, "unknown option '", arg,
+             "'; allowed: ", launch_flag_names(), ", --help, then '--' and the program");
   }
   for (; i < argc; ++i) options.command().emplace_back(argv[i]);
   ST_CHECK(!options.command().empty(), ConfigError,

@@ -10,10 +10,6 @@
 
 namespace shardtrain::cli {
 
-const char kLaunchFlags[] =
-    "--nproc-per-node, --nnodes, --node-rank, --master-addr, --master-port, "
-    "--max-restarts, --stop-grace, --tail-lines";
-
 const char kLaunchFlagsUsage[] =
     "  --nproc-per-node N|auto  ranks on this node; auto = online CPUs\n"
     "  --nnodes M               nodes in the job (default 1)\n"
@@ -55,7 +51,62 @@ int online_cpus() {
 
 }  // namespace
 
-bool launch_flag(int argc, char** argv, int& i, dist::LaunchOptions& options) {
+namespace {
+
+using Apply = void (*)(const std::string& flag, const std::string& value, dist::LaunchOptions& o);
+
+struct Flag {
+  const char* name;
+  Apply apply;
+};
+
+const Flag kFlags[] = {
+    {"--nproc-per-node",
+     [](const std::string& flag, const std::string& value, dist::LaunchOptions& o) {
+       o.nproc_per_node(value == "auto" ? online_cpus()
+                                        : parse_int(flag, value, 1, 65536, "a count >= 1 or 'auto'"));
+     }},
+    {"--nnodes",
+     [](const std::string& flag, const std::string& value, dist::LaunchOptions& o) {
+       o.nnodes(parse_int(flag, value, 1, 65536, "a count >= 1"));
+     }},
+    {"--node-rank",
+     [](const std::string& flag, const std::string& value, dist::LaunchOptions& o) {
+       o.node_rank(parse_int(flag, value, 0, 65535, "a node index >= 0"));
+     }},
+    {"--master-addr",
+     [](const std::string& flag, const std::string& value, dist::LaunchOptions& o) {
+       ST_CHECK(!value.empty(), ConfigError, "invalid value '' for ", flag,
+                "; expected a host name or address");
+       o.master_addr(value);
+     }},
+    {"--master-port",
+     [](const std::string& flag, const std::string& value, dist::LaunchOptions& o) {
+       o.master_port(parse_int(flag, value, 1, 65535, "a TCP port 1..65535"));
+     }},
+    {"--max-restarts",
+     [](const std::string& flag, const std::string& value, dist::LaunchOptions& o) {
+       o.max_restarts(parse_int(flag, value, 0, 1000000, "a count >= 0"));
+     }},
+    {"--stop-grace",
+     [](const std::string& flag, const std::string& value, dist::LaunchOptions& o) {
+       o.stop_grace_s(parse_seconds(flag, value));
+     }},
+    {"--tail-lines",
+     [](const std::string& flag, const std::string& value, dist::LaunchOptions& o) {
+       o.tail_lines(parse_int(flag, value, 0, 100000, "a count >= 0"));
+     }},
+};
+
+}  // namespace
+
+std::string launch_flag_names() {
+  std::string names;
+  for (const Flag& f : kFlags) names += (names.empty() ? "" : ", ") + std::string(f.name);
+  return names;
+}
+
+const char* launch_flag(int argc, char** argv, int& i, dist::LaunchOptions& options) {
   const std::string arg = argv[i];
   std::string flag = arg, value;
   bool has_value = false;
@@ -68,37 +119,16 @@ bool launch_flag(int argc, char** argv, int& i, dist::LaunchOptions& options) {
   for (char& c : flag) {
     if (c == '_') c = '-';  // torchrun's spellings
   }
-  static const char* const kKnown[] = {"--nproc-per-node", "--nnodes",       "--node-rank",
-                                       "--master-addr",    "--master-port",  "--max-restarts",
-                                       "--stop-grace",     "--tail-lines"};
-  bool known = false;
-  for (const char* k : kKnown) known = known || flag == k;
-  if (!known) return false;
-  if (!has_value) {
-    ST_CHECK(i + 1 < argc, ConfigError, flag, " needs a value; see --help");
-    value = argv[++i];
+  for (const Flag& f : kFlags) {
+    if (flag != f.name) continue;
+    if (!has_value) {
+      ST_CHECK(i + 1 < argc, ConfigError, flag, " needs a value; see --help");
+      value = argv[++i];
+    }
+    f.apply(flag, value, options);
+    return f.name;
   }
-  if (flag == "--nproc-per-node") {
-    options.nproc_per_node(value == "auto" ? online_cpus()
-                                           : parse_int(flag, value, 1, 65536, "a count >= 1 or 'auto'"));
-  } else if (flag == "--nnodes") {
-    options.nnodes(parse_int(flag, value, 1, 65536, "a count >= 1"));
-  } else if (flag == "--node-rank") {
-    options.node_rank(parse_int(flag, value, 0, 65535, "a node index >= 0"));
-  } else if (flag == "--master-addr") {
-    ST_CHECK(!value.empty(), ConfigError, "invalid value '' for ", flag,
-             "; expected a host name or address");
-    options.master_addr(value);
-  } else if (flag == "--master-port") {
-    options.master_port(parse_int(flag, value, 1, 65535, "a TCP port 1..65535"));
-  } else if (flag == "--max-restarts") {
-    options.max_restarts(parse_int(flag, value, 0, 1000000, "a count >= 0"));
-  } else if (flag == "--stop-grace") {
-    options.stop_grace_s(parse_seconds(flag, value));
-  } else {
-    options.tail_lines(parse_int(flag, value, 0, 100000, "a count >= 0"));
-  }
-  return true;
+  return nullptr;
 }
 
 void check_launch_flags(const dist::LaunchOptions& options) {

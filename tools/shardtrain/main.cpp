@@ -7,6 +7,7 @@
 
 #include "commands.h"
 #include "shardtrain/core/error.h"
+#include "shardtrain/dist/launcher.h"
 
 namespace {
 
@@ -37,7 +38,7 @@ void usage(FILE* out) {
 int main(int argc, char** argv) {
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     usage(argc < 2 ? stderr : stdout);
-    return argc < 2 ? 2 : 0;
+    return argc < 2 ? shardtrain::dist::kBadInputExitCode : 0;
   }
   for (const auto& c : kCommands) {
     if (std::strcmp(argv[1], c.name) != 0) continue;
@@ -45,7 +46,7 @@ int main(int argc, char** argv) {
       return c.run(argc - 1, argv + 1);
     } catch (const shardtrain::ConfigError& e) {
       std::fprintf(stderr, "shardtrain %s: configuration error: %s\n", c.name, e.what());
-      return 2;
+      return shardtrain::dist::kBadInputExitCode;
     } catch (const shardtrain::CheckpointError& e) {
       std::fprintf(stderr, "shardtrain %s: checkpoint error: %s\n", c.name, e.what());
       return 3;
@@ -56,5 +57,5 @@ int main(int argc, char** argv) {
   }
   std::fprintf(stderr, "shardtrain: unknown command '%s'\n\n", argv[1]);
   usage(stderr);
-  return 2;
+  return shardtrain::dist::kBadInputExitCode;
 }

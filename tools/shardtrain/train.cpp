@@ -59,15 +59,15 @@ TrainArgs parse(int argc, char** argv) {
       } else {
         a.overrides.push_back(arg.substr(6));
       }
-    } else if (launch_flag(argc, argv, i, a.launch)) {
+    } else if (const char* flag = launch_flag(argc, argv, i, a.launch)) {
       a.launch_flags = true;
-      if (arg.rfind("--nproc", 0) == 0) a.nproc = a.launch.nproc_per_node();
+      if (std::strcmp(flag, "--nproc-per-node") == 0) a.nproc = a.launch.nproc_per_node();
     } else if (!arg.empty() && arg[0] != '-' && !have_config) {
       a.config = arg;
       have_config = true;
     } else {
       ST_CHECK(false, ConfigError, "unexpected argument '", arg, "'; allowed: CONFIG, --set, ",
-               kLaunchFlags, "; see shardtrain train --help");
+               launch_flag_names(), "; see shardtrain train --help");
     }
   }
   return a;
@@ -123,7 +123,7 @@ int train_main(int argc, char** argv) {
              args.launch.nnodes(), "; use ddp, zero1 or fsdp across nodes");
     if (launched) return relaunch(args, nproc);
   } else {
-    ST_CHECK(!args.launch_flags, ConfigError, "launch options (", kLaunchFlags,
+    ST_CHECK(!args.launch_flags, ConfigError, "launch options (", launch_flag_names(),
              ") apply only outside a launcher, but this process is already rank ", env.rank,
              " of a launched job; give them to the launcher instead");
   }

@@ -61,6 +61,11 @@ struct LaunchOptions {
 ///     max_restarts must be 0: restarts cannot be coordinated across nodes.
 int launch(const LaunchOptions& options);
 
+/// The exit code of a program that refused bad input (a configuration error,
+/// bad arguments): shardtrain's tools exit with it, and launch() does not
+/// restart a group whose rank exited with it.
+constexpr int kBadInputExitCode = 2;
+
 /// A TCP port that was free on this machine a moment ago.
 int find_free_port();
 
