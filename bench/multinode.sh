@@ -27,27 +27,10 @@ cli=$(readlink -f "$BUILD_DIR/shardtrain")
 [ "$(id -u)" = 0 ] || { echo "bench/multinode.sh: needs root (it creates network namespaces)" >&2; exit 1; }
 [ -x "$cli" ] || { echo "bench/multinode.sh: no $cli; run make build first" >&2; exit 1; }
 
-tag=stb$$
-a=$tag-a b=$tag-b
 out=$(mktemp -d)
-cleanup() {
-  for ns in "$a" "$b"; do
-    ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
-    ip netns del "$ns" 2>/dev/null || true
-  done
-  rm -rf "$out"
-}
-trap cleanup EXIT
-ip netns add "$a"
-ip netns add "$b"
-ip link add "$tag-0" type veth peer name "$tag-1"
-ip link set "$tag-0" netns "$a"
-ip link set "$tag-1" netns "$b"
-ip -n "$a" addr add 10.77.0.1/24 dev "$tag-0"
-ip -n "$b" addr add 10.77.0.2/24 dev "$tag-1"
-for ns in "$a" "$b"; do ip -n "$ns" link set lo up; done
-ip -n "$a" link set "$tag-0" up
-ip -n "$b" link set "$tag-1" up
+source tests/dist/netns_hosts.sh
+trap 'hosts_down; rm -rf "$out"' EXIT
+hosts_up "stb$$" 10.77.0.
 # netem gives rate and delay; kernels without sch_netem get tbf (rate only).
 SHAPE="netem, $RATE, $DELAY each way"
 shape() {  # namespace device
@@ -55,12 +38,12 @@ shape() {  # namespace device
   ip netns exec "$1" tc qdisc add dev "$2" root tbf rate "$RATE" burst 256kb latency 50ms
   SHAPE="tbf, $RATE each way; no added delay: this kernel has no sch_netem"
 }
-shape "$a" "$tag-0"
-shape "$b" "$tag-1"
+shape "${HOST_NS[0]}" "${HOST_DEV[0]}"
+shape "${HOST_NS[1]}" "${HOST_DEV[1]}"
 
 link_bytes() {
-  echo $(( $(ip netns exec "$a" cat /sys/class/net/$tag-0/statistics/tx_bytes) +
-           $(ip netns exec "$b" cat /sys/class/net/$tag-1/statistics/tx_bytes) ))
+  echo $(( $(ip netns exec "${HOST_NS[0]}" cat "/sys/class/net/${HOST_DEV[0]}/statistics/tx_bytes") +
+           $(ip netns exec "${HOST_NS[1]}" cat "/sys/class/net/${HOST_DEV[1]}/statistics/tx_bytes") ))
 }
 last_step() {
   [ -f "$1/metrics.jsonl" ] || { echo 0; return; }
@@ -85,9 +68,8 @@ for mode in $MODES; do
   port=$((port + 1))
   pids=()
   for node in 0 1; do
-    ns=$a; [ "$node" = 1 ] && ns=$b
-    ip netns exec "$ns" env OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 "$cli" train --nnodes 2 \
-      --node-rank "$node" --nproc-per-node 2 --master-addr 10.77.0.1 --master-port "$port" \
+    ip netns exec "${HOST_NS[node]}" env OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 "$cli" train --nnodes 2 \
+      --node-rank "$node" --nproc-per-node 2 --master-addr "${HOST_ADDR[0]}" --master-port "$port" \
       "${model[@]}" "${extra[@]}" --set run.dir="$run" >"$out/$mode.$node.log" 2>&1 &
     pids+=($!)
   done

@@ -13,31 +13,22 @@ cd "$src"
 [ "$(id -u)" = 0 ] && command -v ip >/dev/null || { echo "needs root and iproute2"; exit 77; }
 unset SHARDTRAIN_SOCKET_IFNAME GLOO_SOCKET_IFNAME
 tag=st$$
-a=$tag-a b=$tag-b
 net=10.$((200 + $$ % 50)).$(($$ % 250)).
 work=$(mktemp -d)
-cleanup() {
-  ip netns pids "$a" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
-  ip netns pids "$b" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
-  ip netns del "$a" 2>/dev/null || true
-  ip netns del "$b" 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
+source "$(dirname "${BASH_SOURCE[0]}")/netns_hosts.sh"
+trap 'hosts_down; rm -rf "$work"' EXIT
 fail() { echo "FAIL: $*"; exit 1; }
+hosts_up "$tag" "$net"
+master=${HOST_ADDR[0]}
 
-ip netns add "$a"
-ip netns add "$b"
-ip link add "$tag-0" type veth peer name "$tag-1"
-ip link set "$tag-0" netns "$a"
-ip link set "$tag-1" netns "$b"
-ip -n "$a" addr add "${net}1/24" dev "$tag-0"
-ip -n "$b" addr add "${net}2/24" dev "$tag-1"
-for ns in "$a" "$b"; do
-  ip -n "$ns" link set lo up
-done
-ip -n "$a" link set "$tag-0" up
-ip -n "$b" link set "$tag-1" up
+# Starts `shardtrain ARGS... --master-addr <host 0> --master-port PORT` on
+# node NODE's host, output to LOG, in the background; its pid goes to pids.
+start_on() {
+  local node=$1 log=$2
+  shift 2
+  ip netns exec "${HOST_NS[node]}" env SHARDTRAIN_TIMEOUT_S=60 "$@" >"$log" 2>&1 &
+  pids+=($!)
+}
 
 common=(--set trainer.max_steps=3 --set trainer.eval_every=0 --set trainer.sample_tokens=0
         --set batch.global=8 --set batch.micro=2 --set batch.accumulate=null
@@ -57,21 +48,17 @@ for strategy in ddp hybrid; do
   port=$((port + 1))
   pids=()
   for node in 0 1; do
-    ns=$a
-    [ "$node" = 1 ] && ns=$b
     # ddp through `shardtrain launch`, hybrid through `shardtrain train`'s own launch options.
-    launch=("$cli" launch --nnodes 2 --node-rank "$node" --nproc-per-node 2 --master-addr "${net}1"
-            --master-port "$port" -- "$cli" train)
-    [ "$strategy" = hybrid ] && launch=("$cli" train --nnodes 2 --node-rank "$node" --nproc-per-node 2
-                                        --master-addr "${net}1" --master-port "$port")
-    ip netns exec "$ns" env SHARDTRAIN_TIMEOUT_S=60 "${launch[@]}" "${common[@]}" "${extra[@]}" \
-      --set run.dir="$run" >"$work/$strategy.$node.log" 2>&1 &
-    pids+=($!)
+    hosts=(--nnodes 2 --node-rank "$node" --nproc-per-node 2 --master-addr "$master" --master-port "$port")
+    launch=("$cli" launch "${hosts[@]}" -- "$cli" train)
+    [ "$strategy" = hybrid ] && launch=("$cli" train "${hosts[@]}")
+    start_on "$node" "$work/$strategy.$node.log" "${launch[@]}" "${common[@]}" "${extra[@]}" \
+      --set run.dir="$run"
   done
   rc=0
   for p in "${pids[@]}"; do wait "$p" || rc=$?; done
   [ "$rc" = 0 ] || { cat "$work/$strategy".*.log; fail "$strategy across two hosts exited $rc"; }
-  grep -q "network: $tag-0 ${net}1 (routes to ${net}1)" "$work/$strategy.0.log" || {
+  grep -q "network: ${HOST_DEV[0]} $master (routes to $master)" "$work/$strategy.0.log" || {
     cat "$work/$strategy.0.log"; fail "$strategy: rank 0 did not report the veth interface it chose"; }
   got=$(losses "$run/metrics.jsonl")
   python3 - "$reference" "$got" "$strategy" <<'PY' || fail "$strategy: losses differ from the single-process run"
@@ -92,19 +79,15 @@ run="$work/loss"
 port=$((port + 1))
 pids=()
 for node in 0 1; do
-  ns=$a
-  [ "$node" = 1 ] && ns=$b
-  ip netns exec "$ns" env SHARDTRAIN_TIMEOUT_S=60 "$cli" train --nnodes 2 --node-rank "$node" \
-    --nproc-per-node 2 --master-addr "${net}1" --master-port "$port" "${common[@]}" \
-    --set trainer.max_steps=100000 --set distributed.strategy=ddp --set run.dir="$run" \
-    >"$work/loss.$node.log" 2>&1 &
-  pids+=($!)
+  start_on "$node" "$work/loss.$node.log" "$cli" train --nnodes 2 --node-rank "$node" \
+    --nproc-per-node 2 --master-addr "$master" --master-port "$port" "${common[@]}" \
+    --set trainer.max_steps=100000 --set distributed.strategy=ddp --set run.dir="$run"
 done
 until grep -q '"step": 3,' "$run/metrics.jsonl" 2>/dev/null; do
   kill -0 "${pids[0]}" 2>/dev/null || { cat "$work/loss.0.log"; fail "node-loss run ended early"; }
   sleep 0.1
 done
-ip netns pids "$b" | xargs -r kill -9
+hosts_kill 1
 start=$SECONDS
 rc=0
 wait "${pids[0]}" || rc=$?
