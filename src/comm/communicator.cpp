@@ -17,11 +17,14 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <iostream>
+#include <optional>
 #include <mutex>
 #include <thread>
 
 #include "comm/detail.h"
 #include "comm/interface.h"
+#include "comm/kv_store.h"
 #include "comm/store.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/dist/env.h"
@@ -131,6 +134,46 @@ class Worker {
   std::thread thread_;  // last: starts after the members it uses exist
 };
 
+// Refreshes this rank's heartbeat key about every second from its own
+// thread, so a rank busy computing still beats and a stopped one does not.
+class Heartbeat {
+ public:
+  Heartbeat(std::shared_ptr<KvStore> kv, std::string key)
+      : kv_(std::move(kv)), key_(std::move(key)), thread_([this] { run(); }) {}
+  ~Heartbeat() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  Heartbeat(const Heartbeat&) = delete;
+  Heartbeat& operator=(const Heartbeat&) = delete;
+
+ private:
+  void run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (uint64_t beat = 0; !stop_; ++beat) {
+      lock.unlock();
+      try {
+        kv_->set(key_, std::to_string(beat));
+      } catch (const std::exception&) {
+        return;  // the store is gone; the ops will say so
+      }
+      lock.lock();
+      cv_.wait_for(lock, std::chrono::seconds(1), [this] { return stop_; });
+    }
+  }
+
+  std::shared_ptr<KvStore> kv_;
+  std::string key_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts after the members it uses exist
+};
+
 // ---- the group -------------------------------------------------------------------
 
 class Group {
@@ -139,10 +182,12 @@ class Group {
   int size = 1;
   std::string name = "world";
   std::vector<int> global_ranks{0};
-  Timeout timeout{std::chrono::minutes(30)};
+  Timeout timeout{std::chrono::minutes(10)};
   int64_t segment_bytes = int64_t{1} << 20;
   // Rendezvous state kept for new_group(); null for a world of one.
-  std::shared_ptr<gloo::rendezvous::Store> store;
+  std::shared_ptr<KvStore> kv;
+  std::shared_ptr<gloo::rendezvous::Store> store;  // Gloo's view of kv
+  int round = 0;  // the restart round; heartbeats are kept per round
   std::shared_ptr<gloo::transport::Device> device;
   Endpoint endpoint;  // the interface and address `device` is bound to
   int ranks_per_node = 0;  // LOCAL_WORLD_SIZE when the world spans several nodes, else 0
@@ -156,6 +201,8 @@ class Group {
   // Set by the first failed op; every later op fails fast with it.
   std::mutex broken_mutex;
   std::string broken;
+  // The world group's liveness signal in the store (heartbeat_key).
+  std::unique_ptr<Heartbeat> heartbeat;
   // Declared last: destroyed first, so queued ops finish while the rest lives.
   std::unique_ptr<Worker> p2p_worker;
   std::unique_ptr<Worker> worker;
@@ -167,6 +214,27 @@ class Group {
   void mark_broken(const std::string& why) {
     std::lock_guard<std::mutex> lock(broken_mutex);
     if (broken.empty()) broken = why;
+  }
+
+  // " Suspect: rank 1 (...)." for the world ranks of this group whose
+  // heartbeat went stale, or empty: who to blame when an op timed out.
+  std::string suspects() const {
+    if (!kv) return {};
+    std::string found;
+    for (int member = 0; member < size; ++member) {
+      if (member == rank) continue;
+      const int global = global_ranks[member];
+      std::optional<int64_t> age;
+      try {
+        age = kv->age_ms(heartbeat_key(round, global));
+      } catch (const std::exception&) {
+        return {};  // the store is gone too; nothing to compare against
+      }
+      if (!age || *age < kStaleHeartbeatMs) continue;
+      found += str_cat(found.empty() ? "" : ", ", "rank ", global, " (no heartbeat for ",
+                       *age / 1000, " s: stopped, hung or dead)");
+    }
+    return found.empty() ? found : str_cat(" Suspect: ", found, ".");
   }
 
   OpContext op_context(const char* op, uint64_t seq_no, Timeout op_timeout) {
@@ -292,16 +360,6 @@ void check_op(ReduceOp op, DType dtype, const char* name) {
 
 char* bytes(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 
-std::chrono::milliseconds env_timeout(std::chrono::milliseconds fallback) {
-  const char* raw = std::getenv("SHARDTRAIN_TIMEOUT_S");
-  if (raw == nullptr || *raw == '\0') return fallback;
-  char* end = nullptr;
-  const double seconds = std::strtod(raw, &end);
-  ST_CHECK(end != raw && *end == '\0' && seconds > 0, ConfigError, "SHARDTRAIN_TIMEOUT_S='", raw,
-           "' is not a positive number of seconds");
-  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
-}
-
 // A TCP device bound to the address other ranks reach this one at
 // (interface.h says which), recorded in `chosen`.
 std::shared_ptr<gloo::transport::Device> make_device(const std::string& master_addr,
@@ -320,6 +378,41 @@ std::shared_ptr<gloo::transport::Device> make_device(const std::string& master_a
                             " (", chosen.why, "): ", e.what(),
                             ". Hint: set SHARDTRAIN_SOCKET_IFNAME to the interface the ranks "
                             "share."));
+  }
+}
+
+// Announces `rank` under `prefix` and waits for all `size` ranks, saying
+// every ~10 s which are missing, so a peer that never comes is visible long
+// before the timeout.
+void join(KvStore& kv, const std::string& prefix, int rank, int size, Timeout timeout) {
+  std::vector<std::string> keys;
+  for (int i = 0; i < size; ++i) keys.push_back(str_cat(prefix, "/joined/", i));
+  kv.set(keys[rank], "1");
+  const auto start = Clock::now();
+  const auto deadline = start + timeout;
+  for (;;) {
+    const auto left = std::chrono::duration_cast<Timeout>(deadline - Clock::now());
+    if (kv.wait(keys, std::clamp(left, Timeout(0), Timeout(std::chrono::seconds(10))))) return;
+    std::string missing;
+    int count = 0;
+    for (int i = 0; i < size; ++i) {
+      if (kv.try_get(keys[i])) continue;
+      if (++count <= 16) missing += str_cat(count > 1 ? ", " : "", i);
+    }
+    if (count == 0) return;
+    if (count > 16) missing += str_cat(" and ", count - 16, " more");
+    const auto waited = std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - start);
+    if (Clock::now() >= deadline) {
+      throw TimeoutError(str_cat(
+          "rank ", rank, ": rank", count > 1 ? "s " : " ", missing, " of ", size,
+          " never joined the rendezvous at ", kv.where(), " (waited ", waited.count(),
+          " s). Hint: check that they were started, with the same MASTER_ADDR/MASTER_PORT, "
+          "WORLD_SIZE and SHARDTRAIN_JOB_TOKEN; SHARDTRAIN_TIMEOUT_S sets how long to wait"));
+    }
+    std::cerr << str_cat("shardtrain: rank ", rank, " waiting for rank", count > 1 ? "s " : " ",
+                         missing, " of ", size, " to join (", waited.count(), " s of ",
+                         std::chrono::duration_cast<std::chrono::seconds>(timeout).count(),
+                         " s)\n");
   }
 }
 
@@ -370,7 +463,10 @@ CommOptions CommOptions::from_env() {
   CommOptions options;
   options.rank(env.rank).world_size(env.world_size).master_addr(env.master_addr)
       .master_port(env.master_port);
-  options.timeout(detail::env_timeout(options.timeout()));
+  options.timeout(detail::timeout_from_env(options.timeout()));
+  options.round(env.restart_count).job_token(detail::job_token_from_env());
+  if (const char* hosted = std::getenv("SHARDTRAIN_STORE_HOSTED"))
+    options.store_hosted(std::string(hosted) == "1");
   if (const char* init = std::getenv("SHARDTRAIN_INIT_METHOD"); init != nullptr && *init != '\0')
     options.init_method(init);
   if (const char* seg = std::getenv("SHARDTRAIN_SEGMENT_BYTES"); seg != nullptr && *seg != '\0') {
@@ -403,16 +499,19 @@ std::shared_ptr<Communicator> Communicator::create(const CommOptions& options) {
   group->timeout = options.timeout();
   group->segment_bytes = options.segment_bytes();
   if (group->size > 1) {
-    group->store = detail::open_store(options.init_method(), options.master_addr(),
-                                      options.master_port(), options.rank(),
-                                      options.world_size(), options.timeout());
+    group->kv = detail::open_store(options);
+    group->store = detail::gloo_store(group->kv, options.timeout());
+    group->round = options.round();
     group->device = detail::make_device(options.master_addr(), group->endpoint);
     // Launchers start the same number of ranks on every node (LOCAL_WORLD_SIZE).
     if (const char* local = std::getenv("LOCAL_WORLD_SIZE")) {
       const int n = std::atoi(local);
       if (n > 0 && n < group->size && group->size % n == 0) group->ranks_per_node = n;
     }
-    group->store_prefix = "shardtrain/world";
+    group->store_prefix = detail::world_prefix(options.round());
+    detail::join(*group->kv, group->store_prefix, group->rank, group->size, group->timeout);
+    group->heartbeat = std::make_unique<detail::Heartbeat>(
+        group->kv, detail::heartbeat_key(group->round, group->rank));
     group->ctx = detail::connect(*group->store, group->store_prefix, group->device, group->rank,
                                  group->size, group->timeout, group->name);
     group->worker = std::make_unique<detail::Worker>();
@@ -455,6 +554,11 @@ Work run_collective(detail::Group& g, const char* op, Timeout timeout, bool asyn
       const auto start = std::chrono::steady_clock::now();
       try {
         body(g.op_context(op, seq, timeout));
+      } catch (const TimeoutError& e) {
+        // A peer that never answered: name the ranks whose heartbeat stopped.
+        const std::string text = e.what() + g.suspects();
+        g.mark_broken(text);
+        error = std::make_exception_ptr(TimeoutError(text));
       } catch (const std::exception& e) {
         g.mark_broken(e.what());
         error = std::current_exception();
@@ -636,7 +740,9 @@ std::shared_ptr<Communicator> Communicator::new_group(std::vector<int> ranks) {
   group->timeout = parent.timeout;
   group->segment_bytes = parent.segment_bytes;
   if (group->size > 1) {
+    group->kv = parent.kv;
     group->store = parent.store;
+    group->round = parent.round;
     group->device = parent.device;
     group->endpoint = parent.endpoint;
     group->ranks_per_node = parent.ranks_per_node;

@@ -1,24 +1,33 @@
-// Rendezvous stores: c10d's TCPStore or FileStore behind Gloo's Store
-// interface, so Gloo's full-mesh connect runs over them. Internal.
+// The stores a group's rendezvous runs over: our own TCP store (kv_store.h)
+// or c10d's FileStore, each behind the KvStore interface, and an adapter
+// that lets Gloo's full-mesh connect use either. Internal.
 #pragma once
 
 #include <chrono>
 #include <memory>
 #include <string>
 
+#include "comm/kv_store.h"
+
 namespace gloo::rendezvous {
 class Store;
 }
 
+namespace shardtrain::comm {
+struct CommOptions;
+}
+
 namespace shardtrain::comm::detail {
 
-/// Opens the store named by `init_method` ("env://" for a TCP store at
-/// master_addr:master_port hosted by rank 0, or "file:///path"). Throws
-/// ConfigError for an unknown scheme, TimeoutError when the TCP store cannot
-/// be reached within `timeout`.
-std::shared_ptr<gloo::rendezvous::Store> open_store(const std::string& init_method,
-                                                    const std::string& master_addr,
-                                                    int master_port, int rank, int world_size,
+/// Opens the store named by options.init_method(): "env://" for the TCP
+/// store at master_addr:master_port (hosted by the launcher when
+/// store_hosted() says so, else by rank 0 on the master address itself),
+/// or "file:///path". Throws ConfigError for an unknown scheme, CommError
+/// (TimeoutError) when the store cannot be hosted or reached.
+std::shared_ptr<KvStore> open_store(const CommOptions& options);
+
+/// Gloo's view of `store`: get() waits up to `timeout` for the key.
+std::shared_ptr<gloo::rendezvous::Store> gloo_store(std::shared_ptr<KvStore> store,
                                                     std::chrono::milliseconds timeout);
 
 }  // namespace shardtrain::comm::detail

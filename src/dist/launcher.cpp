@@ -13,12 +13,14 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "comm/kv_store.h"
 #include "shardtrain/core/error.h"
 
 extern char** environ;
@@ -34,12 +36,15 @@ constexpr size_t kMaxLineBytes = 64 * 1024;
 // How long output of exited ranks is still read when something (a grandchild
 // that inherited the pipe) keeps it open.
 constexpr double kDrainSeconds = 1.0;
+// How often a launcher of a multi-node job looks for other nodes' failures.
+constexpr int kWatchMs = 250;
 
 // Variables the launcher sets, plus other launchers' rank variables: those
 // describe the launcher's own slot, so a rank must not see them.
 const std::set<std::string> kReplacedVars = {
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-    "MASTER_PORT", "SHARDTRAIN_RESTART_COUNT", "SLURM_PROCID", "SLURM_LOCALID",
+    "MASTER_PORT", "SHARDTRAIN_RESTART_COUNT", "SHARDTRAIN_JOB_TOKEN",
+    "SHARDTRAIN_STORE_HOSTED", "SLURM_PROCID", "SLURM_LOCALID",
     "SLURM_NODEID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE",
     "MPI_LOCALRANKID", "MPI_LOCALNRANKS"};
@@ -47,6 +52,8 @@ const std::set<std::string> kReplacedVars = {
 // ---- signals: a self-pipe the handlers write the signal number into --------
 
 int g_signal_pipe[2] = {-1, -1};
+// SIGINT or SIGTERM seen by take_stop_signal() (outside a running group).
+int g_stop_signal = 0;
 
 void on_signal(int sig) {
   const int saved = errno;
@@ -92,6 +99,21 @@ class SignalGuard {
 
 constexpr int SignalGuard::kHandled[3];
 
+// Empties the self-pipe; returns SIGINT or SIGTERM when one of them arrived
+// (the first of them), else 0. SIGCHLD only wakes the caller.
+int take_stop_signal() {
+  int stop = 0;
+  unsigned char sigs[64];
+  ssize_t n;
+  while ((n = ::read(g_signal_pipe[0], sigs, sizeof sigs)) > 0) {
+    for (ssize_t i = 0; i < n; ++i) {
+      if (stop == 0 && (sigs[i] == SIGINT || sigs[i] == SIGTERM)) stop = sigs[i];
+    }
+  }
+  if (stop != 0 && g_stop_signal == 0) g_stop_signal = stop;
+  return stop;
+}
+
 // ---- output ------------------------------------------------------------------
 
 void write_all(int fd, const std::string& text) {
@@ -119,6 +141,207 @@ std::string describe_code(int code) {
   return ::shardtrain::detail::str_cat("exit code ", code);
 }
 
+// ---- the launchers' rendezvous ----------------------------------------------------
+//
+// Node 0's launcher hosts the job's store for the whole job, so it outlives
+// every round of ranks (rank 0's death no longer takes the store with it).
+// Each round k, every launcher announces itself under launch/k/ and waits for
+// all nodes; the first failure anywhere is written to launch/k/failed, which
+// every launcher watches and answers by stopping its ranks; node 0 then
+// writes launch/k/next ("restart" or "stop") and the others follow it.
+
+using comm::detail::KvStore;
+
+std::string launch_key(int round, const std::string& what) {
+  return ::shardtrain::detail::str_cat("shardtrain/launch/", round, "/", what);
+}
+
+struct Failure {
+  int code = 1;
+  std::string what;  // "node 1: rank 3 failed with exit code 1"
+};
+
+class Rendezvous {
+ public:
+  Rendezvous(const LaunchOptions& o, const std::string& master, const std::string& token)
+      : options_(o), timeout_(comm::detail::timeout_from_env(std::chrono::minutes(10))) {
+    if (o.node_rank() == 0) {
+      server_ = std::make_unique<comm::detail::StoreServer>(
+          master, o.master_port(), token, [](const std::string& line) { say(line); });
+      kv_ = server_.get();
+      port_ = server_->port();
+    } else {
+      say(::shardtrain::detail::str_cat("node ", o.node_rank(), ": connecting to node 0 at ",
+                                        master, ":", o.master_port()));
+      client_ = comm::detail::connect_store(master, o.master_port(), token, timeout_);
+      kv_ = client_.get();
+      port_ = o.master_port();
+    }
+  }
+
+  int port() const { return port_; }
+  KvStore& store() { return *kv_; }
+
+  /// The round this launcher starts in: node 0 opens round 0; a node that
+  /// (re)starts later joins the newest round that is still gathering nodes.
+  /// Returns -1 when a stop signal arrived while waiting.
+  int first_round() {
+    if (options_.node_rank() == 0) return 0;
+    auto round = wait_for("shardtrain/launch/round", "node 0 to open the job");
+    if (!round) return -1;
+    int k = std::stoi(*round);
+    for (;;) {
+      const auto joined = kv_->try_get(launch_key(k, "joined"));
+      const bool full = joined && std::stoi(*joined) >= options_.nnodes();
+      if (!full && !kv_->try_get(launch_key(k, "failed"))) return k;
+      // That round runs (or ends) without us: wait for the next one.
+      if (!wait_for(launch_key(k + 1, "open"), "the job's current round to end")) return -1;
+      ++k;
+    }
+  }
+
+  /// Every node announces itself for `round` and waits for the others,
+  /// saying every ~10 s which nodes are missing. False on a stop signal;
+  /// TimeoutError when a node does not come within SHARDTRAIN_TIMEOUT_S.
+  bool join(int round) {
+    if (options_.node_rank() == 0) {
+      kv_->set("shardtrain/launch/round", std::to_string(round));
+      kv_->set(launch_key(round, "open"), "1");
+    }
+    kv_->add(launch_key(round, "joined"), 1);
+    kv_->set(launch_key(round, "node/" + std::to_string(options_.node_rank())), "1");
+    if (options_.nnodes() == 1) return true;
+    std::vector<std::string> keys;
+    for (int n = 0; n < options_.nnodes(); ++n) keys.push_back(launch_key(round, "node/" + std::to_string(n)));
+    const auto start = Clock::now();
+    auto next_note = start + std::chrono::seconds(10);
+    for (;;) {
+      if (kv_->wait(keys, std::chrono::milliseconds(500))) return true;
+      if (take_stop_signal() != 0) return false;
+      const auto now = Clock::now();
+      if (now < next_note && now < start + timeout_) continue;
+      std::string missing;
+      for (int n = 0; n < options_.nnodes(); ++n) {
+        if (!kv_->try_get(keys[n])) missing += (missing.empty() ? "" : ", ") + std::to_string(n);
+      }
+      const long waited = static_cast<long>(
+          std::chrono::duration_cast<std::chrono::seconds>(now - start).count());
+      ST_CHECK(now < start + timeout_, TimeoutError, "node ", missing, " did not join round ",
+               round, " of the job within ", waited,
+               " s. Hint: start its launcher with the same --master-addr, --master-port and "
+               "SHARDTRAIN_JOB_TOKEN; SHARDTRAIN_TIMEOUT_S sets how long to wait");
+      say(::shardtrain::detail::str_cat("round ", round, ": waiting for node ", missing, " of ",
+                                        options_.nnodes(), " (", waited, " s)"));
+      next_note = now + std::chrono::seconds(10);
+    }
+  }
+
+  /// Records this node's failure in `round` unless another was first.
+  void fail(int round, const Failure& f) {
+    try {
+      if (kv_->add(launch_key(round, "failures"), 1) == 1) {
+        kv_->set(launch_key(round, "failed"), std::to_string(f.code) + " " + f.what);
+      }
+    } catch (const std::exception& e) {
+      say(::shardtrain::detail::str_cat("cannot tell the other nodes: ", e.what()));
+    }
+  }
+
+  /// The first failure of `round` on any node, if there was one. Losing the
+  /// store (node 0's launcher is gone) is a failure that cannot restart.
+  std::optional<Failure> failed(int round) {
+    if (options_.nnodes() == 1) return std::nullopt;
+    try {
+      const auto value = kv_->try_get(launch_key(round, "failed"));
+      if (!value) return std::nullopt;
+      const size_t space = value->find(' ');
+      return Failure{std::atoi(value->c_str()), value->substr(space + 1)};
+    } catch (const std::exception& e) {
+      lost_store_ = true;
+      return Failure{1, ::shardtrain::detail::str_cat("lost the job's store on node 0 (",
+                                                      e.what(), ")")};
+    }
+  }
+
+  /// After a failed round: node 0 decides whether the job restarts and tells
+  /// the others, who follow. False: stop.
+  bool restart_after(int round, bool node0_wants) {
+    if (lost_store_) return false;
+    if (options_.node_rank() == 0) {
+      kv_->set(launch_key(round, "next"), node0_wants ? "restart" : "stop");
+      return node0_wants;
+    }
+    try {
+      const auto next = wait_for(launch_key(round, "next"), "node 0 to decide on a restart");
+      return next && *next == "restart";
+    } catch (const std::exception& e) {
+      say(::shardtrain::detail::str_cat("lost the job's store on node 0: ", e.what()));
+      return false;
+    }
+  }
+
+  /// This node's ranks all succeeded in `round`. Node 0 then waits for the
+  /// other nodes to finish too, because they need its store until they do;
+  /// returns a failure reported meanwhile, if any.
+  std::optional<Failure> finish(int round) {
+    if (options_.nnodes() == 1) return std::nullopt;
+    try {
+      kv_->set(launch_key(round, "done/" + std::to_string(options_.node_rank())), "1");
+    } catch (const std::exception&) {
+      return std::nullopt;  // node 0 is gone; our own ranks are done
+    }
+    if (options_.node_rank() != 0) return std::nullopt;
+    std::vector<std::string> keys;
+    for (int n = 0; n < options_.nnodes(); ++n) keys.push_back(launch_key(round, "done/" + std::to_string(n)));
+    const auto deadline = Clock::now() + timeout_;
+    while (!kv_->wait(keys, std::chrono::milliseconds(500))) {
+      if (auto f = failed(round)) return f;
+      if (take_stop_signal() != 0 || Clock::now() >= deadline) break;
+    }
+    return std::nullopt;
+  }
+
+  /// "rank 3 (no heartbeat for 12 s ...)" for ranks of `round` whose heartbeat
+  /// went stale, or empty.
+  std::string suspects(int round, int world_size) {
+    std::string found;
+    try {
+      for (int r = 0; r < world_size; ++r) {
+        const auto age = kv_->age_ms(comm::detail::heartbeat_key(round, r));
+        if (!age || *age < comm::detail::kStaleHeartbeatMs) continue;
+        found += ::shardtrain::detail::str_cat(found.empty() ? "" : ", ", "rank ", r,
+                                               " (no heartbeat for ", *age / 1000,
+                                               " s: stopped, hung or dead)");
+      }
+    } catch (const std::exception&) {
+    }
+    return found;
+  }
+
+ private:
+  // Waits for `key`, in slices so a stop signal is noticed; nullopt on a
+  // signal, TimeoutError after SHARDTRAIN_TIMEOUT_S.
+  std::optional<std::string> wait_for(const std::string& key, const char* what) {
+    const auto deadline = Clock::now() + timeout_;
+    for (;;) {
+      if (kv_->wait({key}, std::chrono::milliseconds(500))) return kv_->try_get(key);
+      if (take_stop_signal() != 0) return std::nullopt;
+      ST_CHECK(Clock::now() < deadline, TimeoutError, "node ", options_.node_rank(),
+               " waited ", std::chrono::duration_cast<std::chrono::seconds>(timeout_).count(),
+               " s for ", what, " (", kv_->where(),
+               "). Hint: check node 0's launcher; SHARDTRAIN_TIMEOUT_S sets how long to wait");
+    }
+  }
+
+  const LaunchOptions& options_;
+  std::chrono::milliseconds timeout_;
+  std::unique_ptr<comm::detail::StoreServer> server_;
+  std::unique_ptr<KvStore> client_;
+  KvStore* kv_ = nullptr;
+  int port_ = 0;
+  bool lost_store_ = false;
+};
+
 // One of a rank's output pipes and the line it is in the middle of.
 struct Stream {
   int fd = -1;
@@ -137,8 +360,8 @@ struct Rank {
 
 class Group {
  public:
-  Group(const LaunchOptions& options, int port, int restart)
-      : options_(options), port_(port), restart_(restart) {}
+  Group(const LaunchOptions& options, Rendezvous& rdzv, const std::string& token, int restart)
+      : options_(options), rdzv_(rdzv), token_(token), restart_(restart) {}
 
   // Whatever happens (an exception included), no rank outlives the group.
   ~Group() {
@@ -161,6 +384,8 @@ class Group {
   /// The rank whose failure decided run()'s result, -1 for none.
   int failed_rank() const { return failed_ < 0 ? -1 : ranks_[failed_].rank; }
   bool interrupted() const { return signal_ != 0; }
+  /// Another node's failure that stopped this node's ranks.
+  const std::optional<Failure>& remote_failure() const { return remote_; }
 
  private:
   void start_all();
@@ -173,10 +398,16 @@ class Group {
   void stop_all(int sig);
   void report_failure() const;
 
+  void begin_stopping();
+  void watch_other_nodes();
+
   const LaunchOptions& options_;
-  const int port_;
+  Rendezvous& rdzv_;
+  const std::string& token_;
   const int restart_;
   std::vector<Rank> ranks_;
+  std::optional<Failure> remote_;
+  std::string suspects_;     // ranks whose heartbeat had stopped when one failed
   int failed_ = -1;          // index into ranks_
   int signal_ = 0;           // SIGINT / SIGTERM received by the launcher
   bool stopping_ = false;
@@ -201,8 +432,10 @@ std::vector<std::string> Group::child_env(int local_rank) const {
   set("LOCAL_WORLD_SIZE", std::to_string(options_.nproc_per_node()));
   set("GROUP_RANK", std::to_string(options_.node_rank()));
   set("MASTER_ADDR", options_.master_addr().empty() ? "127.0.0.1" : options_.master_addr());
-  set("MASTER_PORT", std::to_string(port_));
+  set("MASTER_PORT", std::to_string(rdzv_.port()));
   set("SHARDTRAIN_RESTART_COUNT", std::to_string(restart_));
+  set("SHARDTRAIN_JOB_TOKEN", token_);
+  set("SHARDTRAIN_STORE_HOSTED", "1");
   return env;
 }
 
@@ -344,15 +577,56 @@ void Group::reap() {
     // Exits after we began stopping the group are consequences, not causes.
     if (r.code == 0 || stopping_) continue;
     failed_ = static_cast<int>(i);
-    int others = 0;
-    for (auto& o : ranks_) others += o.running ? 1 : 0;
-    say(::shardtrain::detail::str_cat("rank ", r.rank, " failed with ", describe_code(r.code),
-                                      others ? "; stopping the other ranks" : ""));
-    stopping_ = true;
-    kill_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                        std::chrono::duration<double>(options_.stop_grace_s()));
-    stop_all(SIGTERM);
+    // Now, before the others are stopped: a hung rank's heartbeat is the
+    // only stale one, and it is why a healthy rank timed out.
+    suspects_ = rdzv_.suspects(restart_, options_.nnodes() * options_.nproc_per_node());
+    const std::string what = ::shardtrain::detail::str_cat("rank ", r.rank, " failed with ",
+                                                           describe_code(r.code));
+    say(what + (suspects_.empty() ? "" : "; suspect: " + suspects_) +
+        (options_.nnodes() > 1 ? "; stopping the job on every node" : "; stopping the other ranks"));
+    rdzv_.fail(restart_, Failure{r.code, ::shardtrain::detail::str_cat("node ", options_.node_rank(),
+                                                                       ": ", what)});
+    begin_stopping();
   }
+}
+
+// Whether `pid` is stopped (SIGSTOP, a debugger): it cannot act on SIGTERM,
+// so waiting out the grace period for it would only delay the stop.
+bool is_stopped(pid_t pid) {
+  FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
+  if (f == nullptr) return false;
+  char state = 0;
+  // "pid (comm) state ...": the state follows the last ')'.
+  char buf[512];
+  const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  if (const char* close = std::strrchr(buf, ')'); close && close[1] == ' ') state = close[2];
+  return state == 'T' || state == 't';
+}
+
+void Group::begin_stopping() {
+  stopping_ = true;
+  kill_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                      std::chrono::duration<double>(options_.stop_grace_s()));
+  stop_all(SIGTERM);
+  for (auto& r : ranks_) {
+    if (r.running && is_stopped(r.pid)) {
+      say(::shardtrain::detail::str_cat("rank ", r.rank, " is stopped (SIGSTOP?); sending SIGKILL"));
+      ::kill(-r.pid, SIGKILL);
+    }
+  }
+}
+
+// A failure on another node stops this node's ranks too: the job restarts
+// (or ends) as a whole.
+void Group::watch_other_nodes() {
+  if (stopping_ || options_.nnodes() == 1) return;
+  auto failure = rdzv_.failed(restart_);
+  if (!failure) return;
+  say("stopping this node's ranks: " + failure->what);
+  remote_ = std::move(failure);
+  begin_stopping();
 }
 
 int Group::run() {
@@ -402,6 +676,8 @@ int Group::run() {
     };
     if (!any_running) timeout_ms = ms_until(drain_deadline);
     else if (stopping_ && !killed_) timeout_ms = ms_until(kill_deadline_);
+    // Other nodes' failures arrive through the store, which does not wake us.
+    if (options_.nnodes() > 1 && any_running && !stopping_) timeout_ms = kWatchMs;
     const int ready = ::poll(fds.data(), fds.size(), timeout_ms);
     if (ready < 0 && errno != EINTR) {
       ST_CHECK(false, Error, "poll failed: ", std::strerror(errno));
@@ -421,12 +697,10 @@ int Group::run() {
           signal_ = sig;
           say(::shardtrain::detail::str_cat("got ", ::strsignal(sig),
                                             "; forwarding it to the ranks"));
-          stop_all(sig);
           if (!stopping_) {
-            stopping_ = true;
-            kill_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                                std::chrono::duration<double>(options_.stop_grace_s()));
+            begin_stopping();
           }
+          stop_all(sig);
         } else if (!killed_) {
           // A second Ctrl-C means "now": don't wait out the grace period.
           say("got a second signal; sending SIGKILL to the ranks");
@@ -436,6 +710,7 @@ int Group::run() {
       }
     }
     reap();
+    watch_other_nodes();
   }
   if (failed_ >= 0) {
     report_failure();
@@ -457,6 +732,10 @@ void Group::report_failure() const {
                                          ", which failed with ", describe_code(r.code), ":");
     for (const auto& line : r.tail) text += "\n  [rank " + std::to_string(r.rank) + "] " + line;
   }
+  if (!suspects_.empty()) {
+    text += ::shardtrain::detail::str_cat("\n  suspect: ", suspects_, "; rank ", r.rank,
+                                          "'s failure is probably a consequence");
+  }
   say(text);
 }
 
@@ -476,12 +755,6 @@ void validate(const LaunchOptions& o) {
   ST_CHECK(o.nnodes() == 1 || !o.master_addr().empty(), ConfigError, "with nnodes=", o.nnodes(),
            " the master address must be given (the host of node 0); pass --master-addr");
   ST_CHECK(o.max_restarts() >= 0, ConfigError, "max_restarts=", o.max_restarts(), " must be >= 0");
-  // Restarts would need every node's launcher to restart together, which
-  // needs a rendezvous between launchers that does not exist yet.
-  ST_CHECK(o.nnodes() == 1 || o.max_restarts() == 0, ConfigError, "max_restarts=", o.max_restarts(),
-           " is not supported with nnodes=", o.nnodes(),
-           ": a restart cannot be coordinated across nodes yet; use 0 and let the scheduler "
-           "restart the job");
   ST_CHECK(std::isfinite(o.stop_grace_s()) && o.stop_grace_s() >= 0, ConfigError,
            "stop_grace_s=", o.stop_grace_s(), " must be a number of seconds >= 0");
   ST_CHECK(o.tail_lines() >= 0, ConfigError, "tail_lines=", o.tail_lines(), " must be >= 0");
@@ -512,30 +785,57 @@ int find_free_port() {
 
 int launch(const LaunchOptions& options) {
   validate(options);
-  // One port for every attempt: a restarted group meets where the first did.
-  const int port = options.master_port() != 0 ? options.master_port() : find_free_port();
+  std::string token = comm::detail::job_token_from_env();
+  ST_CHECK(!token.empty() || options.nnodes() == 1, ConfigError, "with nnodes=", options.nnodes(),
+           " every node's launcher must know the job's secret: set SHARDTRAIN_JOB_TOKEN to the "
+           "same value on every node, e.g. export SHARDTRAIN_JOB_TOKEN=$(head -c 32 /dev/urandom "
+           "| od -An -tx1 | tr -d ' \\n')");
+  if (token.empty()) token = comm::detail::new_job_token();
+  const std::string master = options.master_addr().empty() ? "127.0.0.1" : options.master_addr();
   SignalGuard signals;
-  for (int restart = 0;; ++restart) {
-    Group group(options, port, restart);
-    const int code = group.run();
-    if (code == 0 || group.interrupted() || group.failed_rank() < 0) return code;
+  // Node 0 hosts the store for every round: a restarted group meets where
+  // the first did.
+  Rendezvous rdzv(options, master, token);
+  const int first = rdzv.first_round();
+  for (int round = first; round >= 0; ++round) {
+    if (!rdzv.join(round)) break;
+    if (round == first && first > 0) {
+      say(::shardtrain::detail::str_cat("node ", options.node_rank(), " joined the job at round ",
+                                        round, " (restart ", round, " of ", options.max_restarts(),
+                                        ")"));
+    }
+    Group group(options, rdzv, token, round);
+    int code = group.run();
+    if (group.interrupted()) return code;
+    const bool local = group.failed_rank() >= 0;
+    if (!local && !group.remote_failure()) {  // every rank of this node succeeded
+      const auto late = rdzv.finish(round);
+      if (!late) return code;
+      say("this node's ranks finished, but " + late->what);
+      return late->code;
+    }
+    if (!local) code = group.remote_failure()->code;
+    bool restart = round < options.max_restarts();
     if (code == kBadInputExitCode && options.max_restarts() > 0) {
       // Bad input fails the same way every time: restarting cannot help.
-      say(::shardtrain::detail::str_cat("not restarting: rank ", group.failed_rank(), " exited with ",
-                                        code, " (bad input, e.g. a configuration error)"));
-      return code;
+      say(::shardtrain::detail::str_cat("not restarting: ", local ? "rank " + std::to_string(group.failed_rank()) : group.remote_failure()->what,
+                                        " exited with ", code,
+                                        " (bad input, e.g. a configuration error)"));
+      restart = false;
     }
-    if (restart >= options.max_restarts()) {
-      if (options.max_restarts() > 0) {
-        say(::shardtrain::detail::str_cat("giving up after ", options.max_restarts(),
-                                          " restart", options.max_restarts() == 1 ? "" : "s"));
+    if (!rdzv.restart_after(round, restart)) {
+      if (options.max_restarts() > 0 && round >= options.max_restarts()) {
+        say(::shardtrain::detail::str_cat("giving up after ", options.max_restarts(), " restart",
+                                          options.max_restarts() == 1 ? "" : "s"));
       }
       return code;
     }
-    say(::shardtrain::detail::str_cat("restarting all ", options.nproc_per_node(),
-                                      " ranks (restart ", restart + 1, " of ",
+    say(::shardtrain::detail::str_cat("restarting all ", options.nnodes() * options.nproc_per_node(),
+                                      " ranks (restart ", round + 1, " of ",
                                       options.max_restarts(), ")"));
   }
+  // A stop signal while waiting for other nodes.
+  return 128 + (g_stop_signal != 0 ? g_stop_signal : SIGTERM);
 }
 
 }  // namespace shardtrain::dist

@@ -32,6 +32,8 @@ case "$mode" in
     done ;;
   two-nodes)
     half=$((n / 2))
+    # Both nodes' launchers must share the job's secret.
+    export SHARDTRAIN_JOB_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
     for node in 0 1; do
       "$cli" launch --nnodes 2 --node-rank $node --nproc-per-node $half \
         --master-addr 127.0.0.1 --master-port "$port" -- "$@" &

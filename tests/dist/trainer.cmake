@@ -30,9 +30,18 @@ set_tests_properties(cli.train_every_precision PROPERTIES TIMEOUT 600 ENVIRONMEN
 add_test(NAME cli.train_two_hosts
          COMMAND ${CMAKE_CURRENT_LIST_DIR}/two_hosts.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
 set_tests_properties(cli.train_two_hosts PROPERTIES TIMEOUT 600 SKIP_RETURN_CODE 77 RUN_SERIAL TRUE)
+# Restarts across two namespace hosts: kills, a lost host that comes back,
+# and a stranger refused by the store.
+add_test(NAME cli.train_two_hosts_chaos
+         COMMAND ${CMAKE_CURRENT_LIST_DIR}/two_hosts_chaos.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
+set_tests_properties(cli.train_two_hosts_chaos PROPERTIES TIMEOUT 600 SKIP_RETURN_CODE 77 RUN_SERIAL TRUE)
 
 # A rank SIGKILLed three times under --max-restarts 3: the run resumes each
 # time and ends bit-identical to an uninterrupted one.
 add_test(NAME cli.train_chaos_restarts
          COMMAND ${CMAKE_CURRENT_LIST_DIR}/train_chaos.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
 set_tests_properties(cli.train_chaos_restarts PROPERTIES TIMEOUT 600 ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=60")
+
+add_test(NAME cli.silent_waits
+         COMMAND ${CMAKE_CURRENT_LIST_DIR}/silent_waits.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
+set_tests_properties(cli.silent_waits PROPERTIES TIMEOUT 300)

@@ -20,6 +20,8 @@ trap 'hosts_down; rm -rf "$work"' EXIT
 fail() { echo "FAIL: $*"; exit 1; }
 hosts_up "$tag" "$net"
 master=${HOST_ADDR[0]}
+# Launchers started separately share the job's secret.
+export SHARDTRAIN_JOB_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
 
 # Starts `shardtrain ARGS... --master-addr <host 0> --master-port PORT` on
 # node NODE's host, output to LOG, in the background; its pid goes to pids.

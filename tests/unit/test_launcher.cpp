@@ -1,6 +1,7 @@
 // Runs the real `shardtrain launch` as a subprocess with launch_probe as its
 // rank program, and checks exit codes, prefixed output, restarts and signals.
 #include <gtest/gtest.h>
+#include "shardtrain/dist/launcher.h"
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -215,10 +216,19 @@ TEST(Launcher, RanksGetTheTorchrunVariables) {
   EXPECT_LE(port, 65535);
 }
 
+// Two launchers on this machine as nodes 0 and 1 of one job.
 TEST(Launcher, SecondNodeGetsGlobalRanks) {
-  const Result r = run({"launch", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1",
-                        "--master-addr", "10.1.2.3", "--master-port", "1234", "--", kProbe,
-                        "print-env"});
+  const std::string port = std::to_string(shardtrain::dist::find_free_port());
+  const std::vector<std::string> env = {"SHARDTRAIN_JOB_TOKEN=two-node-test"};
+  auto node = [&](const char* rank) {
+    return std::vector<std::string>{"launch", "--nproc-per-node", "2", "--nnodes", "2",
+                                    "--node-rank", rank, "--master-addr", "127.0.0.1",
+                                    "--master-port", port, "--", kProbe, "print-env"};
+  };
+  Cli node0(node("0"), env), node1(node("1"), env);
+  const Result r0 = node0.finish();
+  const Result r = node1.finish();
+  ASSERT_EQ(r0.code, 0) << r0.err;
   ASSERT_EQ(r.code, 0) << r.err;
   for (int k : {2, 3}) {
     const std::string p = "[rank " + std::to_string(k) + "] ";
@@ -226,9 +236,18 @@ TEST(Launcher, SecondNodeGetsGlobalRanks) {
     EXPECT_TRUE(contains(r.out, p + "LOCAL_RANK=" + std::to_string(k - 2) + "\n"));
     EXPECT_TRUE(contains(r.out, p + "WORLD_SIZE=4\n"));
     EXPECT_TRUE(contains(r.out, p + "GROUP_RANK=1\n"));
-    EXPECT_TRUE(contains(r.out, p + "MASTER_ADDR=10.1.2.3\n"));
-    EXPECT_TRUE(contains(r.out, p + "MASTER_PORT=1234\n"));
+    EXPECT_TRUE(contains(r.out, p + "MASTER_ADDR=127.0.0.1\n"));
+    EXPECT_TRUE(contains(r.out, p + "MASTER_PORT=" + port + "\n"));
   }
+  EXPECT_TRUE(contains(r0.out, "[rank 0] RANK=0\n")) << r0.out;
+}
+
+TEST(Launcher, SeveralNodesNeedAJobToken) {
+  const Result r = run({"launch", "--nproc-per-node", "1", "--nnodes", "2", "--master-addr",
+                        "127.0.0.1", "--master-port", "1234", "--", kProbe, "print-env"},
+                       {"SHARDTRAIN_JOB_TOKEN="});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "SHARDTRAIN_JOB_TOKEN")) << r.err;
 }
 
 TEST(Launcher, OneFailingRankStopsTheOthers) {

@@ -14,11 +14,14 @@ const char kLaunchFlagsUsage[] =
     "  --nproc-per-node N|auto  ranks on this node; auto = online CPUs\n"
     "  --nnodes M               nodes in the job (default 1)\n"
     "  --node-rank R            this node's index, 0..M-1 (default 0)\n"
-    "  --master-addr A          host of rank 0 (default 127.0.0.1; required if M > 1)\n"
-    "  --master-port P          port of rank 0 (default: a free one; required if M > 1)\n"
-    "  --max-restarts K         restart all ranks up to K times after a failure (default 0)\n"
+    "  --master-addr A          address of node 0, whose launcher hosts the job's store\n"
+    "                           (default 127.0.0.1; required if M > 1)\n"
+    "  --master-port P          port of the store (default: a free one; required if M > 1)\n"
+    "  --max-restarts K         restart the whole job, on every node, up to K times\n"
+    "                           after a failure (default 0)\n"
     "  --stop-grace S           seconds between SIGTERM and SIGKILL when stopping\n"
-    "  --tail-lines N           lines of a failed rank's output shown again (default 20)\n";
+    "  --tail-lines N           lines of a failed rank's output shown again (default 20)\n"
+    "With M > 1, set SHARDTRAIN_JOB_TOKEN to one secret on every node.\n";
 
 namespace {
 
@@ -141,10 +144,6 @@ void check_launch_flags(const dist::LaunchOptions& options) {
   ST_CHECK(options.nnodes() == 1 || !options.master_addr().empty(), ConfigError,
            "--master-addr is required with --nnodes ", options.nnodes(),
            " (the host of node 0)");
-  ST_CHECK(options.nnodes() == 1 || options.max_restarts() == 0, ConfigError,
-           "--max-restarts ", options.max_restarts(), " is not supported with --nnodes ",
-           options.nnodes(), ": restarts cannot be coordinated across nodes yet; use 0 and let "
-           "the scheduler restart the job");
 }
 
 }  // namespace shardtrain::cli

@@ -127,15 +127,25 @@ struct CommOptions {
 
   /// Only "gloo" in this build.
   ST_ARG(std::string, backend) = "gloo";
-  /// "env://" (TCP store at master_addr:master_port hosted by rank 0), or
-  /// "file:///path/to/store" (a file every rank can reach).
+  /// "env://" (TCP store at master_addr:master_port, hosted by the launcher
+  /// or by rank 0), or "file:///path/to/store" (a file every rank can reach).
   ST_ARG(std::string, init_method) = "env://";
   ST_ARG(int, rank) = 0;
   ST_ARG(int, world_size) = 1;
   ST_ARG(std::string, master_addr) = "127.0.0.1";
   ST_ARG(int, master_port) = 29500;
-  /// Default deadline of every op and of the rendezvous (30 minutes).
-  ST_ARG(Timeout, timeout) = std::chrono::minutes(30);
+  /// Default deadline of every op and of the rendezvous (10 minutes;
+  /// SHARDTRAIN_TIMEOUT_S).
+  ST_ARG(Timeout, timeout) = std::chrono::minutes(10);
+  /// The secret that admits a process to the job's store (SHARDTRAIN_JOB_TOKEN,
+  /// set by the launcher); empty admits anyone.
+  ST_ARG(std::string, job_token) = "";
+  /// The launcher hosts the store (SHARDTRAIN_STORE_HOSTED=1), so rank 0
+  /// connects to it like every other rank instead of hosting it.
+  ST_ARG(bool, store_hosted) = false;
+  /// The restart round (SHARDTRAIN_RESTART_COUNT): keeps the keys of earlier
+  /// rounds in a store that outlives them apart from this one's.
+  ST_ARG(int, round) = 0;
   /// Largest message of a ring step; smaller values exercise the
   /// multi-segment paths in tests.
   ST_ARG(int64_t, segment_bytes) = int64_t{1} << 20;

@@ -20,7 +20,7 @@ struct LaunchOptions {
   ST_ARG(std::string, master_addr) = "";
   /// 0: pick a free port on this machine (single node only).
   ST_ARG(int, master_port) = 0;
-  /// Times the whole group is restarted after a failure.
+  /// Times the whole job (every node) is restarted after a failure.
   ST_ARG(int, max_restarts) = 0;
   /// Seconds the other ranks get between SIGTERM and SIGKILL once one failed.
   ST_ARG(double, stop_grace_s) = 3.0;
@@ -32,15 +32,26 @@ struct LaunchOptions {
 
 /// Starts nproc_per_node ranks with the torchrun variables set (RANK,
 /// LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
-/// MASTER_PORT, SHARDTRAIN_RESTART_COUNT), prefixes each line they print with
-/// "[rank k] ", forwards SIGINT and SIGTERM to all of them, and returns the
-/// exit code for the launcher: 0 when every rank succeeded; otherwise the code
-/// of the first rank that failed (128 + signal for a rank killed by a signal),
-/// after stopping the rest and printing that rank's last lines to stderr.
-/// Restarts the whole group up to max_restarts times after a failure, with
-/// SHARDTRAIN_RESTART_COUNT incremented and the same master port, except
-/// when a rank exits with 2 (bad input: a configuration error), which a
-/// restart cannot cure. The Trainer resumes a restarted job from its newest
+/// MASTER_PORT, SHARDTRAIN_RESTART_COUNT) plus the job's store secret
+/// (SHARDTRAIN_JOB_TOKEN, SHARDTRAIN_STORE_HOSTED), prefixes each line they
+/// print with "[rank k] ", forwards SIGINT and SIGTERM to all of them, and
+/// returns the exit code for the launcher: 0 when every rank succeeded;
+/// otherwise the code of the first rank that failed (128 + signal for a rank
+/// killed by a signal), after stopping the rest and printing that rank's
+/// last lines to stderr, with any rank whose heartbeat had stopped named as
+/// the suspect.
+///
+/// Node 0's launcher hosts the job's rendezvous store at
+/// master_addr:master_port, bound to that address only, for the whole job;
+/// every connection must prove it knows the job token (the launcher makes
+/// one per job; with nnodes > 1, SHARDTRAIN_JOB_TOKEN must be set to one
+/// value on every node). The launchers meet there each round: a failure on
+/// any node stops the ranks on every node, and node 0 decides whether the
+/// whole job restarts: up to max_restarts times, with SHARDTRAIN_RESTART_COUNT
+/// incremented, except when a rank exits with 2 (bad input: a configuration
+/// error), which a restart cannot cure. A node whose launcher starts again
+/// (after losing the node) joins the next round; node 0 waits for it up to
+/// SHARDTRAIN_TIMEOUT_S. The Trainer resumes a restarted job from its newest
 /// checkpoint (checkpoint.resume).
 ///
 /// Conventions:
@@ -57,8 +68,9 @@ struct LaunchOptions {
 ///     group, SIGKILL after stop_grace_s (or at once on a second signal); the
 ///     result is 128 + signal, or the code of a rank that had already failed.
 ///     A stop by signal never restarts.
-///   - With nnodes > 1, master_addr and master_port are required and
-///     max_restarts must be 0: restarts cannot be coordinated across nodes.
+///   - With nnodes > 1, master_addr and master_port are required.
+///   - Node 0's launcher is the job's anchor: if it dies, the other nodes
+///     stop (their store is gone) and the job must be started again.
 int launch(const LaunchOptions& options);
 
 /// The exit code of a program that refused bad input (a configuration error,
