@@ -57,6 +57,8 @@ model=(--set model.n_layer=8 --set model.n_head=8 --set model.n_embd=512 --set m
 results="$out/results.jsonl"
 : >"$results"
 port=29700
+# Launchers started separately share the job's secret.
+export SHARDTRAIN_JOB_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
 for mode in $MODES; do
   case $mode in
     ddp) extra=(--set distributed.strategy=ddp) ;;
