@@ -465,8 +465,7 @@ CommOptions CommOptions::from_env() {
       .master_port(env.master_port);
   options.timeout(detail::timeout_from_env(options.timeout()));
   options.round(env.restart_count).job_token(detail::job_token_from_env());
-  if (const char* hosted = std::getenv("SHARDTRAIN_STORE_HOSTED"))
-    options.store_hosted(std::string(hosted) == "1");
+  if (const char* store = std::getenv("SHARDTRAIN_STORE")) options.store(store);
   if (const char* init = std::getenv("SHARDTRAIN_INIT_METHOD"); init != nullptr && *init != '\0')
     options.init_method(init);
   if (const char* seg = std::getenv("SHARDTRAIN_SEGMENT_BYTES"); seg != nullptr && *seg != '\0') {

@@ -117,9 +117,17 @@ class GlooStore final : public gloo::rendezvous::Store {
 std::shared_ptr<KvStore> open_store(const CommOptions& options) {
   const std::string& init_method = options.init_method();
   if (init_method == "env://") {
+    if (!options.store().empty()) {
+      const std::string& at = options.store();
+      const size_t colon = at.rfind(':');
+      const int port = colon == std::string::npos ? 0 : std::atoi(at.c_str() + colon + 1);
+      ST_CHECK(colon != std::string::npos && colon > 0 && port > 0 && port < 65536, ConfigError,
+               "SHARDTRAIN_STORE='", at, "' is not address:port");
+      return connect_store(at.substr(0, colon), port, options.job_token(), options.timeout());
+    }
     ST_CHECK(options.master_port() > 0 && options.master_port() < 65536, ConfigError,
              "master port ", options.master_port(), " is out of range; use 1..65535 (MASTER_PORT)");
-    if (options.rank() == 0 && !options.store_hosted()) {
+    if (options.rank() == 0) {
       // No launcher hosts the store: rank 0 does, on the master address only.
       if (options.job_token().empty() && options.master_addr() != "127.0.0.1" &&
           options.master_addr() != "localhost" && options.master_addr() != "::1") {

@@ -20,8 +20,8 @@ struct CommOptions;
 namespace shardtrain::comm::detail {
 
 /// Opens the store named by options.init_method(): "env://" for the TCP
-/// store at master_addr:master_port (hosted by the launcher when
-/// store_hosted() says so, else by rank 0 on the master address itself),
+/// store the launcher hosts at options.store(), or without one, the store
+/// rank 0 hosts at master_addr:master_port (bound to that address only);
 /// or "file:///path". Throws ConfigError for an unknown scheme, CommError
 /// (TimeoutError) when the store cannot be hosted or reached.
 std::shared_ptr<KvStore> open_store(const CommOptions& options);

@@ -44,7 +44,7 @@ constexpr int kWatchMs = 250;
 const std::set<std::string> kReplacedVars = {
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
     "MASTER_PORT", "SHARDTRAIN_RESTART_COUNT", "SHARDTRAIN_JOB_TOKEN",
-    "SHARDTRAIN_STORE_HOSTED", "SLURM_PROCID", "SLURM_LOCALID",
+    "SHARDTRAIN_STORE", "SLURM_PROCID", "SLURM_LOCALID",
     "SLURM_NODEID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE",
     "MPI_LOCALRANKID", "MPI_LOCALNRANKS"};
@@ -164,12 +164,16 @@ struct Failure {
 class Rendezvous {
  public:
   Rendezvous(const LaunchOptions& o, const std::string& master, const std::string& token)
-      : options_(o), timeout_(comm::detail::timeout_from_env(std::chrono::minutes(10))) {
+      : options_(o), master_(master), timeout_(comm::detail::timeout_from_env(std::chrono::minutes(10))) {
     if (o.node_rank() == 0) {
       server_ = std::make_unique<comm::detail::StoreServer>(
           master, o.master_port(), token, [](const std::string& line) { say(line); });
       kv_ = server_.get();
       port_ = server_->port();
+      // The ranks' own MASTER_PORT is another port: a program that hosts a
+      // store of its own there (PyTorch's env://) must not meet ours.
+      app_port_ = find_free_port();
+      kv_->set("shardtrain/launch/master_port", std::to_string(app_port_));
     } else {
       say(::shardtrain::detail::str_cat("node ", o.node_rank(), ": connecting to node 0 at ",
                                         master, ":", o.master_port()));
@@ -179,7 +183,10 @@ class Rendezvous {
     }
   }
 
-  int port() const { return port_; }
+  /// "address:port" of the job's store, for the ranks (SHARDTRAIN_STORE).
+  std::string store_address() const { return master_ + ":" + std::to_string(port_); }
+  /// MASTER_PORT for the ranks, the same on every node.
+  int app_port() const { return app_port_; }
   KvStore& store() { return *kv_; }
 
   /// The round this launcher starts in: node 0 opens round 0; a node that
@@ -189,6 +196,7 @@ class Rendezvous {
     if (options_.node_rank() == 0) return 0;
     auto round = wait_for("shardtrain/launch/round", "node 0 to open the job");
     if (!round) return -1;
+    app_port_ = std::stoi(kv_->try_get("shardtrain/launch/master_port").value_or("0"));
     int k = std::stoi(*round);
     for (;;) {
       const auto joined = kv_->try_get(launch_key(k, "joined"));
@@ -334,7 +342,9 @@ class Rendezvous {
   }
 
   const LaunchOptions& options_;
+  const std::string master_;
   std::chrono::milliseconds timeout_;
+  int app_port_ = 0;
   std::unique_ptr<comm::detail::StoreServer> server_;
   std::unique_ptr<KvStore> client_;
   KvStore* kv_ = nullptr;
@@ -398,7 +408,8 @@ class Group {
   void stop_all(int sig);
   void report_failure() const;
 
-  void begin_stopping();
+  // Sends `sig` to every rank and starts the grace period before SIGKILL.
+  void begin_stopping(int sig = SIGTERM);
   void watch_other_nodes();
 
   const LaunchOptions& options_;
@@ -432,10 +443,10 @@ std::vector<std::string> Group::child_env(int local_rank) const {
   set("LOCAL_WORLD_SIZE", std::to_string(options_.nproc_per_node()));
   set("GROUP_RANK", std::to_string(options_.node_rank()));
   set("MASTER_ADDR", options_.master_addr().empty() ? "127.0.0.1" : options_.master_addr());
-  set("MASTER_PORT", std::to_string(rdzv_.port()));
+  set("MASTER_PORT", std::to_string(rdzv_.app_port()));
   set("SHARDTRAIN_RESTART_COUNT", std::to_string(restart_));
   set("SHARDTRAIN_JOB_TOKEN", token_);
-  set("SHARDTRAIN_STORE_HOSTED", "1");
+  set("SHARDTRAIN_STORE", rdzv_.store_address());
   return env;
 }
 
@@ -605,11 +616,11 @@ bool is_stopped(pid_t pid) {
   return state == 'T' || state == 't';
 }
 
-void Group::begin_stopping() {
+void Group::begin_stopping(int sig) {
   stopping_ = true;
   kill_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                       std::chrono::duration<double>(options_.stop_grace_s()));
-  stop_all(SIGTERM);
+  stop_all(sig);
   for (auto& r : ranks_) {
     if (r.running && is_stopped(r.pid)) {
       say(::shardtrain::detail::str_cat("rank ", r.rank, " is stopped (SIGSTOP?); sending SIGKILL"));
@@ -697,10 +708,11 @@ int Group::run() {
           signal_ = sig;
           say(::shardtrain::detail::str_cat("got ", ::strsignal(sig),
                                             "; forwarding it to the ranks"));
-          if (!stopping_) {
-            begin_stopping();
+          if (stopping_) {
+            stop_all(sig);
+          } else {
+            begin_stopping(sig);
           }
-          stop_all(sig);
         } else if (!killed_) {
           // A second Ctrl-C means "now": don't wait out the grace period.
           say("got a second signal; sending SIGKILL to the ranks");

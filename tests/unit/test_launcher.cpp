@@ -237,9 +237,16 @@ TEST(Launcher, SecondNodeGetsGlobalRanks) {
     EXPECT_TRUE(contains(r.out, p + "WORLD_SIZE=4\n"));
     EXPECT_TRUE(contains(r.out, p + "GROUP_RANK=1\n"));
     EXPECT_TRUE(contains(r.out, p + "MASTER_ADDR=127.0.0.1\n"));
-    EXPECT_TRUE(contains(r.out, p + "MASTER_PORT=" + port + "\n"));
+    // The store is at the rendezvous port; the ranks' own MASTER_PORT is
+    // another one, the same on both nodes.
+    EXPECT_TRUE(contains(r.out, p + "SHARDTRAIN_STORE=127.0.0.1:" + port + "\n")) << r.out;
+    EXPECT_FALSE(contains(r.out, p + "MASTER_PORT=" + port + "\n"));
   }
   EXPECT_TRUE(contains(r0.out, "[rank 0] RANK=0\n")) << r0.out;
+  const size_t at = r0.out.find("MASTER_PORT=");
+  ASSERT_NE(at, std::string::npos);
+  const std::string master_port = r0.out.substr(at, r0.out.find('\n', at) - at);
+  EXPECT_EQ(count_of(r.out, master_port + "\n"), 2) << master_port << "\n" << r.out;
 }
 
 TEST(Launcher, SeveralNodesNeedAJobToken) {

@@ -140,9 +140,9 @@ struct CommOptions {
   /// The secret that admits a process to the job's store (SHARDTRAIN_JOB_TOKEN,
   /// set by the launcher); empty admits anyone.
   ST_ARG(std::string, job_token) = "";
-  /// The launcher hosts the store (SHARDTRAIN_STORE_HOSTED=1), so rank 0
-  /// connects to it like every other rank instead of hosting it.
-  ST_ARG(bool, store_hosted) = false;
+  /// "address:port" of the store the launcher hosts (SHARDTRAIN_STORE): every
+  /// rank connects to it. Empty: rank 0 hosts one at master_addr:master_port.
+  ST_ARG(std::string, store) = "";
   /// The restart round (SHARDTRAIN_RESTART_COUNT): keeps the keys of earlier
   /// rounds in a store that outlives them apart from this one's.
   ST_ARG(int, round) = 0;

@@ -33,7 +33,7 @@ struct LaunchOptions {
 /// Starts nproc_per_node ranks with the torchrun variables set (RANK,
 /// LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
 /// MASTER_PORT, SHARDTRAIN_RESTART_COUNT) plus the job's store secret
-/// (SHARDTRAIN_JOB_TOKEN, SHARDTRAIN_STORE_HOSTED), prefixes each line they
+/// and address (SHARDTRAIN_JOB_TOKEN, SHARDTRAIN_STORE), prefixes each line they
 /// print with "[rank k] ", forwards SIGINT and SIGTERM to all of them, and
 /// returns the exit code for the launcher: 0 when every rank succeeded;
 /// otherwise the code of the first rank that failed (128 + signal for a rank
@@ -42,7 +42,9 @@ struct LaunchOptions {
 /// the suspect.
 ///
 /// Node 0's launcher hosts the job's rendezvous store at
-/// master_addr:master_port, bound to that address only, for the whole job;
+/// master_addr:master_port, bound to that address only, for the whole job
+/// (the ranks get another free port as MASTER_PORT, for a program that
+/// hosts a store of its own there, as PyTorch's env:// does);
 /// every connection must prove it knows the job token (the launcher makes
 /// one per job; with nnodes > 1, SHARDTRAIN_JOB_TOKEN must be set to one
 /// value on every node). The launchers meet there each round: a failure on
