@@ -593,8 +593,11 @@ void Group::reap() {
     suspects_ = rdzv_.suspects(restart_, options_.nnodes() * options_.nproc_per_node());
     const std::string what = ::shardtrain::detail::str_cat("rank ", r.rank, " failed with ",
                                                            describe_code(r.code));
+    int others = 0;
+    for (auto& o : ranks_) others += o.running ? 1 : 0;
     say(what + (suspects_.empty() ? "" : "; suspect: " + suspects_) +
-        (options_.nnodes() > 1 ? "; stopping the job on every node" : "; stopping the other ranks"));
+        (options_.nnodes() > 1 ? "; stopping the job on every node"
+                               : others ? "; stopping the other ranks" : ""));
     rdzv_.fail(restart_, Failure{r.code, ::shardtrain::detail::str_cat("node ", options_.node_rank(),
                                                                        ": ", what)});
     begin_stopping();
@@ -824,6 +827,7 @@ int launch(const LaunchOptions& options) {
       const auto late = rdzv.finish(round);
       if (!late) return code;
       say("this node's ranks finished, but " + late->what);
+      rdzv.restart_after(round, false);  // the others wait for a decision
       return late->code;
     }
     if (!local) code = group.remote_failure()->code;

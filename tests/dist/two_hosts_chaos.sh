@@ -22,6 +22,7 @@ work=$(mktemp -d)
 source "$(dirname "${BASH_SOURCE[0]}")/netns_hosts.sh"
 trap 'hosts_down; rm -rf "$work"' EXIT
 fail() { echo "FAIL: $*"; exit 1; }
+trap 'echo "FAIL: line $LINENO: $BASH_COMMAND exited $?"' ERR
 hosts_up "$tag" "$net"
 master=${HOST_ADDR[0]}
 port=$((30000 + $$ % 1000))
@@ -93,7 +94,13 @@ done
 for k in 0 1; do
   wait_for_step "$k" $((3 + 9 * k + RANDOM % 6))
   node=$((RANDOM % 2))
-  victim=$(pgrep -P "${launcher[node]}")
+  victim=""
+  for _ in $(seq 100); do
+    victim=$(pgrep -P "${launcher[node]}" || true)
+    [ -n "$victim" ] && break
+    sleep 0.1
+  done
+  [ -n "$victim" ] || { logs; fail "node $node has no rank to kill"; }
   echo "kill $((k + 1)): SIGKILL to node $node's rank (pid $victim)"
   kill -9 "$victim"
 done
