@@ -22,6 +22,7 @@
 #include "shardtrain/train/callbacks.h"
 #include "shardtrain/train/plan.h"
 #include "shardtrain/train/schedule.h"
+#include "train/lora.h"
 #include "train/signal_guard.h"
 
 namespace shardtrain::train {
@@ -112,6 +113,9 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
     checkpoint::load_safetensors_into(*task_.model, config_.model.init_from,
                                       checkpoint::SafetensorsLoadOptions().transpose_conv1d(true));
   }
+  // LoRA: freeze the (loaded) base and attach the adapters before anything
+  // plans over the parameters.
+  detail::prepare_lora(*task_.model, config_);
   precision_->prepare_model(*task_.model);
 
   const strategy::StrategyOptions so =

@@ -1,0 +1,415 @@
+// LoRA adapters (models/lora.h) and the quantized frozen base
+// (models/quantize.h): step-0 equality, frozen tensors, the adapter's scale,
+// bad input, and int8/nf4 against reference quantizers written here.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdio>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "shardtrain/checkpoint/safetensors.h"
+#include "shardtrain/comm/communicator.h"
+#include "shardtrain/config/config.h"
+#include "shardtrain/core/error.h"
+#include "shardtrain/models/gpt.h"
+#include "shardtrain/models/lora.h"
+#include "shardtrain/models/mlp.h"
+#include "shardtrain/models/quantize.h"
+#include "shardtrain/strategy/strategy.h"
+#include "shardtrain/train/task.h"
+#include "shardtrain/train/trainer.h"
+#include "temp_dir.h"
+
+namespace {
+
+using shardtrain::ConfigError;
+using shardtrain::models::apply_lora;
+using shardtrain::models::GPT;
+using shardtrain::models::GPTConfig;
+using shardtrain::models::LoraBias;
+using shardtrain::models::LoraOptions;
+using shardtrain::models::LoraQuantize;
+namespace m = shardtrain::models;
+
+GPTConfig tiny(int64_t n_embd = 16) {
+  GPTConfig c;
+  c.n_layer = 2;
+  c.n_head = 2;
+  c.n_embd = n_embd;
+  c.block_size = 8;
+  c.vocab_size = 11;
+  return c;
+}
+
+torch::Tensor tokens() { return torch::randint(0, 11, {3, 8}, torch::kLong); }
+
+template <typename Fn>
+std::string config_error(Fn&& fn) {
+  try {
+    fn();
+  } catch (const ConfigError& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected a ConfigError, got: " << e.what();
+    return {};
+  }
+  ADD_FAILURE() << "expected a ConfigError, nothing was thrown";
+  return {};
+}
+
+// ---- step 0 and structure -----------------------------------------------------------
+
+TEST(Lora, StepZeroEqualsTheBaseExactly) {
+  for (const bool checkpointing : {false, true}) {
+    torch::manual_seed(1);
+    auto c = tiny();
+    c.activation_checkpointing = checkpointing;
+    GPT model(c);
+    const auto idx = tokens();
+    const auto before = model->forward(idx).detach();
+    apply_lora(*model, LoraOptions().r(4).alpha(8).dropout(0.1));
+    model->eval();
+    EXPECT_TRUE(torch::equal(model->forward(idx), before));
+    model->train();  // dropout on, but B is zero
+    EXPECT_TRUE(torch::equal(model->forward(idx).detach(), before));
+  }
+}
+
+TEST(Lora, AdaptersAreNamedAfterTheirLayerAndTheRestIsFrozen) {
+  torch::manual_seed(2);
+  GPT model(tiny());
+  const auto s = apply_lora(*model, LoraOptions().r(4));
+  EXPECT_EQ(s.adapted.size(), 8u);  // 2 blocks x (c_attn, attn.c_proj, c_fc, mlp.c_proj)
+  std::set<std::string> trainable;
+  for (const auto& p : model->named_parameters()) {
+    if (p.value().requires_grad()) trainable.insert(p.key());
+  }
+  EXPECT_EQ(trainable.size(), 16u);
+  for (const auto& name : trainable) {
+    EXPECT_TRUE(name.find(".lora_A.weight") != std::string::npos ||
+                name.find(".lora_B.weight") != std::string::npos)
+        << name;
+  }
+  const auto params = model->named_parameters();
+  EXPECT_EQ(params["h.0.attn.c_attn.lora_A.weight"].sizes(), (std::vector<int64_t>{4, 16}));
+  EXPECT_EQ(params["h.0.attn.c_attn.lora_B.weight"].sizes(), (std::vector<int64_t>{48, 4}));
+  EXPECT_EQ(params["h.1.mlp.c_proj.lora_A.weight"].sizes(), (std::vector<int64_t>{4, 64}));
+  // The base weight keeps its name, so base checkpoints still load by name.
+  EXPECT_TRUE(params.contains("h.0.attn.c_attn.weight"));
+  // PEFT init: A within 1/sqrt(in), not all zero; B zero.
+  const auto a = params["h.0.attn.c_attn.lora_A.weight"];
+  EXPECT_LE(a.abs().max().item<double>(), 1.0 / std::sqrt(16.0));
+  EXPECT_GT(a.abs().max().item<double>(), 0.0);
+  EXPECT_EQ(params["h.0.attn.c_attn.lora_B.weight"].abs().max().item<double>(), 0.0);
+  EXPECT_EQ(s.trainable, 2 * (4 * 16 + 48 * 4 + 4 * 16 + 16 * 4 + 4 * 16 + 64 * 4 + 4 * 64 + 16 * 4));
+}
+
+TEST(Lora, FrozenTensorsGetNoGradient) {
+  for (const auto q : {LoraQuantize::None, LoraQuantize::Int8, LoraQuantize::Nf4}) {
+    torch::manual_seed(3);
+    GPT model(tiny(64));
+    apply_lora(*model, LoraOptions().r(2).quantize(q).train_bias(LoraBias::All));
+    model->forward(tokens()).pow(2).sum().backward();
+    for (const auto& p : model->named_parameters()) {
+      const std::string& n = p.key();
+      const bool bias = n.size() >= 4 && n.substr(n.size() - 4) == "bias";
+      const bool adapter = n.find("lora_") != std::string::npos;
+      if (adapter || bias) {
+        EXPECT_TRUE(p.value().grad().defined()) << n;
+      } else {
+        EXPECT_FALSE(p.value().requires_grad()) << n;
+        EXPECT_FALSE(p.value().grad().defined()) << n;
+      }
+    }
+    // B is zero at step 0, so A's gradient is zero too; B's is not.
+    const auto b = model->named_parameters()["h.0.attn.c_attn.lora_B.weight"];
+    EXPECT_GT(b.grad().abs().sum().item<double>(), 0.0);
+  }
+}
+
+TEST(Lora, OutputIsBasePlusAlphaOverRTimesBA) {
+  torch::manual_seed(4);
+  m::MLP mlp(std::vector<int64_t>{6, 5, 3});
+  const auto x = torch::randn({7, 6});
+  const auto w0 = mlp->layers[0]->as<torch::nn::LinearImpl>()->weight.detach().clone();
+  const auto b0 = mlp->layers[0]->as<torch::nn::LinearImpl>()->bias.detach().clone();
+  apply_lora(*mlp, LoraOptions().r(2).alpha(6).target_modules({"layers.0"}));
+  auto* l0 = mlp->layers[0]->as<torch::nn::LinearImpl>();
+  const auto params = mlp->named_parameters();
+  const auto a = params["layers.0.lora_A.weight"];
+  const auto b = params["layers.0.lora_B.weight"];
+  {
+    torch::NoGradGuard ng;
+    b.normal_();
+  }
+  const auto expected = torch::addmm(b0, x, w0.t()) + 3.0 * x.matmul(a.t()).matmul(b.t());
+  EXPECT_TRUE(torch::allclose(m::lora_forward(*l0, x), expected, 1e-5, 1e-6));
+  // A layer without an adapter is its plain forward.
+  auto* l1 = mlp->layers[1]->as<torch::nn::LinearImpl>();
+  EXPECT_FALSE(m::has_lora(*l1));
+  const auto h = torch::randn({2, 5});
+  EXPECT_TRUE(torch::equal(m::lora_forward(*l1, h), l1->forward(h)));
+}
+
+// ---- bad input ----------------------------------------------------------------------
+
+TEST(Lora, TargetsThatMatchNothingAreAConfigError) {
+  GPT model(tiny());
+  const auto msg = config_error([&] { apply_lora(*model, LoraOptions().target_modules({"q_proj"})); });
+  EXPECT_NE(msg.find("lora.target_modules [q_proj] matched no Linear layer"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("h.0.attn.c_attn"), std::string::npos) << msg;
+  // Nothing was changed: everything still trains.
+  for (const auto& p : model->parameters()) EXPECT_TRUE(p.requires_grad());
+  // "attn" is a path component but not a Linear; "c_at" is no whole component.
+  config_error([&] { apply_lora(*model, LoraOptions().target_modules({"c_at"})); });
+}
+
+TEST(Lora, RankLargerThanALayerIsAConfigError) {
+  GPT model(tiny());
+  const auto msg = config_error([&] { apply_lora(*model, LoraOptions().r(17)); });
+  EXPECT_NE(msg.find("lora.r=17 exceeds the width of layer 'h.0.attn.c_attn' (48 x 16)"),
+            std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("at most 16"), std::string::npos) << msg;
+  // r equal to the smallest width is fine.
+  apply_lora(*model, LoraOptions().r(16));
+}
+
+TEST(Lora, Nf4NeedsInputWidthsDivisibleByTheBlock) {
+  GPT model(tiny(32));
+  const auto msg = config_error([&] { apply_lora(*model, LoraOptions().quantize(LoraQuantize::Nf4)); });
+  EXPECT_NE(msg.find("multiple of the block size 64"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("'h.0.attn.c_attn' has 32"), std::string::npos) << msg;
+  // int8 has no block constraint.
+  apply_lora(*model, LoraOptions().quantize(LoraQuantize::Int8));
+}
+
+TEST(Lora, BadOptionsAndSecondApplicationAreConfigErrors) {
+  GPT model(tiny());
+  EXPECT_NE(config_error([&] { apply_lora(*model, LoraOptions().r(0)); }).find("lora.r=0"),
+            std::string::npos);
+  EXPECT_NE(config_error([&] { apply_lora(*model, LoraOptions().dropout(1.0)); }).find("lora.dropout"),
+            std::string::npos);
+  apply_lora(*model, LoraOptions());
+  EXPECT_NE(config_error([&] { apply_lora(*model, LoraOptions()); }).find("already has a LoRA adapter"),
+            std::string::npos);
+}
+
+TEST(Lora, ConfigSectionIsOffByDefaultAndStrict) {
+  using shardtrain::config::Config;
+  EXPECT_EQ(Config::parse("{}").lora.r(), 0);
+  const auto c = Config::parse(
+      "lora:\n  r: 4\n  alpha: 8\n  target_modules: [c_attn]\n  quantize: nf4\n  train_bias: all\n");
+  EXPECT_EQ(c.lora.r(), 4);
+  EXPECT_EQ(c.lora.alpha(), 8.0);
+  EXPECT_EQ(c.lora.target_modules(), std::vector<std::string>{"c_attn"});
+  EXPECT_EQ(c.lora.quantize(), LoraQuantize::Nf4);
+  EXPECT_EQ(c.lora.train_bias(), LoraBias::All);
+  EXPECT_EQ(Config::parse(c.to_yaml()).lora.quantize(), LoraQuantize::Nf4);
+  EXPECT_NE(config_error([] { Config::parse("lora:\n  quantize: fp4\n"); }).find("lora.quantize"),
+            std::string::npos);
+  EXPECT_NE(config_error([] { Config::parse("lora:\n  r: -1\n"); }).find("lora.r"), std::string::npos);
+  EXPECT_NE(config_error([] { Config::parse("lora:\n  target_modules: []\n"); }).find("lora.target_modules"),
+            std::string::npos);
+}
+
+// ---- quantization against references written here ----------------------------------
+
+// NF4 from its definition: 8 positive quantiles of N(0, 1) between 0.5 and
+// 0.9677 (the offset of the QLoRA paper), 7 negative ones, normalised, plus 0.
+std::vector<double> reference_nf4_code() {
+  const double offset = 0.9677083;
+  auto ppf = [](double p) { return std::sqrt(2.0) * torch::erfinv(torch::tensor(2 * p - 1, torch::kDouble)).item<double>(); };
+  std::vector<double> pos, neg;
+  for (int i = 0; i < 8; ++i) pos.push_back(ppf(offset + (0.5 - offset) * i / 8.0));   // 9 points, drop last
+  for (int i = 0; i < 7; ++i) neg.push_back(-ppf(offset + (0.5 - offset) * i / 7.0));  // 8 points, drop last
+  std::vector<double> v = pos;
+  v.insert(v.end(), neg.begin(), neg.end());
+  v.push_back(0.0);
+  double mx = 0;
+  for (double x : v) mx = std::max(mx, std::abs(x));
+  for (double& x : v) x /= mx;
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+TEST(Quantize, Nf4CodeIsTheNormalFloatOfThePaper) {
+  const auto ref = reference_nf4_code();
+  const auto code = m::nf4_code();
+  ASSERT_EQ(code.numel(), 16);
+  for (int i = 0; i < 16; ++i) EXPECT_NEAR(code[i].item<double>(), ref[i], 2e-6) << i;
+}
+
+TEST(Quantize, Int8MatchesAReferenceLoop) {
+  torch::manual_seed(5);
+  auto w = torch::randn({5, 33}) * 0.02;
+  w[2].zero_();  // an all-zero row stays exactly zero
+  const auto q = m::quantize_int8(w);
+  ASSERT_EQ(q.codes.scalar_type(), torch::kChar);
+  const auto deq = m::dequantize_int8(q.codes, q.scales);
+  auto wa = w.accessor<float, 2>();
+  for (int64_t o = 0; o < 5; ++o) {
+    double absmax = 0;
+    for (int64_t i = 0; i < 33; ++i) absmax = std::max(absmax, std::abs(double(wa[o][i])));
+    for (int64_t i = 0; i < 33; ++i) {
+      const double code = absmax == 0 ? 0 : std::nearbyint(wa[o][i] / absmax * 127.0);
+      EXPECT_EQ(q.codes[o][i].item<int>(), int(code)) << o << "," << i;
+      EXPECT_NEAR(deq[o][i].item<double>(), code * absmax / 127.0, 1e-7);
+    }
+  }
+  EXPECT_EQ(deq[2].abs().sum().item<double>(), 0.0);
+}
+
+TEST(Quantize, Nf4MatchesAReferenceLoop) {
+  torch::manual_seed(6);
+  for (const bool dq : {false, true}) {
+    auto w = torch::randn({4, 128}) * 0.02;
+    w.slice(1, 64, 128)[1].zero_();  // one all-zero block
+    const auto q = m::quantize_nf4(w, dq);
+    ASSERT_EQ(q.codes.scalar_type(), torch::kByte);
+    ASSERT_EQ(q.codes.numel(), 4 * 128 / 2);
+    const auto scales = m::nf4_scales(q);
+    const auto deq = m::dequantize_nf4(q.codes, scales, {4, 128});
+    const auto code = reference_nf4_code();
+    const auto flat = w.reshape({-1});
+    auto fa = flat.accessor<float, 1>();
+    int mismatched = 0;
+    for (int64_t blk = 0; blk < 8; ++blk) {
+      double absmax = 0;
+      for (int64_t j = 0; j < 64; ++j) absmax = std::max(absmax, std::abs(double(fa[blk * 64 + j])));
+      for (int64_t j = 0; j < 64; ++j) {
+        const int64_t e = blk * 64 + j;
+        const double x = absmax == 0 ? 0 : fa[e] / absmax;
+        int best = 0;
+        for (int k = 1; k < 16; ++k) {
+          if (std::abs(x - code[k]) < std::abs(x - code[best])) best = k;
+        }
+        const int byte = q.codes[e / 2].item<int>();
+        const int got = e % 2 == 0 ? byte >> 4 : byte & 15;
+        if (got != best) ++mismatched;
+        // Dequantized with the (possibly double-quantized) scale of its block.
+        EXPECT_NEAR(deq.reshape({-1})[e].item<double>(), code[got] * scales[blk].item<double>(), 1e-7);
+        if (!dq) EXPECT_NEAR(scales[blk].item<double>(), absmax, 0);
+      }
+    }
+    EXPECT_EQ(mismatched, 0);  // only exact midpoint ties could differ
+    if (dq) {
+      EXPECT_EQ(q.scales_q.scalar_type(), torch::kChar);
+      EXPECT_LT((scales - m::quantize_nf4(w, false).scales).abs().max().item<double>(), 2e-4);
+    }
+  }
+}
+
+// Reconstruction error on a GPT-like weight (N(0, 0.02)), printed for docs/lora.md.
+TEST(Quantize, ReconstructionError) {
+  torch::manual_seed(7);
+  const auto w = torch::randn({768, 768}) * 0.02;
+  const auto rel = [&](const torch::Tensor& d) {
+    return ((d - w).pow(2).mean().sqrt() / w.pow(2).mean().sqrt()).item<double>();
+  };
+  const auto q8 = m::quantize_int8(w);
+  const double e8 = rel(m::dequantize_int8(q8.codes, q8.scales));
+  const auto q4 = m::quantize_nf4(w, false);
+  const double e4 = rel(m::dequantize_nf4(q4.codes, q4.scales, {768, 768}));
+  const auto q4d = m::quantize_nf4(w, true);
+  const double e4d = rel(m::dequantize_nf4(q4d.codes, m::nf4_scales(q4d), {768, 768}));
+  std::printf("relative RMS reconstruction error, N(0, 0.02) 768x768: int8 %.5f, nf4 %.5f, "
+              "nf4+double-quant %.5f\n", e8, e4, e4d);
+  EXPECT_LT(e8, 0.01);
+  EXPECT_LT(e4, 0.12);
+  EXPECT_LT(e4d, 0.12);
+  EXPECT_LT(e8, e4);
+}
+
+// The quantized layer computes x deq(W)^T + b, and its input gradient uses deq(W).
+TEST(Quantize, QuantizedLayerComputesWithTheDequantizedWeight) {
+  for (const auto q : {LoraQuantize::Int8, LoraQuantize::Nf4}) {
+    torch::manual_seed(8);
+    m::MLP mlp(std::vector<int64_t>{64, 8});
+    auto* l = mlp->layers[0]->as<torch::nn::LinearImpl>();
+    const auto bias = l->bias.detach().clone();
+    apply_lora(*mlp, LoraOptions().r(2).quantize(q).double_quant(true).target_modules({"layers.0"}));
+    EXPECT_FALSE(l->named_parameters(false).contains("weight"));
+    const auto w = m::lora_base_weight(*l);
+    auto x = torch::randn({3, 64}, torch::requires_grad());
+    auto y = m::lora_forward(*l, x);
+    auto x_ref = x.detach().clone().requires_grad_(true);
+    auto y_ref = torch::addmm(bias, x_ref, w.t());
+    EXPECT_TRUE(torch::allclose(y, y_ref, 1e-5, 1e-6));
+    y.pow(2).sum().backward();
+    y_ref.pow(2).sum().backward();
+    EXPECT_TRUE(torch::allclose(x.grad(), x_ref.grad(), 1e-5, 1e-6));
+  }
+}
+
+// ---- the trainer -------------------------------------------------------------------
+
+namespace st = shardtrain;
+
+st::config::Config lora_job(const std::string& dir) {
+  st::config::Config c;
+  c.run.dir = dir;
+  c.model.n_layer = 2;
+  c.model.n_head = 2;
+  c.model.n_embd = 64;
+  c.model.block_size = 16;
+  c.data.train = std::string(SHARDTRAIN_SOURCE_DIR) + "/data/corpus.txt";
+  c.data.val_fraction = 0.0;
+  c.batch.global = 4;
+  c.batch.micro = 4;
+  c.batch.accumulate.reset();
+  c.optimizer.lr = 1e-2;
+  c.schedule.warmup_steps = 0;
+  c.trainer.max_steps = 3;
+  c.trainer.eval_every = 0;
+  c.trainer.sample_tokens = 0;
+  c.trainer.progress = st::train::ProgressMode::None;
+  c.distributed.strategy(st::strategy::StrategyKind::Single);
+  c.lora.r(4);
+  return c;
+}
+
+// The trainer loads model.init_from, then adapts: the frozen base ends the
+// run equal to the file, the adapters moved, and only they had optimizer state.
+TEST(LoraTrainer, BaseFromInitFromStaysFrozenAdaptersTrain) {
+  for (const auto q : {LoraQuantize::None, LoraQuantize::Nf4}) {
+    st::testing::TempDir tmp("lora_trainer");
+    auto c = lora_job(tmp / "run");
+    c.lora.quantize(q);
+    torch::manual_seed(99);  // not run.seed: the file must win
+    GPT base(st::train::gpt_config(c.model));
+    std::vector<std::pair<std::string, torch::Tensor>> tensors;
+    for (const auto& p : base->named_parameters()) {
+      if (p.key() != "lm_head.weight") tensors.emplace_back(p.key(), p.value().detach());
+    }
+    st::checkpoint::save_safetensors(tmp / "base.safetensors", tensors, /*transpose_conv1d=*/true, {});
+    c.model.init_from = tmp / "base.safetensors";
+    st::train::Trainer trainer(c, st::train::make_task(c, 1),
+                               st::comm::Communicator::create(st::comm::CommOptions()));
+    trainer.fit();
+    const auto got = trainer.model()->named_parameters();
+    const auto want = base->named_parameters();
+    int64_t trainable = 0;
+    for (const auto& p : got) {
+      if (p.key().find("lora_") != std::string::npos) {
+        EXPECT_TRUE(p.value().requires_grad()) << p.key();
+        trainable += p.value().numel();
+        continue;
+      }
+      EXPECT_FALSE(p.value().requires_grad()) << p.key();
+      if (want.contains(p.key())) {
+        EXPECT_TRUE(torch::equal(p.value(), want[p.key()])) << p.key() << " changed";
+      }
+    }
+    EXPECT_GT(got["h.1.mlp.c_fc.lora_B.weight"].abs().max().item<double>(), 0.0);
+    // The optimizer holds the adapters only.
+    int64_t optimized = 0;
+    for (const auto& t : trainer.strategy().optimizer_parameters()) optimized += t.local.numel();
+    EXPECT_EQ(optimized, trainable);
+  }
+}
+
+}  // namespace
