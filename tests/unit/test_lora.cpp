@@ -5,23 +5,33 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <cstdio>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/checkpoint/safetensors.h"
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/config/config.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/gpt.h"
 #include "shardtrain/models/lora.h"
+#include "shardtrain/models/lora_peft.h"
 #include "shardtrain/models/mlp.h"
 #include "shardtrain/models/quantize.h"
 #include "shardtrain/strategy/strategy.h"
 #include "shardtrain/train/task.h"
 #include "shardtrain/train/trainer.h"
 #include "temp_dir.h"
+#include "test_helpers.h"
+#include "strategy/flat_param.h"
+#include "train/lora.h"
 
 namespace {
 
@@ -410,6 +420,259 @@ TEST(LoraTrainer, BaseFromInitFromStaysFrozenAdaptersTrain) {
     for (const auto& t : trainer.strategy().optimizer_parameters()) optimized += t.local.numel();
     EXPECT_EQ(optimized, trainable);
   }
+}
+
+// ---- PEFT files, init_from, merge ---------------------------------------------------
+
+// A safetensors reader of our own: 8-byte little-endian header length, then
+// the JSON header, then the data.
+struct RawSafetensors {
+  nlohmann::json header;
+  std::string data;
+};
+RawSafetensors read_raw(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  uint64_t n = 0;
+  in.read(reinterpret_cast<char*>(&n), 8);
+  std::string h(n, '\0');
+  in.read(h.data(), static_cast<std::streamsize>(n));
+  RawSafetensors r;
+  r.header = nlohmann::json::parse(h);
+  r.data.assign(std::istreambuf_iterator<char>(in), {});
+  return r;
+}
+torch::Tensor raw_tensor(const RawSafetensors& r, const std::string& name) {
+  const auto& e = r.header.at(name);
+  const auto off = e.at("data_offsets").get<std::vector<int64_t>>();
+  auto t = torch::empty(e.at("shape").get<std::vector<int64_t>>(), torch::kFloat);
+  EXPECT_EQ(off[1] - off[0], t.nbytes());
+  std::memcpy(t.data_ptr(), r.data.data() + off[0], t.nbytes());
+  return t;
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> state_of(torch::nn::Module& m) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (const auto& p : m.named_parameters()) out.emplace_back(p.key(), p.value().detach());
+  return out;
+}
+
+// A GPT whose adapters hold random values, as after some training.
+GPT trained_lora_gpt(const LoraOptions& o, uint64_t seed = 11) {
+  torch::manual_seed(seed);
+  GPT model(tiny(64));
+  apply_lora(*model, o);
+  torch::NoGradGuard ng;
+  for (auto& p : model->named_parameters()) {
+    if (p.key().find("lora_B") != std::string::npos) p.value().normal_(0, 0.05);
+  }
+  return model;
+}
+
+TEST(LoraPeft, FilesHoldPeftNamesShapesDtypesAndConfigKeys) {
+  st::testing::TempDir tmp("lora_peft");
+  const auto o = LoraOptions().r(4).alpha(8).dropout(0.05);
+  GPT model = trained_lora_gpt(o);
+  m::save_peft_adapter(tmp / "a", state_of(*model), o, m::kPeftGptPrefix, "base.safetensors");
+  const auto raw = read_raw(tmp / "a/adapter_model.safetensors");
+  std::set<std::string> names;
+  for (auto it = raw.header.begin(); it != raw.header.end(); ++it) {
+    if (it.key() != "__metadata__") names.insert(it.key());
+  }
+  std::set<std::string> want;
+  std::map<std::string, std::vector<int64_t>> shapes = {
+      {"attn.c_attn", {192, 64}}, {"attn.c_proj", {64, 64}}, {"mlp.c_fc", {256, 64}}, {"mlp.c_proj", {64, 256}}};
+  for (int i = 0; i < 2; ++i) {
+    for (const auto& [layer, wshape] : shapes) {
+      const std::string p = "base_model.model.transformer.h." + std::to_string(i) + "." + layer;
+      want.insert(p + ".lora_A.weight");
+      want.insert(p + ".lora_B.weight");
+      EXPECT_EQ(raw.header[p + ".lora_A.weight"]["shape"].get<std::vector<int64_t>>(),
+                (std::vector<int64_t>{4, wshape[1]}));
+      EXPECT_EQ(raw.header[p + ".lora_B.weight"]["shape"].get<std::vector<int64_t>>(),
+                (std::vector<int64_t>{wshape[0], 4}));
+      EXPECT_EQ(raw.header[p + ".lora_A.weight"]["dtype"], "F32");
+    }
+  }
+  EXPECT_EQ(names, want);
+  const auto b = raw_tensor(raw, "base_model.model.transformer.h.1.mlp.c_fc.lora_B.weight");
+  EXPECT_TRUE(torch::equal(b, model->named_parameters()["h.1.mlp.c_fc.lora_B.weight"]));
+
+  std::ifstream in(tmp / "a/adapter_config.json");
+  const auto j = nlohmann::json::parse(in);
+  EXPECT_EQ(j.at("peft_type"), "LORA");
+  EXPECT_EQ(j.at("task_type"), "CAUSAL_LM");
+  EXPECT_EQ(j.at("r"), 4);
+  EXPECT_EQ(j.at("lora_alpha"), 8.0);
+  EXPECT_EQ(j.at("lora_dropout"), 0.05);
+  EXPECT_EQ(j.at("target_modules"), (std::vector<std::string>{"c_attn", "c_proj", "c_fc"}));
+  EXPECT_EQ(j.at("fan_in_fan_out"), true);
+  EXPECT_EQ(j.at("bias"), "none");
+  EXPECT_EQ(j.at("base_model_name_or_path"), "base.safetensors");
+}
+
+TEST(LoraPeft, AdapterRoundTripGivesIdenticalLogits) {
+  st::testing::TempDir tmp("lora_rt");
+  for (const auto q : {LoraQuantize::None, LoraQuantize::Nf4}) {
+    const auto o = LoraOptions().r(4).quantize(q);
+    GPT model = trained_lora_gpt(o);
+    m::save_peft_adapter(tmp / "a", state_of(*model), o, m::kPeftGptPrefix);
+    torch::manual_seed(11);  // the same base
+    GPT again(tiny(64));
+    apply_lora(*again, LoraOptions(o).seed(12345));  // other A init, overwritten
+    m::load_peft_adapter(*again, tmp / "a", m::kPeftGptPrefix);
+    const auto idx = tokens();
+    EXPECT_TRUE(torch::equal(model->forward(idx), again->forward(idx)));
+  }
+}
+
+TEST(LoraPeft, AdapterForAnotherModelIsACheckpointError) {
+  st::testing::TempDir tmp("lora_bad");
+  const auto o = LoraOptions().r(4);
+  GPT model = trained_lora_gpt(o);
+  m::save_peft_adapter(tmp / "a", state_of(*model), o, m::kPeftGptPrefix);
+  GPT other_r(tiny(64));
+  apply_lora(*other_r, LoraOptions().r(2));
+  auto msg = st::testing::checkpoint_error([&] { m::load_peft_adapter(*other_r, tmp / "a", m::kPeftGptPrefix); });
+  EXPECT_NE(msg.find("shapes differ: h.0.attn.c_attn.lora_A.weight (file [4, 64], model [2, 64])"), std::string::npos) << msg;
+  GPT fewer(tiny(64));
+  apply_lora(*fewer, LoraOptions().r(4).target_modules({"c_attn"}));
+  msg = st::testing::checkpoint_error([&] { m::load_peft_adapter(*fewer, tmp / "a", m::kPeftGptPrefix); });
+  EXPECT_NE(msg.find("not in the model: base_model.model.transformer.h.0.attn.c_proj.lora_A.weight"), std::string::npos) << msg;
+  // Merging into a base of another width names the layer.
+  GPT narrow(tiny(32));
+  st::checkpoint::save_safetensors(tmp / "narrow.safetensors", state_of(*narrow), true, {});
+  msg = st::testing::checkpoint_error([&] { m::merge_peft_adapter(tmp / "narrow.safetensors", tmp / "a", tmp / "m.safetensors"); });
+  EXPECT_NE(msg.find("does not fit the base weight"), std::string::npos) << msg;
+}
+
+TEST(LoraPeft, MergedWeightsGiveTheAdaptedLogits) {
+  st::testing::TempDir tmp("lora_merge");
+  for (const auto q : {LoraQuantize::None, LoraQuantize::Int8, LoraQuantize::Nf4}) {
+    torch::manual_seed(11);
+    GPT base(tiny(64));
+    st::checkpoint::save_safetensors(tmp / "base.safetensors", state_of(*base), /*transpose_conv1d=*/true, {});
+    const auto o = LoraOptions().r(4).alpha(12).quantize(q).double_quant(q == LoraQuantize::Nf4);
+    GPT model = trained_lora_gpt(o);
+    m::save_peft_adapter(tmp / "a", state_of(*model), o, m::kPeftGptPrefix);
+    // Through the CLI, as a user would.
+    const auto run = st::testing::cli("lora merge --base " + tmp / "base.safetensors" + " --adapter " +
+                                      tmp / "a" + " --out " + tmp / "merged.safetensors");
+    ASSERT_EQ(run.code, 0) << run.out;
+    EXPECT_NE(run.out.find("merged 8 adapted layers"), std::string::npos) << run.out;
+    GPT merged(tiny(64));
+    st::checkpoint::load_safetensors_into(*merged, tmp / "merged.safetensors",
+                                          st::checkpoint::SafetensorsLoadOptions().transpose_conv1d(true));
+    const auto idx = tokens();
+    const auto want = model->forward(idx);
+    const auto got = merged->forward(idx);
+    EXPECT_TRUE(torch::allclose(got, want, 0, 1e-5))
+        << st::enum_name(q) << ": differs by " << (got - want).abs().max().item<double>();
+    // And not the base's: the adapter mattered.
+    EXPECT_GT((base->forward(idx) - want).abs().max().item<double>(), 1e-3);
+  }
+  EXPECT_EQ(st::testing::cli("lora merge --base x").code, 2);
+}
+
+// A run writes <run.dir>/adapter; lora.init_from continues from it with the
+// same logits.
+TEST(LoraTrainer, RunWritesTheAdapterAndInitFromContinuesFromIt) {
+  st::testing::TempDir tmp("lora_run");
+  auto c = lora_job(tmp / "run");
+  st::train::Trainer first(c, st::train::make_task(c, 1),
+                           st::comm::Communicator::create(st::comm::CommOptions()));
+  first.fit();
+  const std::string adapter = st::train::detail::adapter_dir(c.run.dir);
+  ASSERT_TRUE(std::filesystem::exists(adapter + "/adapter_model.safetensors"));
+  ASSERT_TRUE(std::filesystem::exists(adapter + "/adapter_config.json"));
+  auto c2 = c;
+  c2.run.dir = tmp / "run2";
+  c2.lora.init_from(adapter);
+  st::train::Trainer second(c2, st::train::make_task(c2, 1),
+                            st::comm::Communicator::create(st::comm::CommOptions()));
+  const auto idx = torch::randint(0, 256, {2, 16}, torch::kLong);
+  auto* a = dynamic_cast<m::GPTImpl*>(first.model().get());
+  auto* b = dynamic_cast<m::GPTImpl*>(second.model().get());
+  ASSERT_TRUE(a && b);
+  a->eval();
+  b->eval();
+  EXPECT_TRUE(torch::equal(a->forward(idx), b->forward(idx)));
+  // The exported model.safetensors is the merged model: a plain GPT.
+  GPT plain(st::train::gpt_config(c.model));
+  st::checkpoint::load_safetensors_into(*plain, c.run.dir + "/model.safetensors",
+                                        st::checkpoint::SafetensorsLoadOptions().transpose_conv1d(true));
+  plain->eval();
+  EXPECT_TRUE(torch::allclose(plain->forward(idx), a->forward(idx), 0, 1e-5));
+  // init_from without r is a configuration error.
+  auto c3 = c2;
+  c3.lora.r(0);
+  EXPECT_THROW(st::train::Trainer(c3, st::train::make_task(c3, 1),
+                                  st::comm::Communicator::create(st::comm::CommOptions())),
+               ConfigError);
+}
+
+// Sharded checkpoints of a QLoRA run (uint8 codes, int8 scales, adapters and
+// their optimizer state) resume bit-exactly.
+TEST(LoraTrainer, QuantizedRunResumesBitExactly) {
+  struct Losses : st::train::Callback {
+    std::vector<double> v;
+    void on_step_end(st::train::TrainerState& s, st::train::TrainerControl&) override { v.push_back(s.loss); }
+  };
+  st::testing::TempDir tmp("lora_resume");
+  auto c = lora_job(tmp / "run");
+  c.lora.quantize(LoraQuantize::Nf4).double_quant(true);
+  c.trainer.max_steps = 4;
+  c.checkpoint.every_n_steps = 2;
+  auto whole = std::make_shared<Losses>();
+  {
+    st::train::Trainer t(c, st::train::make_task(c, 1), st::comm::Communicator::create(st::comm::CommOptions()));
+    t.add_callback(whole);
+    t.fit();
+  }
+  auto r = c;
+  r.run.dir = tmp / "resumed";
+  r.checkpoint.resume = st::checkpoint::checkpoint_dir(c.run.dir, 2);
+  auto resumed = std::make_shared<Losses>();
+  st::train::Trainer t(r, st::train::make_task(r, 1), st::comm::Communicator::create(st::comm::CommOptions()));
+  t.add_callback(resumed);
+  t.fit();
+  ASSERT_EQ(whole->v.size(), 4u);
+  ASSERT_EQ(resumed->v.size(), 2u);
+  EXPECT_EQ(resumed->v[0], whole->v[2]);
+  EXPECT_EQ(resumed->v[1], whole->v[3]);
+}
+
+// ---- byte flats of the sharded strategies -------------------------------------------
+
+TEST(FlatBytes, ByteFlatsShardInWholeWordsAndTravelAsInt32) {
+  using shardtrain::strategy::detail::as_words;
+  using shardtrain::strategy::detail::plan_flat;
+  using shardtrain::strategy::detail::word_multiple;
+  EXPECT_EQ(word_multiple(torch::kByte), 4);
+  EXPECT_EQ(word_multiple(torch::kChar), 4);
+  EXPECT_EQ(word_multiple(torch::kFloat), 1);
+  for (const std::vector<int64_t>& numels : {std::vector<int64_t>{0}, {1}, {5, 0, 2}, {64, 3}}) {
+    int64_t total = 0;
+    for (int64_t x : numels) total += x;
+    for (int n = 1; n <= 3; ++n) {
+      for (int r = 0; r < n; ++r) {
+        const auto l = plan_flat(numels, n, r, 4);
+        EXPECT_EQ(l.shard_numel % 4, 0);
+        EXPECT_GE(l.padded, total);
+        EXPECT_LT(l.padded, total + 4 * n);
+        EXPECT_EQ(l.shard_offset, r * l.shard_numel);
+        int64_t held = 0;
+        for (const auto& s : l.slots) held += s.shard_count;
+        EXPECT_LE(held, l.shard_numel);
+      }
+    }
+  }
+  auto bytes = torch::arange(16, torch::kLong).to(torch::kByte);
+  const auto words = as_words(bytes.narrow(0, 4, 8));
+  EXPECT_EQ(words.scalar_type(), torch::kInt);
+  EXPECT_EQ(words.numel(), 2);
+  EXPECT_EQ(static_cast<const char*>(words.data_ptr()), static_cast<const char*>(bytes.data_ptr()) + 4);
+  const auto f = torch::ones({3});
+  EXPECT_TRUE(as_words(f).is_same(f));
 }
 
 }  // namespace
