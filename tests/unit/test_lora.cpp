@@ -25,6 +25,7 @@
 #include "shardtrain/models/lora_peft.h"
 #include "shardtrain/models/mlp.h"
 #include "shardtrain/models/quantize.h"
+#include "shardtrain/precision/precision.h"
 #include "shardtrain/strategy/strategy.h"
 #include "shardtrain/train/task.h"
 #include "shardtrain/train/trainer.h"
@@ -639,6 +640,61 @@ TEST(LoraTrainer, QuantizedRunResumesBitExactly) {
   ASSERT_EQ(resumed->v.size(), 2u);
   EXPECT_EQ(resumed->v[0], whole->v[2]);
   EXPECT_EQ(resumed->v[1], whole->v[3]);
+}
+
+// Activation checkpointing recomputes adapted blocks: the same gradients, fp32 and nf4.
+TEST(Lora, ActivationCheckpointingGivesTheSameAdapterGradients) {
+  for (const auto q : {LoraQuantize::None, LoraQuantize::Nf4}) {
+    std::map<std::string, torch::Tensor> grads[2];
+    const auto idx = tokens();
+    for (int ck = 0; ck < 2; ++ck) {
+      torch::manual_seed(21);
+      auto c = tiny(64);
+      c.activation_checkpointing = ck == 1;
+      GPT model(c);
+      apply_lora(*model, LoraOptions().r(2).quantize(q).dropout(0.1));
+      {
+        torch::NoGradGuard ng;
+        for (auto& p : model->named_parameters()) {
+          if (p.key().find("lora_B") != std::string::npos) p.value().normal_(0, 0.05);
+        }
+      }
+      torch::manual_seed(5);  // the same dropout masks
+      model->forward(idx).pow(2).mean().backward();
+      for (const auto& p : model->named_parameters()) {
+        if (p.value().requires_grad()) grads[ck][p.key()] = p.value().grad();
+      }
+    }
+    ASSERT_EQ(grads[0].size(), 16u);
+    for (const auto& [name, g] : grads[0]) {
+      EXPECT_TRUE(torch::allclose(grads[1][name], g, 1e-5, 1e-7)) << st::enum_name(q) << " " << name;
+    }
+  }
+}
+
+// Mixed precision applies to adapters as to any parameter: fp32 masters
+// under bf16-mixed, bf16 under bf16-true, with a quantized base.
+TEST(LoraTrainer, MixedPrecisionTrainsTheAdapters) {
+  for (const char* precision : {"bf16-mixed", "bf16-true"}) {
+    st::testing::TempDir tmp("lora_bf16");
+    auto c = lora_job(tmp / "run");
+    c.lora.quantize(LoraQuantize::Nf4);
+    c.precision = st::enum_from_name<st::precision::PrecisionKind>(precision, "precision");
+    struct Losses : st::train::Callback {
+      std::vector<double> v;
+      void on_step_end(st::train::TrainerState& s, st::train::TrainerControl&) override { v.push_back(s.loss); }
+    };
+    auto losses = std::make_shared<Losses>();
+    st::train::Trainer t(c, st::train::make_task(c, 1), st::comm::Communicator::create(st::comm::CommOptions()));
+    t.add_callback(losses);
+    t.fit();
+    ASSERT_EQ(losses->v.size(), 3u);
+    for (double l : losses->v) EXPECT_TRUE(std::isfinite(l)) << precision;
+    const auto b = t.model()->named_parameters()["h.0.attn.c_attn.lora_B.weight"];
+    EXPECT_EQ(b.scalar_type(), std::string(precision) == "bf16-true" ? torch::kBFloat16 : torch::kFloat);
+    EXPECT_GT(b.abs().max().item<double>(), 0.0) << precision;
+    EXPECT_EQ(t.model()->named_parameters()["h.0.attn.c_attn.qweight"].scalar_type(), torch::kByte);
+  }
 }
 
 // ---- byte flats of the sharded strategies -------------------------------------------
