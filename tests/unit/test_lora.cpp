@@ -165,6 +165,39 @@ TEST(Lora, OutputIsBasePlusAlphaOverRTimesBA) {
   EXPECT_TRUE(torch::equal(m::lora_forward(*l1, h), l1->forward(h)));
 }
 
+// The user-module example of docs/lora.md and models/lora.h, compiled.
+struct DocNet : torch::nn::Module {
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  DocNet() {
+    fc1 = register_module("fc1", torch::nn::Linear(64, 256));
+    fc2 = register_module("fc2", torch::nn::Linear(256, 10));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    using shardtrain::models::lora_forward;
+    return lora_forward(*fc2, torch::relu(lora_forward(*fc1, x)));
+  }
+};
+
+TEST(Lora, UserModuleOfTheDocsIsAdaptedAndTrains) {
+  torch::manual_seed(3);
+  auto net = std::make_shared<DocNet>();
+  const auto x = torch::randn({5, 64});
+  const auto before = net->forward(x).detach();
+  const auto s = apply_lora(*net, LoraOptions().r(8).alpha(16).target_modules({"fc1", "fc2"}));
+  EXPECT_EQ(s.adapted, (std::vector<std::string>{"fc1", "fc2"}));
+  EXPECT_TRUE(torch::equal(net->forward(x), before));
+  std::vector<torch::Tensor> trainable;
+  for (const auto& p : net->parameters()) {
+    if (p.requires_grad()) trainable.push_back(p);
+  }
+  EXPECT_EQ(trainable.size(), 4u);
+  torch::optim::SGD opt(trainable, 0.1);
+  net->forward(x).pow(2).sum().backward();
+  opt.step();
+  EXPECT_FALSE(torch::equal(net->forward(x), before));
+  EXPECT_FALSE(net->fc1->weight.grad().defined());
+}
+
 // ---- bad input ----------------------------------------------------------------------
 
 TEST(Lora, TargetsThatMatchNothingAreAConfigError) {
