@@ -49,10 +49,13 @@ class LoraStateImpl : public torch::nn::Module {
     return quantize == LoraQuantize::Nf4 ? nf4_scales(q) : qscale;
   }
 
-  at::Tensor dequantized() const {
+  at::Tensor dequantized() const { return dequantize(quantize, qweight, scales(), out, in); }
+
+  static at::Tensor dequantize(LoraQuantize kind, const at::Tensor& codes, const at::Tensor& scales,
+                               int64_t out, int64_t in) {
     at::NoGradGuard no_grad;
-    if (quantize == LoraQuantize::Int8) return dequantize_int8(qweight, qscale);
-    return dequantize_nf4(qweight, scales(), {out, in});
+    if (kind == LoraQuantize::Int8) return dequantize_int8(codes, scales);
+    return dequantize_nf4(codes, scales, {out, in});
   }
 };
 
@@ -64,19 +67,28 @@ LoraStateImpl* state_of(const torch::nn::Module& layer) {
 }
 
 // y = x W^T with W dequantized from frozen codes in forward and again in
-// backward: only the codes and scales are saved, never an fp32 W.
+// backward: only the codes and (plain) scales are saved, never an fp32 W.
 struct DequantLinear : public torch::autograd::Function<DequantLinear> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const LoraStateImpl* state) {
-    ctx->saved_data["state"] = reinterpret_cast<int64_t>(state);
-    const at::Tensor w = state->dequantized().to(x.scalar_type());
+                            const at::Tensor& codes, const at::Tensor& scales, int64_t kind,
+                            int64_t out, int64_t in) {
+    ctx->save_for_backward({codes, scales});
+    ctx->saved_data["kind"] = kind;
+    ctx->saved_data["out"] = out;
+    ctx->saved_data["in"] = in;
+    const auto q = static_cast<LoraQuantize>(kind);
+    const at::Tensor w = LoraStateImpl::dequantize(q, codes, scales, out, in).to(x.scalar_type());
     return at::matmul(x, w.t());
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const auto* state = reinterpret_cast<const LoraStateImpl*>(ctx->saved_data["state"].toInt());
-    const at::Tensor w = state->dequantized().to(grads[0].scalar_type());
-    return {at::matmul(grads[0], w), at::Tensor()};
+    const auto saved = ctx->get_saved_variables();
+    const auto q = static_cast<LoraQuantize>(ctx->saved_data["kind"].toInt());
+    const at::Tensor w = LoraStateImpl::dequantize(q, saved[0], saved[1], ctx->saved_data["out"].toInt(),
+                                                   ctx->saved_data["in"].toInt())
+                             .to(grads[0].scalar_type());
+    return {at::matmul(grads[0], w), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -205,7 +217,8 @@ at::Tensor lora_forward(torch::nn::LinearImpl& layer, const at::Tensor& x) {
   if (s->quantize == LoraQuantize::None) {
     y = torch::nn::functional::linear(x, layer.weight, layer.bias);
   } else {
-    y = DequantLinear::apply(x, s);
+    y = DequantLinear::apply(x, s->qweight, s->scales(), static_cast<int64_t>(s->quantize), s->out,
+                             s->in);
     if (layer.bias.defined()) y = y + layer.bias;
   }
   const at::Tensor h =
