@@ -16,7 +16,7 @@ BENCH_PACKAGES := python3-torch
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all deps bench-deps configure build test train bench-comm bench-train bench-sharding bench-multinode bench-precision bench-checkpoint install clean
+.PHONY: all deps bench-deps configure build test train bench-comm bench-train bench-sharding bench-multinode bench-precision bench-checkpoint bench-lora install clean
 
 all: build
 
@@ -72,6 +72,9 @@ bench-precision: build
 
 bench-checkpoint: build
 	BUILD_DIR=$(BUILD_DIR) bash bench/checkpoint.sh
+
+bench-lora: build
+	bash bench/lora.sh
 
 install: build
 	cmake --install $(BUILD_DIR)

@@ -51,7 +51,8 @@ size_t edit_distance(const std::string& a, const std::string& b) {
 }
 
 // "did you mean ...?" for an unknown key: the closest sibling within edit
-// distance 2, else the same key name in another section.
+// distance 1, else the same key name in another section, else the closest
+// sibling within distance 2 (so `lr` at the top level is optimizer.lr, not lora).
 std::string suggestion(const std::string& key, const YAML::Node& siblings) {
   std::string best;
   size_t best_distance = 3;
@@ -62,7 +63,7 @@ std::string suggestion(const std::string& key, const YAML::Node& siblings) {
       best_distance = d;
     }
   }
-  if (!best.empty()) return "did you mean '" + best + "'? ";
+  if (!best.empty() && best_distance <= 1) return "did you mean '" + best + "'? ";
   std::vector<std::string> elsewhere;
   for (const auto& item : known_keys()) {
     const YAML::Node section = item.second;
@@ -71,6 +72,7 @@ std::string suggestion(const std::string& key, const YAML::Node& siblings) {
     }
   }
   if (!elsewhere.empty()) return "did you mean '" + join(elsewhere, "' or '") + "'? ";
+  if (!best.empty()) return "did you mean '" + best + "'? ";
   return "";
 }
 

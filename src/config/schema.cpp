@@ -214,6 +214,32 @@ void declare_checkpoint_precision(std::vector<Key>& keys) {
            "never fail.");
 }
 
+// LoRA fine-tuning (models/lora.h); one block so that it merges cleanly.
+void declare_lora(std::vector<Key>& keys) {
+  section(keys, "lora", [](auto& c) -> auto& { return c.lora; })
+      .key(ST_OPTION(r), at_least(0),
+           "Adapter rank; 0: no LoRA (full training). At most the width of every adapted layer.")
+      .key(ST_OPTION(alpha), above(0.0, "a number > 0, e.g. 16"),
+           "The adapters' output is scaled by `alpha / r`.")
+      .key(ST_OPTION(dropout), fraction("a number in [0, 1)"),
+           "Dropout on the adapters' input while training.")
+      .key(ST_OPTION(target_modules),
+           rule([](const std::vector<std::string>& v) {
+                  return !v.empty() && std::none_of(v.begin(), v.end(),
+                                                    [](const std::string& t) { return t.empty(); });
+                },
+                "a non-empty list of module names, e.g. [c_attn, c_proj, c_fc]",
+                "non-empty names"),
+           "Linear layers to adapt: a layer whose path equals a name or ends with `.name`.")
+      .key(ST_OPTION(quantize),
+           "Storage of the frozen base weights of adapted layers: fp32, int8 per output channel, "
+           "or 4-bit NormalFloat in blocks of 64 (QLoRA); dequantized on the fly.")
+      .key(ST_OPTION(double_quant), "nf4: quantize the block scales again (int8).")
+      .key(ST_OPTION(train_bias), "`all`: every bias trains with the adapters; `none`: none.")
+      .key(ST_OPTION(init_from), any("`\"\"` or a directory with adapter_model.safetensors"),
+           "Continue from a saved adapter (PEFT layout, as a run writes to `<run.dir>/adapter`).");
+}
+
 }  // namespace
 
 const std::vector<Key>& keys() {
@@ -223,6 +249,7 @@ const std::vector<Key>& keys() {
     declare_optimization(k);
     declare_distributed(k);
     declare_checkpoint_precision(k);
+    declare_lora(k);
     return k;
   }();
   return table;

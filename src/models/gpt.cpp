@@ -10,6 +10,7 @@
 
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/checkpoint.h"
+#include "shardtrain/models/lora.h"
 #include "shardtrain/strategy/unit.h"
 
 namespace shardtrain::models {
@@ -80,7 +81,7 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   const int64_t head_size = c / n_head_;
 
   // [B, T, 3C] -> three [B, nh, T, hs]
-  auto qkv = c_attn(x).split(c, /*dim=*/2);
+  auto qkv = lora_forward(*c_attn, x).split(c, /*dim=*/2);
   auto heads = [&](const torch::Tensor& y) {
     return y.view({batch, t, n_head_, head_size}).transpose(1, 2);
   };
@@ -98,7 +99,7 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   att = torch::softmax(att, /*dim=*/-1);
   auto y = torch::matmul(att, v);  // [B, nh, T, hs]
   y = y.transpose(1, 2).contiguous().view({batch, t, c});
-  return c_proj(y);
+  return lora_forward(*c_proj, y);
 }
 
 // ---- MLP and block -------------------------------------------------------------------
@@ -110,7 +111,7 @@ MLPBlockImpl::MLPBlockImpl(const GPTConfig& config) {
 }
 
 torch::Tensor MLPBlockImpl::forward(const torch::Tensor& x) {
-  return c_proj(torch::gelu(c_fc(x), "tanh"));
+  return lora_forward(*c_proj, torch::gelu(lora_forward(*c_fc, x), "tanh"));
 }
 
 BlockImpl::BlockImpl(const GPTConfig& config) {

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include "shardtrain/core/error.h"
+#include "shardtrain/models/lora.h"
 
 namespace shardtrain::models {
 
@@ -24,7 +25,7 @@ torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
   auto y = x;
   const size_t n = layers->size();
   for (size_t i = 0; i < n; ++i) {
-    y = layers[i]->as<torch::nn::LinearImpl>()->forward(y);
+    y = lora_forward(*layers[i]->as<torch::nn::LinearImpl>(), y);
     if (i + 1 < n) y = torch::gelu(y, "tanh");
   }
   return y;

@@ -149,6 +149,8 @@ class Reducer {
   }
 
   int64_t collectives() const { return collectives_.load(); }
+  /// Bytes of the buckets all-reduced so far.
+  int64_t bytes() const { return bytes_.load(); }
   int64_t launched_in_backward() const { return in_backward_.load(); }
   size_t num_buckets() const { return buckets_.size(); }
   std::vector<std::string> bucket_names(size_t b) const {
@@ -173,6 +175,7 @@ class Reducer {
   void launch_ready_buckets(bool from_hook) {
     while (next_launch_ < buckets_.size() && pending_[next_launch_] == 0) {
       works_[next_launch_] = comm_->all_reduce(buckets_[next_launch_].flat, allreduce_options_);
+      bytes_ += buckets_[next_launch_].flat.nbytes();
       ++collectives_;
       if (from_hook) ++in_backward_;
       ++next_launch_;
@@ -234,6 +237,7 @@ class Reducer {
   bool sync_ = true;
 
   std::atomic<int64_t> collectives_{0};
+  std::atomic<int64_t> bytes_{0};
   std::atomic<int64_t> in_backward_{0};
 };
 
@@ -327,6 +331,8 @@ void DDPStrategy::finish_gradient_sync() {
   stats_.exposed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   stats_.busy_s = busy - busy_at_finish_;
   busy_at_finish_ = busy;
+  stats_.reduced_bytes = reducer_->bytes() - bytes_at_finish_;
+  bytes_at_finish_ = reducer_->bytes();
 }
 
 double DDPStrategy::clip_grad_norm(double max_norm) {

@@ -132,6 +132,7 @@ class DDPStrategy final : public Strategy {
   std::vector<HookHandle> hooks_;  // one post-hook per parameter
   CommStats stats_;
   double busy_at_finish_ = 0.0;
+  int64_t bytes_at_finish_ = 0;
 
   void remove_hooks();
 };

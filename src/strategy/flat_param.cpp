@@ -8,7 +8,27 @@
 
 namespace shardtrain::strategy::detail {
 
-FlatLayout plan_flat(const std::vector<int64_t>& numels, int shards, int rank) {
+int64_t word_multiple(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kByte:
+    case at::kChar:
+    case at::kBool: return 4;
+    case at::kShort: return 2;
+    default: return 1;
+  }
+}
+
+at::Tensor as_words(const at::Tensor& flat) {
+  if (word_multiple(flat.scalar_type()) == 1) return flat;
+  const int64_t bytes = flat.numel() * static_cast<int64_t>(flat.element_size());
+  const int64_t offset = flat.storage_offset() * static_cast<int64_t>(flat.element_size());
+  TORCH_INTERNAL_ASSERT(flat.is_contiguous() && bytes % 4 == 0 && offset % 4 == 0,
+                        "a byte flat must be word aligned");
+  return at::empty({0}, flat.options().dtype(at::kInt)).set_(flat.storage(), offset / 4, {bytes / 4}, {1});
+}
+
+FlatLayout plan_flat(const std::vector<int64_t>& numels, int shards, int rank,
+                     int64_t shard_multiple) {
   FlatLayout l;
   for (int64_t n : numels) {
     ParamSlot s;
@@ -17,7 +37,8 @@ FlatLayout plan_flat(const std::vector<int64_t>& numels, int shards, int rank) {
     l.numel += n;
     l.slots.push_back(s);
   }
-  l.padded = (l.numel + shards - 1) / shards * shards;
+  const int64_t unit = static_cast<int64_t>(shards) * shard_multiple;
+  l.padded = (l.numel + unit - 1) / unit * unit;
   l.shard_numel = l.padded / shards;
   l.shard_offset = static_cast<int64_t>(rank) * l.shard_numel;
   const int64_t shard_end = l.shard_offset + l.shard_numel;

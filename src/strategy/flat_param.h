@@ -37,7 +37,19 @@ struct FlatLayout {
 
 /// The layout of parameters of `numels` elements, in that order, sharded
 /// over `shards` ranks, as rank `rank` sees it. shards >= 1, 0 <= rank < shards.
-FlatLayout plan_flat(const std::vector<int64_t>& numels, int shards, int rank);
+/// Each shard's element count is a multiple of `shard_multiple` (>= 1).
+FlatLayout plan_flat(const std::vector<int64_t>& numels, int shards, int rank,
+                     int64_t shard_multiple = 1);
+
+/// Elements per shard a flat of `dtype` must be a multiple of so that
+/// as_words() can view its shards: 4 for 1-byte dtypes, 2 for int16, else 1.
+int64_t word_multiple(at::ScalarType dtype);
+
+/// A contiguous flat buffer as the communicator can carry it: itself, or
+/// for dtypes it has no type for (uint8, int8, int16, bool) the same bytes
+/// as int32, so frozen quantized codes are gathered as raw bytes at their
+/// stored size. Its byte count must be a multiple of 4.
+at::Tensor as_words(const at::Tensor& flat);
 
 /// One parameter of a flat buffer.
 struct FlatMember {

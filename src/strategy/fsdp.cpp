@@ -225,7 +225,7 @@ void ShardedStrategy::build_flat(size_t u, std::vector<FlatMember> params, bool 
   fl.reduce_dtype = floating ? scalar_type(options_.reduce_dtype(), fl.compute_dtype) : dtype;
   std::vector<int64_t> numels;
   for (const auto& p : params) numels.push_back(p.var.numel());
-  fl.layout = plan_flat(numels, shard_n_, shard_rank_);
+  fl.layout = plan_flat(numels, shard_n_, shard_rank_, word_multiple(dtype));
   for (size_t i = 0; i < params.size(); ++i) params[i].slot = fl.layout.slots[i];
   const FlatLayout& l = fl.layout;
 
@@ -257,6 +257,7 @@ void ShardedStrategy::build_flat(size_t u, std::vector<FlatMember> params, bool 
     }
     units_[u].trainable_params += static_cast<int>(fl.params.size());
   }
+  if (!trainable) units_[u].has_frozen = true;
   units_[u].flats.push_back(flats_.size());
   flats_.push_back(std::move(fl));
 }
@@ -292,12 +293,14 @@ void ShardedStrategy::remove_hooks() {
 void ShardedStrategy::pre_forward(size_t u) {
   units_[u].forward_seen = true;
   const bool in_backward = phase_ == Phase::Backward;
+  if (!in_backward) units_[u].forward_begin = ++forward_tick_;
   if (!in_backward && torch::GradMode::is_enabled()) gatherer_->record(u);
   gatherer_->gather_now(u);
   if (options_.forward_prefetch() && !in_backward) gatherer_->prefetch(gatherer_->next_in_order(u, +1));
 }
 
 at::Tensor ShardedStrategy::post_forward(size_t u, const at::Tensor& output) {
+  if (phase_ != Phase::Backward) units_[u].forward_end = ++forward_tick_;
   const bool backward_follows = torch::GradMode::is_enabled() && output.defined() && output.requires_grad();
   if (backward_follows) {
     const Self self = self_;
@@ -335,12 +338,27 @@ void ShardedStrategy::end_backward() {
   for (size_t u = 0; u < units_.size(); ++u) {
     gatherer_->reshard(u);
     units_[u].ready = 0;
+    units_[u].reshard_deferred = false;
   }
   phase_ = Phase::Open;
 }
 
+// Backward runs a unit's nodes before any node created before the unit's
+// forward began (CPU autograd executes the ready node of the highest
+// sequence number, and a node only waits for later-created ones). So when
+// unit v's output node is reached, every unit whose forward began after v's
+// ended is finished, frozen weights included.
+void ShardedStrategy::release_finished_units(size_t v) {
+  for (Unit& w : units_) {
+    if (!w.reshard_deferred || w.forward_begin <= units_[v].forward_end) continue;
+    gatherer_->reshard(static_cast<size_t>(&w - units_.data()));
+    w.reshard_deferred = false;
+  }
+}
+
 void ShardedStrategy::pre_backward(size_t u) {
   begin_backward();
+  release_finished_units(u);
   gatherer_->gather_now(u);
   for (size_t f : units_[u].flats) {
     if (flats_[f].trainable) flats_[f].adopt_grads();
@@ -367,7 +385,12 @@ void ShardedStrategy::param_ready(size_t f, size_t p) {
       launch_reduction(g);
     }
   }
-  gatherer_->reshard(u);
+  // Frozen weights of the unit may still be needed for its input gradient.
+  if (unit.has_frozen) {
+    unit.reshard_deferred = true;
+  } else {
+    gatherer_->reshard(u);
+  }
 }
 
 // Every reduction goes through here, counted and folded into the order check.
@@ -408,9 +431,10 @@ void ShardedStrategy::finish_gradient_sync() {
   phase_ = Phase::Closed;
   // Finish to finish: this step's gathers, reductions and waits.
   const double busy = comm_busy();
-  last_stats_ = {busy - busy_at_finish_, clock_.exposed_s};
+  last_stats_ = {busy - busy_at_finish_, clock_.exposed_s, clock_.reduced_bytes, clock_.gathered_bytes};
   busy_at_finish_ = busy;
   clock_.exposed_s = 0.0;
+  clock_.reduced_bytes = clock_.gathered_bytes = 0;
   if (!gatherer_->order_frozen()) {
     check_units_called();
     gatherer_->freeze_order();
@@ -542,7 +566,7 @@ std::vector<std::pair<std::string, at::Tensor>> ShardedStrategy::full_state_dict
     at::Tensor whole = fl.shard;
     if (shard_n_ > 1) {
       whole = at::empty({fl.layout.padded}, at::TensorOptions().dtype(fl.master_dtype));
-      shard_comm_->all_gather(fl.shard, whole);
+      shard_comm_->all_gather(as_words(fl.shard), as_words(whole));
     }
     if (!keep) continue;
     for (const auto& p : fl.params) {

@@ -75,6 +75,7 @@ class ShardedStrategy final : public Strategy {
   void pre_forward(size_t u);
   at::Tensor post_forward(size_t u, const at::Tensor& output);
   void pre_backward(size_t u);
+  void release_finished_units(size_t v);
   void param_ready(size_t f, size_t p);
   void clear_stale(size_t f) { reducer_->clear_stale(f); }
 
@@ -133,6 +134,7 @@ class ShardedStrategy final : public Strategy {
   bool sync_ = true;
   Phase phase_ = Phase::Closed;
   int64_t collectives_ = 0;
+  int64_t forward_tick_ = 0;
   int64_t order_hash_ = 0;  // of the flats reduced since the last finish, in launch order
   double busy_at_finish_ = 0.0;
   CommStats last_stats_;

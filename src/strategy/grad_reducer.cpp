@@ -62,6 +62,7 @@ class ReduceScatterReducer final : public GradReducer {
                      : at::empty({fl.layout.shard_numel}, at::TensorOptions().dtype(fl.reduce_dtype));
     r.work = shard_.reduce_scatter(r.src, r.out,
                                    comm::ReduceScatterOptions().op(comm::ReduceOp::Avg).async(true));
+    clock_.reduced_bytes += r.src.nbytes();
     // The whole gradient lives on only in r.src until the reduction is done.
     fl.grad_full = at::Tensor();
     for (auto& p : fl.params) p.var.mutable_grad() = at::Tensor();
@@ -106,6 +107,7 @@ class ReduceScatterReducer final : public GradReducer {
       // peers wait for it on the intra-node group could close a cycle of waits.
       r.src = at::Tensor();
       r.work = replica_->all_reduce(r.out, comm::AllReduceOptions().op(comm::ReduceOp::Avg).async(true));
+      clock_.reduced_bytes += r.out.nbytes();
       replica_pending_.push_back(std::move(r));
       return;
     }
@@ -159,6 +161,7 @@ class AllReduceReducer final : public GradReducer {
     r.flat = f;
     r.src = r.out = in_reduce_dtype(fl);
     r.work = group_.all_reduce(r.src, comm::AllReduceOptions().op(comm::ReduceOp::Avg).async(true));
+    clock_.reduced_bytes += r.src.nbytes();
     grads_[f] = Whole::Reduced;
     pending_.push_back(std::move(r));
     while (!pending_.empty() && pending_.front().work.is_completed()) complete_front();

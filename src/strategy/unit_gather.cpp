@@ -27,7 +27,9 @@ void UnitGatherer::issue(size_t u) {
     FlatParam& fl = flats_[f];
     if (!has_storage(fl.full)) regrow_storage(fl.full);
     if (!fl.gather_src.is_same(fl.shard)) fl.gather_src.copy_(fl.shard);
-    unit.gathers.push_back(comm_->all_gather(fl.gather_src, fl.full, comm::AllGatherOptions().async(true)));
+    unit.gathers.push_back(comm_->all_gather(as_words(fl.gather_src), as_words(fl.full),
+                                             comm::AllGatherOptions().async(true)));
+    clock_.gathered_bytes += fl.full.nbytes();
   }
   unit.state = Unit::State::Gathering;
   max_in_flight_ = std::max(max_in_flight_, ++in_flight_);

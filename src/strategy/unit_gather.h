@@ -21,6 +21,10 @@ namespace shardtrain::strategy::detail {
 /// (not hidden by compute) to `exposed_s`.
 struct WaitClock {
   double exposed_s = 0.0;
+  // Bytes launched since the last finish (CommStats); counted where the
+  // collectives are issued.
+  int64_t reduced_bytes = 0;
+  int64_t gathered_bytes = 0;
   void wait(const comm::Work& work);
 };
 
@@ -37,6 +41,12 @@ struct Unit {
   bool forward_seen = false;
   int trainable_params = 0;
   int ready = 0;  // trainable parameters whose gradient arrived in this backward
+  // Frozen parameters (a LoRA base) are read in backward by nodes that give
+  // no parameter gradient, so a unit that has them is freed only once
+  // backward has left it (ShardedStrategy::release_finished_units).
+  bool has_frozen = false;
+  bool reshard_deferred = false;
+  int64_t forward_begin = 0, forward_end = 0;  // ticks of the last forward outside backward
 };
 
 class UnitGatherer {

@@ -22,6 +22,7 @@
 #include "shardtrain/train/callbacks.h"
 #include "shardtrain/train/plan.h"
 #include "shardtrain/train/schedule.h"
+#include "train/lora.h"
 #include "train/signal_guard.h"
 
 namespace shardtrain::train {
@@ -112,6 +113,9 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
     checkpoint::load_safetensors_into(*task_.model, config_.model.init_from,
                                       checkpoint::SafetensorsLoadOptions().transpose_conv1d(true));
   }
+  // LoRA: freeze the (loaded) base and attach the adapters before anything
+  // plans over the parameters.
+  detail::prepare_lora(*task_.model, config_);
   precision_->prepare_model(*task_.model);
 
   const strategy::StrategyOptions so =
@@ -255,6 +259,8 @@ void Trainer::run_step() {
   const strategy::CommStats cs = strategy_->comm_stats();
   m.set("comm_busy_s", cs.busy_s);
   m.set("comm_exposed_s", cs.exposed_s);
+  m.set("comm_reduced_bytes", cs.reduced_bytes);
+  m.set("comm_gathered_bytes", cs.gathered_bytes);
   m.set("precision", precision_->name());
   m.set("loss_scale", precision_->loss_scale());
   m.set("skipped", static_cast<int64_t>(skipped ? 1 : 0));
@@ -412,6 +418,7 @@ const TrainerState& Trainer::fit() {
   // The whole model for `generate` and fine-tuning, converted from the
   // checkpoint just written.
   if (state_.signal == 0) export_model(config_.run.dir);
+  if (state_.signal == 0) detail::export_lora(*strategy_, *comm_, config_, config_.run.dir);
   for_each_callback([&](Callback& c) { c.on_train_end(state_, control_); });
   return state_;
 }

@@ -225,6 +225,10 @@ Config every_key_set() {
       .hysteresis(3)
       .min_loss_scale(0.5)
       .max_skips_at_min(7);
+  c.lora.r(4).alpha(0.5).dropout(0.25).target_modules({"c_attn", "my layer #1"});
+  c.lora.quantize(shardtrain::models::LoraQuantize::Nf4).double_quant(true);
+  c.lora.train_bias(shardtrain::models::LoraBias::All);
+  c.lora.init_from("runs/a b/adapter");
   return c;
 }
 

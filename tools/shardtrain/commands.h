@@ -32,6 +32,9 @@ int generate_main(int argc, char** argv);
 /// `shardtrain checkpoint inspect|consolidate|list DIR ...`.
 int checkpoint_main(int argc, char** argv);
 
+/// `shardtrain lora merge --base FILE --adapter DIR --out FILE`.
+int lora_main(int argc, char** argv);
+
 /// The GPT at `path`: a run directory (its exported model.safetensors, or
 /// its newest complete checkpoint when that is newer), a checkpoint
 /// directory, or a .safetensors file with config.yaml beside it

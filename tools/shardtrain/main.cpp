@@ -24,6 +24,7 @@ const Command kCommands[] = {
     {"config", shardtrain::cli::config_main, "print a checked config with every key; update docs"},
     {"generate", shardtrain::cli::generate_main, "sample text from a trained GPT"},
     {"checkpoint", shardtrain::cli::checkpoint_main, "inspect or export a sharded checkpoint"},
+    {"lora", shardtrain::cli::lora_main, "merge a LoRA adapter into its base model"},
     {"bench-comm", shardtrain::cli::bench_comm_main, "measure a collective's bandwidth"},
 };
 

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "shardtrain/core/options.h"
+#include "shardtrain/models/lora.h"
 #include "shardtrain/precision/precision.h"
 #include "shardtrain/strategy/options.h"
 #include "shardtrain/train/choices.h"
@@ -135,6 +136,14 @@ struct DistributedConfig : strategy::StrategyOptions {
   ST_ARG(double, memory_budget_mb) = 0.0;
 };
 
+/// LoRA fine-tuning (models/lora.h): the adapter options, off while r is 0,
+/// and an adapter to continue from.
+struct LoraConfig : models::LoraOptions {
+  LoraConfig() { r(0); }
+  /// A directory with adapter_model.safetensors (PEFT layout); "": fresh adapters.
+  ST_ARG(std::string, init_from);
+};
+
 struct Config {
   RunConfig run;
   ModelConfig model;
@@ -147,6 +156,7 @@ struct Config {
   precision::PrecisionKind precision = precision::PrecisionKind::Fp32;
   precision::LossScalerOptions loss_scaler;
   CheckpointConfig checkpoint;
+  LoraConfig lora;
 
   /// Reads a YAML file, applies "a.b=c" overrides, validates.
   static Config load(const std::string& path, const std::vector<std::string>& overrides = {});

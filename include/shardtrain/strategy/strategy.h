@@ -69,6 +69,13 @@ struct CommStats {
   double busy_s = 0.0;
   /// Seconds the training thread waited for them (not hidden by compute).
   double exposed_s = 0.0;
+  /// Bytes of the gradient buffers handed to reductions (all-reduce,
+  /// reduce-scatter input) and of the parameter buffers filled by
+  /// all-gathers (whole output), from one finish_gradient_sync to the next.
+  /// Frozen parameters are never reduced; a frozen int8/uint8 flat counts its
+  /// stored bytes.
+  int64_t reduced_bytes = 0;
+  int64_t gathered_bytes = 0;
 };
 
 class Strategy {

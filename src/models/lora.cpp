@@ -1,0 +1,237 @@
+// LoRA adapters attached to Linear layers in place, and their forward.
+#include "shardtrain/models/lora.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "shardtrain/core/error.h"
+#include "shardtrain/models/quantize.h"
+
+namespace shardtrain::models {
+
+namespace {
+
+using detail::str_cat;
+
+// Module keeps its parameter table protected and has no way to remove one;
+// a quantized base must drop its fp32 weight, so reach the table through a
+// pointer to member named from a derived class.
+struct ParameterTable : torch::nn::Module {
+  static torch::OrderedDict<std::string, at::Tensor>& of(torch::nn::Module& m) {
+    return m.*(&ParameterTable::parameters_);
+  }
+};
+
+constexpr const char* kStateName = "lora_state";
+
+// What the forward of an adapted layer needs besides its parameters. A child
+// module without parameters, so it lives and dies with the layer and never
+// shows in a state dict.
+class LoraStateImpl : public torch::nn::Module {
+ public:
+  LoraStateImpl() : torch::nn::Module("shardtrain::models::LoraState") {}
+  double scale = 1.0;
+  double dropout = 0.0;
+  LoraQuantize quantize = LoraQuantize::None;
+  int64_t in = 0, out = 0;
+  std::shared_ptr<torch::nn::LinearImpl> a, b;
+  // Quantized base (the tensors registered on the layer).
+  at::Tensor qweight, qscale, qscale_q, qscale_scale, qscale_mean;
+
+  at::Tensor scales() const {
+    QuantizedWeight q;
+    q.scales = qscale;
+    q.scales_q = qscale_q;
+    q.scales_scale = qscale_scale;
+    q.scales_mean = qscale_mean;
+    return quantize == LoraQuantize::Nf4 ? nf4_scales(q) : qscale;
+  }
+
+  at::Tensor dequantized() const { return dequantize(quantize, qweight, scales(), out, in); }
+
+  static at::Tensor dequantize(LoraQuantize kind, const at::Tensor& codes, const at::Tensor& scales,
+                               int64_t out, int64_t in) {
+    at::NoGradGuard no_grad;
+    if (kind == LoraQuantize::Int8) return dequantize_int8(codes, scales);
+    return dequantize_nf4(codes, scales, {out, in});
+  }
+};
+
+LoraStateImpl* state_of(const torch::nn::Module& layer) {
+  for (const auto& child : layer.named_children()) {
+    if (child.key() == kStateName) return dynamic_cast<LoraStateImpl*>(child.value().get());
+  }
+  return nullptr;
+}
+
+// y = x W^T with W dequantized from frozen codes in forward and again in
+// backward: only the codes and (plain) scales are saved, never an fp32 W.
+struct DequantLinear : public torch::autograd::Function<DequantLinear> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& codes, const at::Tensor& scales, int64_t kind,
+                            int64_t out, int64_t in) {
+    ctx->save_for_backward({codes, scales});
+    ctx->saved_data["kind"] = kind;
+    ctx->saved_data["out"] = out;
+    ctx->saved_data["in"] = in;
+    const auto q = static_cast<LoraQuantize>(kind);
+    const at::Tensor w = LoraStateImpl::dequantize(q, codes, scales, out, in).to(x.scalar_type());
+    return at::matmul(x, w.t());
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto q = static_cast<LoraQuantize>(ctx->saved_data["kind"].toInt());
+    const at::Tensor w = LoraStateImpl::dequantize(q, saved[0], saved[1], ctx->saved_data["out"].toInt(),
+                                                   ctx->saved_data["in"].toInt())
+                             .to(grads[0].scalar_type());
+    return {at::matmul(grads[0], w), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+bool matches(const std::string& path, const std::vector<std::string>& targets) {
+  for (const auto& t : targets) {
+    if (path == t) return true;
+    if (path.size() > t.size() && path.compare(path.size() - t.size(), t.size(), t) == 0 &&
+        path[path.size() - t.size() - 1] == '.')
+      return true;
+  }
+  return false;
+}
+
+std::string list(const std::vector<std::string>& names, size_t max = 12) {
+  std::string out = "[";
+  for (size_t i = 0; i < names.size() && i < max; ++i) out += (i ? ", " : "") + names[i];
+  if (names.size() > max) out += str_cat(", ... (", names.size() - max, " more)");
+  return out + "]";
+}
+
+void check_options(const LoraOptions& o) {
+  ST_CHECK(o.r() >= 1, ConfigError, "lora.r=", o.r(),
+           " must be >= 1 to adapt a model; hint: set lora.r to the adapter rank, e.g. 8 (0 turns "
+           "LoRA off in the config)");
+  ST_CHECK(o.alpha() > 0, ConfigError, "lora.alpha=", o.alpha(),
+           " must be > 0; hint: the adapter is scaled by alpha / r, e.g. alpha 16 with r 8");
+  ST_CHECK(o.dropout() >= 0 && o.dropout() < 1, ConfigError, "lora.dropout=", o.dropout(),
+           " must be in [0, 1)");
+  ST_CHECK(!o.target_modules().empty(), ConfigError,
+           "lora.target_modules is empty; hint: name the Linear layers to adapt, e.g. [c_attn, "
+           "c_proj, c_fc]");
+}
+
+}  // namespace
+
+bool has_lora(const torch::nn::Module& layer) { return state_of(layer) != nullptr; }
+
+LoraSummary apply_lora(torch::nn::Module& model, const LoraOptions& options) {
+  check_options(options);
+  // Find and check every target before changing anything.
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::LinearImpl>>> targets;
+  std::vector<std::string> linear_paths;
+  for (const auto& item : model.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
+    auto linear = std::dynamic_pointer_cast<torch::nn::LinearImpl>(item.value());
+    if (!linear) continue;
+    linear_paths.push_back(item.key());
+    if (!matches(item.key(), options.target_modules())) continue;
+    ST_CHECK(!has_lora(*linear), ConfigError, "layer '", item.key(),
+             "' already has a LoRA adapter; hint: call apply_lora once per model");
+    const int64_t in = linear->options.in_features(), out = linear->options.out_features();
+    ST_CHECK(options.r() <= std::min(in, out), ConfigError, "lora.r=", options.r(),
+             " exceeds the width of layer '", item.key(), "' (", out, " x ", in,
+             "); hint: set lora.r to at most ", std::min(in, out),
+             " or leave this layer out of lora.target_modules");
+    ST_CHECK(options.quantize() != LoraQuantize::Nf4 || in % kNf4Block == 0, ConfigError,
+             "lora.quantize=nf4 needs every adapted layer's input width to be a multiple of the "
+             "block size ", kNf4Block, ", but layer '", item.key(), "' has ", in,
+             "; hint: use lora.quantize=int8, or leave this layer out of lora.target_modules");
+    ST_CHECK(linear->weight.defined() && linear->weight.is_floating_point(), ConfigError,
+             "layer '", item.key(), "' has no floating point weight to adapt");
+    targets.emplace_back(item.key(), linear);
+  }
+  ST_CHECK(!targets.empty(), ConfigError, "lora.target_modules ", list(options.target_modules()),
+           " matched no Linear layer; the model's Linear layers are ", list(linear_paths),
+           "; hint: name layers by their last path component (c_attn) or their full path");
+
+  torch::NoGradGuard no_grad;
+  // Freeze the whole base; biases train only with train_bias=all.
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+    const std::string& name = item.key();
+    const bool bias = name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0;
+    item.value().set_requires_grad(options.train_bias() == LoraBias::All && bias &&
+                                   item.value().is_floating_point());
+  }
+
+  auto gen = at::detail::createCPUGenerator(options.seed());
+  LoraSummary summary;
+  for (auto& [path, layer] : targets) {
+    const int64_t in = layer->options.in_features(), out = layer->options.out_features();
+    const auto wopts = layer->weight.options();
+    auto state = std::make_shared<LoraStateImpl>();
+    state->scale = options.alpha() / static_cast<double>(options.r());
+    state->dropout = options.dropout();
+    state->quantize = options.quantize();
+    state->in = in;
+    state->out = out;
+    // PEFT's init: kaiming_uniform_(a=sqrt(5)) gives the bound 1/sqrt(fan_in).
+    state->a = torch::nn::Linear(torch::nn::LinearOptions(in, options.r()).bias(false)).ptr();
+    state->b = torch::nn::Linear(torch::nn::LinearOptions(options.r(), out).bias(false)).ptr();
+    const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+    state->a->weight.set_data(at::empty({options.r(), in}, wopts).uniform_(-bound, bound, gen));
+    state->b->weight.set_data(at::zeros({out, options.r()}, wopts));
+    state->a->weight.set_requires_grad(true);
+    state->b->weight.set_requires_grad(true);
+
+    if (options.quantize() != LoraQuantize::None) {
+      const QuantizedWeight q = options.quantize() == LoraQuantize::Int8
+                                    ? quantize_int8(layer->weight)
+                                    : quantize_nf4(layer->weight, options.double_quant());
+      ParameterTable::of(*layer).erase("weight");
+      layer->weight = at::Tensor();
+      state->qweight = layer->register_parameter("qweight", q.codes, false);
+      if (q.scales_q.defined()) {
+        state->qscale_q = layer->register_parameter("qscale_q", q.scales_q, false);
+        state->qscale_scale = layer->register_parameter("qscale_scale", q.scales_scale, false);
+        state->qscale_mean = layer->register_parameter("qscale_mean", q.scales_mean, false);
+      } else {
+        state->qscale = layer->register_parameter("qscale", q.scales, false);
+      }
+    }
+    layer->register_module("lora_A", state->a);
+    layer->register_module("lora_B", state->b);
+    layer->register_module(kStateName, state);
+    summary.adapted.push_back(path);
+  }
+  for (const auto& p : model.parameters(/*recurse=*/true)) {
+    (p.requires_grad() ? summary.trainable : summary.frozen) += p.numel();
+  }
+  return summary;
+}
+
+at::Tensor lora_forward(torch::nn::LinearImpl& layer, const at::Tensor& x) {
+  const LoraStateImpl* s = state_of(layer);
+  if (s == nullptr) return layer.forward(x);
+  at::Tensor y;
+  if (s->quantize == LoraQuantize::None) {
+    y = torch::nn::functional::linear(x, layer.weight, layer.bias);
+  } else {
+    y = DequantLinear::apply(x, s->qweight, s->scales(), static_cast<int64_t>(s->quantize), s->out,
+                             s->in);
+    if (layer.bias.defined()) y = y + layer.bias;
+  }
+  const at::Tensor h =
+      s->dropout > 0 && layer.is_training() ? torch::dropout(x, s->dropout, /*train=*/true) : x;
+  const at::Tensor delta = torch::nn::functional::linear(
+      torch::nn::functional::linear(h, s->a->weight), s->b->weight);
+  return y + delta * s->scale;
+}
+
+at::Tensor lora_base_weight(torch::nn::LinearImpl& layer) {
+  const LoraStateImpl* s = state_of(layer);
+  if (s == nullptr || s->quantize == LoraQuantize::None) return layer.weight.detach().clone();
+  return s->dequantized();
+}
+
+}  // namespace shardtrain::models

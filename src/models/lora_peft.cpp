@@ -1,0 +1,260 @@
+// PEFT-layout adapter files: save, load into an adapted model, merge into a base.
+#include "shardtrain/models/lora_peft.h"
+
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "checkpoint/detail.h"
+#include "shardtrain/checkpoint/safetensors.h"
+#include "shardtrain/core/error.h"
+#include "shardtrain/models/quantize.h"
+
+namespace shardtrain::models {
+
+namespace fs = std::filesystem;
+using detail::str_cat;
+
+namespace {
+
+constexpr const char* kQuantizeKey = "shardtrain.quantize";
+constexpr const char* kDoubleQuantKey = "shardtrain.double_quant";
+
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+bool starts_with(const std::string& s, const std::string& head) { return s.rfind(head, 0) == 0; }
+
+bool is_adapter(const std::string& name) {
+  return ends_with(name, ".lora_A.weight") || ends_with(name, ".lora_B.weight");
+}
+
+std::string list(const std::vector<std::string>& names) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < 8; ++i) out += (i ? ", " : "") + names[i];
+  if (names.size() > 8) out += str_cat(", ... (", names.size() - 8, " more)");
+  return out;
+}
+
+nlohmann::json read_config(const std::string& dir) {
+  const std::string path = (fs::path(dir) / kPeftConfigFile).string();
+  std::ifstream in(path);
+  ST_CHECK(in.good(), CheckpointError, "cannot read '", path,
+           "'; hint: pass the adapter directory a LoRA run wrote (<run.dir>/adapter)");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  try {
+    return nlohmann::json::parse(ss.str());
+  } catch (const std::exception& e) {
+    ST_CHECK(false, CheckpointError, "'", path, "' is not valid JSON: ", e.what());
+  }
+  return {};
+}
+
+}  // namespace
+
+void save_peft_adapter(const std::string& dir,
+                       const std::vector<std::pair<std::string, at::Tensor>>& state,
+                       const LoraOptions& options, const std::string& prefix,
+                       const std::string& base_model) {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& [name, t] : state) {
+    const bool bias = options.train_bias() == LoraBias::All && ends_with(name, "bias");
+    if (is_adapter(name) || bias) tensors.emplace_back(prefix + name, t.detach().contiguous());
+  }
+  ST_CHECK(!tensors.empty(), CheckpointError, "no LoRA adapter tensors to write to '", dir,
+           "'; hint: apply_lora the model first");
+  try {
+    fs::create_directories(dir);
+  } catch (const std::exception& e) {
+    ST_CHECK(false, CheckpointError, "cannot create '", dir, "': ", e.what());
+  }
+  checkpoint::save_safetensors((fs::path(dir) / kPeftAdapterFile).string(), tensors,
+                               /*transpose_conv1d=*/false,
+                               {{"format", "pt"},
+                                {"producer", "shardtrain"},
+                                {kQuantizeKey, enum_name(options.quantize())},
+                                {kDoubleQuantKey, options.double_quant() ? "true" : "false"}});
+  const bool gpt = prefix == kPeftGptPrefix;
+  nlohmann::json j;
+  j["peft_type"] = "LORA";
+  j["task_type"] = gpt ? nlohmann::json("CAUSAL_LM") : nlohmann::json(nullptr);
+  j["r"] = options.r();
+  j["lora_alpha"] = options.alpha();
+  j["lora_dropout"] = options.dropout();
+  j["target_modules"] = options.target_modules();
+  // GPT-2's Conv1D stores its weights [in, out]: PEFT transposes B A for it.
+  j["fan_in_fan_out"] = gpt;
+  j["bias"] = enum_name(options.train_bias());
+  j["base_model_name_or_path"] = base_model;
+  j["inference_mode"] = true;
+  j["init_lora_weights"] = true;
+  checkpoint::detail::write_file_atomically((fs::path(dir) / kPeftConfigFile).string(), j.dump(2) + "\n");
+}
+
+void load_peft_adapter(torch::nn::Module& model, const std::string& dir, const std::string& prefix) {
+  const checkpoint::SafetensorsFile file((fs::path(dir) / kPeftAdapterFile).string());
+  auto params = model.named_parameters(/*recurse=*/true);
+  std::vector<std::string> unexpected, mismatched, missing;
+  std::vector<std::pair<at::Tensor, std::string>> copies;
+  for (const auto& e : file.entries()) {
+    const std::string name = starts_with(e.name, prefix) ? e.name.substr(prefix.size()) : e.name;
+    const at::Tensor* p = params.find(name);
+    if (p == nullptr || !starts_with(e.name, prefix)) {
+      unexpected.push_back(e.name);
+    } else if (p->sizes().vec() != e.shape) {
+      mismatched.push_back(str_cat(name, " (file ", c10::IntArrayRef(e.shape), ", model ", p->sizes(), ")"));
+    } else {
+      copies.emplace_back(*p, e.name);
+    }
+  }
+  for (const auto& p : params) {
+    if (is_adapter(p.key()) && file.find(prefix + p.key()) == nullptr) missing.push_back(p.key());
+  }
+  ST_CHECK(unexpected.empty() && mismatched.empty() && missing.empty(), CheckpointError,
+           "the adapter in '", dir, "' does not fit this model",
+           unexpected.empty() ? "" : "; not in the model: " + list(unexpected),
+           mismatched.empty() ? "" : "; shapes differ: " + list(mismatched),
+           missing.empty() ? "" : "; missing from the file: " + list(missing),
+           ". Hint: lora.r, lora.target_modules and the model's sizes must be those the adapter "
+           "was trained with (see its adapter_config.json)");
+  torch::NoGradGuard no_grad;
+  for (auto& [p, name] : copies) p.copy_(file.read(name).to(p.scalar_type()));
+}
+
+std::vector<std::pair<std::string, at::Tensor>> merge_lora_state(
+    const std::vector<std::pair<std::string, at::Tensor>>& state, const LoraOptions& options) {
+  std::map<std::string, at::Tensor> by_name(state.begin(), state.end());
+  const auto get = [&](const std::string& name) {
+    const auto it = by_name.find(name);
+    return it == by_name.end() ? at::Tensor() : it->second;
+  };
+  const double scale = options.alpha() / static_cast<double>(options.r());
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  at::NoGradGuard no_grad;
+  for (const auto& [name, t] : state) {
+    const std::string tail = ".lora_A.weight";
+    if (ends_with(name, ".lora_B.weight") || ends_with(name, ".qweight") || ends_with(name, ".qscale") ||
+        ends_with(name, ".qscale_q") || ends_with(name, ".qscale_scale") || ends_with(name, ".qscale_mean") ||
+        (ends_with(name, ".weight") && by_name.count(name.substr(0, name.size() - 7) + tail))) {
+      continue;  // folded into the weight below
+    }
+    if (!ends_with(name, tail)) {
+      out.emplace_back(name, t);
+      continue;
+    }
+    const std::string layer = name.substr(0, name.size() - tail.size());
+    const at::Tensor a = t.to(at::kFloat), b = get(layer + ".lora_B.weight").to(at::kFloat);
+    at::Tensor w = get(layer + ".weight");
+    at::ScalarType dtype = w.defined() ? w.scalar_type() : a.scalar_type();
+    if (!w.defined()) {
+      const at::Tensor codes = get(layer + ".qweight");
+      ST_CHECK(codes.defined(), CheckpointError, "adapted layer '", layer, "' has no base weight");
+      if (codes.scalar_type() == at::kChar) {
+        w = dequantize_int8(codes, get(layer + ".qscale"));
+      } else {
+        QuantizedWeight q;
+        q.scales = get(layer + ".qscale");
+        q.scales_q = get(layer + ".qscale_q");
+        q.scales_scale = get(layer + ".qscale_scale");
+        q.scales_mean = get(layer + ".qscale_mean");
+        w = dequantize_nf4(codes, nf4_scales(q), {b.size(0), a.size(1)});
+      }
+    }
+    out.emplace_back(layer + ".weight", (w.to(at::kFloat) + at::matmul(b, a) * scale).to(dtype));
+  }
+  return out;
+}
+
+int64_t merge_peft_adapter(const std::string& base_path, const std::string& adapter_dir,
+                           const std::string& out) {
+  const nlohmann::json cfg = read_config(adapter_dir);
+  ST_CHECK(cfg.value("peft_type", "") == "LORA" && cfg.contains("r") && cfg.contains("lora_alpha"),
+           CheckpointError, "'", adapter_dir, "/", kPeftConfigFile,
+           "' is not a LoRA adapter config (needs peft_type LORA, r and lora_alpha)");
+  const double scale = cfg["lora_alpha"].get<double>() / cfg["r"].get<double>();
+  const bool fan_in_fan_out = cfg.value("fan_in_fan_out", false);
+  const checkpoint::SafetensorsFile adapter((fs::path(adapter_dir) / kPeftAdapterFile).string());
+  const checkpoint::SafetensorsFile base(base_path);
+  const auto& meta = adapter.metadata();
+  const auto qit = meta.find(kQuantizeKey);
+  const LoraQuantize quantize =
+      qit == meta.end() ? LoraQuantize::None : enum_from_name<LoraQuantize>(qit->second, kQuantizeKey);
+  const auto dq = meta.find(kDoubleQuantKey);
+  const bool double_quant = dq != meta.end() && dq->second == "true";
+
+  // Base name of each adapted weight and replaced bias, found with or
+  // without GPT2LMHeadModel's "transformer." in either file.
+  const auto base_name_of = [&](const std::string& adapter_name) -> std::string {
+    std::string rest = adapter_name;
+    if (starts_with(rest, kPeftModelPrefix)) rest = rest.substr(std::string(kPeftModelPrefix).size());
+    std::vector<std::string> candidates = {rest};
+    if (starts_with(rest, "transformer.")) candidates.push_back(rest.substr(12));
+    else candidates.push_back("transformer." + rest);
+    for (const auto& c : candidates) {
+      if (base.find(c) != nullptr) return c;
+    }
+    return "";
+  };
+  std::map<std::string, std::pair<std::string, std::string>> layers;  // base weight -> (A, B)
+  std::map<std::string, std::string> biases;                          // base bias -> adapter name
+  std::vector<std::string> unmatched;
+  for (const auto& e : adapter.entries()) {
+    const bool a = ends_with(e.name, ".lora_A.weight"), b = ends_with(e.name, ".lora_B.weight");
+    if (a || b) {
+      const std::string layer = e.name.substr(0, e.name.size() - std::string(".lora_A.weight").size());
+      const std::string w = base_name_of(layer + ".weight");
+      if (w.empty()) {
+        unmatched.push_back(layer);
+        continue;
+      }
+      (a ? layers[w].first : layers[w].second) = e.name;
+    } else {
+      const std::string bname = base_name_of(e.name);
+      if (bname.empty()) unmatched.push_back(e.name);
+      else biases[bname] = e.name;
+    }
+  }
+  ST_CHECK(unmatched.empty(), CheckpointError, "the adapter in '", adapter_dir,
+           "' does not match the base '", base_path, "': no base tensor for ", list(unmatched),
+           ". Hint: merge into the base the adapter was trained from (its model.init_from)");
+
+  std::vector<std::pair<std::string, at::Tensor>> merged;
+  at::NoGradGuard no_grad;
+  for (const auto& e : base.entries()) {
+    at::Tensor t = base.read(e.name);
+    if (const auto it = layers.find(e.name); it != layers.end()) {
+      ST_CHECK(!it->second.first.empty() && !it->second.second.empty(), CheckpointError,
+               "the adapter in '", adapter_dir, "' has only one of lora_A / lora_B for '", e.name, "'");
+      const at::Tensor a = adapter.read(it->second.first).to(at::kFloat);
+      const at::Tensor b = adapter.read(it->second.second).to(at::kFloat);
+      at::Tensor w = (fan_in_fan_out ? t.t() : t).to(at::kFloat).contiguous();  // [out, in]
+      ST_CHECK(t.dim() == 2 && a.dim() == 2 && b.dim() == 2 && a.size(1) == w.size(1) &&
+                   b.size(0) == w.size(0) && a.size(0) == b.size(1),
+               CheckpointError, "the adapter for '", e.name, "' (A ", a.sizes(), ", B ", b.sizes(),
+               ") does not fit the base weight ", t.sizes(), " in '", base_path,
+               "'. Hint: merge into the base the adapter was trained from");
+      if (quantize == LoraQuantize::Int8) {
+        const QuantizedWeight q = quantize_int8(w);
+        w = dequantize_int8(q.codes, q.scales);
+      } else if (quantize == LoraQuantize::Nf4) {
+        const QuantizedWeight q = quantize_nf4(w, double_quant);
+        w = dequantize_nf4(q.codes, nf4_scales(q), w.sizes());
+      }
+      w = w + at::matmul(b, a) * scale;
+      t = (fan_in_fan_out ? w.t() : w).to(t.scalar_type()).contiguous();
+    } else if (const auto bit = biases.find(e.name); bit != biases.end()) {
+      t = adapter.read(bit->second).to(t.scalar_type()).reshape(t.sizes()).contiguous();
+    }
+    merged.emplace_back(e.name, t);
+  }
+  checkpoint::save_safetensors(out, merged, /*transpose_conv1d=*/false,
+                               {{"format", "pt"}, {"producer", "shardtrain lora merge"}});
+  return static_cast<int64_t>(layers.size());
+}
+
+}  // namespace shardtrain::models

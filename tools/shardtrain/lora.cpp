@@ -1,0 +1,50 @@
+// `shardtrain lora merge`: folds a PEFT-layout LoRA adapter into its base.
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "commands.h"
+#include "shardtrain/core/error.h"
+#include "shardtrain/models/lora_peft.h"
+
+namespace shardtrain::cli {
+namespace {
+
+const char kUsage[] =
+    "usage: shardtrain lora merge --base BASE.safetensors --adapter DIR --out MERGED.safetensors\n"
+    "\n"
+    "merge  folds the adapter in DIR (adapter_model.safetensors and\n"
+    "       adapter_config.json, as a LoRA run writes to RUN_DIR/adapter) into the\n"
+    "       base model: W += (lora_alpha / r) B A for every adapted layer, with\n"
+    "       Hugging Face GPT-2 Conv1D layout when fan_in_fan_out is true. A base\n"
+    "       the adapter was trained on quantized (int8, nf4) is quantized and\n"
+    "       dequantized the same way first. Every base tensor is written under\n"
+    "       its own name; `shardtrain generate` reads the result.\n";
+
+}  // namespace
+
+int lora_main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
+    std::fputs(kUsage, argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string action = argv[1];
+  ST_CHECK(action == "merge", ConfigError, "unknown action '", action,
+           "'; see shardtrain lora --help");
+  std::string base, adapter, out;
+  for (int i = 2; i < argc; ++i) {
+    const std::string a = argv[i];
+    std::string* target = a == "--base" ? &base : a == "--adapter" ? &adapter : a == "--out" ? &out : nullptr;
+    ST_CHECK(target != nullptr, ConfigError, "unknown option '", a, "'; see shardtrain lora --help");
+    ST_CHECK(i + 1 < argc, ConfigError, a, " needs a value; see shardtrain lora --help");
+    *target = argv[++i];
+  }
+  ST_CHECK(!base.empty() && !adapter.empty() && !out.empty(), ConfigError,
+           "shardtrain lora merge needs --base, --adapter and --out; see shardtrain lora --help");
+  const int64_t layers = models::merge_peft_adapter(base, adapter, out);
+  std::printf("merged %lld adapted layers of %s into %s -> %s\n", static_cast<long long>(layers),
+              adapter.c_str(), base.c_str(), out.c_str());
+  return 0;
+}
+
+}  // namespace shardtrain::cli
