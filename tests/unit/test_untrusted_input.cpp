@@ -1,0 +1,303 @@
+// Values that parse but are wrong, and files that are not what they claim:
+// each is refused with a typed error that names it, never accepted, wrapped,
+// truncated or waited on.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <string>
+#include <vector>
+
+#include "checkpoint/detail.h"
+#include "shardtrain/checkpoint/checkpoint.h"
+#include "shardtrain/checkpoint/safetensors.h"
+#include "shardtrain/config/config.h"
+#include "shardtrain/core/error.h"
+#include "shardtrain/data/tokens.h"
+#include "shardtrain/models/mlp.h"
+#include "shardtrain/train/plan.h"
+#include "shardtrain/train/task.h"
+#include "temp_dir.h"
+#include "test_helpers.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace ck = shardtrain::checkpoint;
+namespace cd = shardtrain::checkpoint::detail;
+using shardtrain::CheckpointError;
+using shardtrain::ConfigError;
+using shardtrain::config::Config;
+using shardtrain::testing::TempDir;
+
+#define EXPECT_HAS(msg, part) \
+  EXPECT_NE((msg).find(part), std::string::npos) << "missing \"" << (part) << "\" in: " << (msg)
+
+// The message of the ConfigError that parse() throws; fails the test if none.
+std::string config_error(const std::string& yaml, const std::vector<std::string>& overrides = {}) {
+  try {
+    Config::parse(yaml, overrides, "test.yaml");
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no ConfigError for:\n" << yaml;
+  return "";
+}
+
+// ---- duplicate keys ------------------------------------------------------------------
+
+TEST(UntrustedConfig, DuplicateKeysAreAnErrorNamingBothLines) {
+  std::string msg = config_error("optimizer:\n  lr: 1.0e-3\n  name: adamw\n  lr: -5\n");
+  EXPECT_HAS(msg, "test.yaml:4: optimizer.lr");
+  EXPECT_HAS(msg, "line 2 and at line 4");
+  // A whole section twice, flow style, and a key under a nested section.
+  msg = config_error("model:\n  n_layer: 1\nrun:\n  seed: 3\nmodel:\n  n_head: 2\n");
+  EXPECT_HAS(msg, "model: the key is written twice, at line 1 and at line 5");
+  msg = config_error("optimizer: {lr: 0.1, lr: 0.2}\n");
+  EXPECT_HAS(msg, "optimizer.lr");
+  msg = config_error("trainer:\n  early_stopping:\n    patience: 2\n    patience: 3\n");
+  EXPECT_HAS(msg, "trainer.early_stopping.patience");
+  EXPECT_HAS(msg, "line 3 and at line 4");
+  // Overrides on top of a file with a repeated key do not hide it.
+  msg = config_error("checkpoint:\n  keep: 1\n  keep: 2\n", {"checkpoint.keep=3"});
+  EXPECT_HAS(msg, "checkpoint.keep");
+}
+
+// ---- integers that would be narrowed -------------------------------------------------
+
+TEST(UntrustedConfig, IntegersAreRangeCheckedBeforeNarrowing) {
+  struct Case {
+    std::string yaml, got, expected;
+  };
+  const std::vector<Case> cases = {
+      // keep becomes an int for prune(): 2^32 wrapped to 0 and deleted everything.
+      {"checkpoint: {keep: 4294967296}", "checkpoint.keep: got 4294967296", "0..1000000"},
+      {"checkpoint: {keep: -1}", "checkpoint.keep: got -1", "0..1000000"},
+      {"distributed: {threads_per_rank: 2147483648}",
+       "distributed.threads_per_rank: got 2147483648", "0..1024"},
+      {"distributed: {nproc_per_node: 99999999999}",
+       "distributed.nproc_per_node: got 99999999999", "1..65536"},
+      // int keys: beyond 32 bits is not an int at all.
+      {"loss_scaler: {hysteresis: 4294967297}", "loss_scaler.hysteresis: got '4294967297'",
+       "[-2^31, 2^31)"},
+      {"loss_scaler: {initial_scale_power: 4294967296}",
+       "loss_scaler.initial_scale_power: got '4294967296'", "[-2^31, 2^31)"},
+      // int64 keys: beyond 64 bits is refused, not saturated.
+      {"trainer: {max_steps: 99999999999999999999}", "trainer.max_steps: got '99999999999999999999'",
+       "[-2^63, 2^63)"},
+  };
+  for (const Case& c : cases) {
+    const std::string msg = config_error(c.yaml);
+    EXPECT_HAS(msg, c.got);
+    EXPECT_HAS(msg, c.expected);
+  }
+  // The same through --set.
+  const std::string msg = config_error("", {"checkpoint.keep=4294967296"});
+  EXPECT_HAS(msg, "--set 'checkpoint.keep=4294967296'");
+  // The bounds themselves are fine.
+  EXPECT_NO_THROW(Config::parse("checkpoint: {keep: 1000000}\ndistributed: {threads_per_rank: 1024, "
+                                "nproc_per_node: 65536, strategy: ddp}\n"));
+}
+
+// ---- models that cannot fit ------------------------------------------------------------
+
+std::string fits_error(const std::vector<std::string>& overrides) {
+  const Config config = Config::parse("", overrides, "test.yaml");
+  try {
+    shardtrain::train::make_task(config, 1);
+  } catch (const ConfigError& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "not a ConfigError: " << e.what();
+    return "";
+  }
+  ADD_FAILURE() << "no ConfigError for a model that cannot fit";
+  return "";
+}
+
+TEST(UntrustedConfig, ModelsThatCannotFitAreRefusedWithTheirBytes) {
+  const std::string data = "data.train=" + std::string(SHARDTRAIN_SOURCE_DIR) + "/data/corpus.txt";
+  for (const std::vector<std::string>& o : std::vector<std::vector<std::string>>{
+           {data, "model.n_embd=1000000000000"},
+           {data, "model.vocab_size=1099511627776"},
+           {data, "model.block_size=1099511627776"},
+           {data, "model.n_layer=1000000000000"},
+           {"model.type=mlp", "model.mlp_sizes=[1000000000, 1000000000]"}}) {
+    const std::string msg = fits_error(o);
+    EXPECT_HAS(msg, "cannot fit in memory");
+    EXPECT_HAS(msg, "bytes");
+    EXPECT_HAS(msg, "available (MemAvailable");
+  }
+  // The default model fits, and a budget set on purpose is what is compared.
+  const Config defaults = Config::parse("", {}, "test.yaml");
+  EXPECT_NO_THROW(shardtrain::train::check_model_fits(defaults, 1, 1));
+  const Config tight = Config::parse("distributed: {memory_budget_mb: 0.001}", {}, "test.yaml");
+  try {
+    shardtrain::train::check_model_fits(tight, 1, 1);
+    ADD_FAILURE() << "a model larger than memory_budget_mb passed";
+  } catch (const ConfigError& e) {
+    EXPECT_HAS(std::string(e.what()), "distributed.memory_budget_mb");
+  }
+}
+
+// ---- FIFOs and other files that are not regular -------------------------------------
+
+// Runs `fn`, which must refuse the FIFO at `fifo` with ErrorType. A plain
+// open() of a FIFO waits for a writer: after 10 s the test becomes that
+// writer, releasing it, and fails.
+template <class ErrorType, class Fn>
+std::string refused_at_once(const std::string& fifo, Fn fn) {
+  auto result = std::async(std::launch::async, [&]() -> std::string {
+    try {
+      fn();
+    } catch (const ErrorType& e) {
+      return e.what();
+    } catch (const std::exception& e) {
+      return std::string("WRONG TYPE: ") + e.what();
+    }
+    return "NO ERROR";
+  });
+  if (result.wait_for(std::chrono::seconds(10)) == std::future_status::timeout) {
+    ADD_FAILURE() << "blocked on the FIFO " << fifo;
+    const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+    result.wait();
+    if (fd >= 0) ::close(fd);
+  }
+  const std::string msg = result.get();
+  EXPECT_EQ(msg.find("WRONG TYPE"), std::string::npos) << msg;
+  EXPECT_NE(msg, "NO ERROR");
+  EXPECT_HAS(msg, "FIFO");
+  return msg;
+}
+
+TEST(UntrustedFiles, FifosAreRefusedNotWaitedOn) {
+  TempDir tmp;
+  const std::string fifo = tmp / "pipe";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+
+  // data.train
+  std::string msg = refused_at_once<ConfigError>(fifo, [&] { shardtrain::data::TokenSource::open(fifo); });
+  EXPECT_HAS(msg, "data.train");
+  // the config file itself
+  refused_at_once<ConfigError>(fifo, [&] { Config::load(fifo); });
+  // model.init_from (a safetensors file) and `generate --checkpoint x.safetensors`
+  refused_at_once<CheckpointError>(fifo, [&] { ck::SafetensorsFile f(fifo); });
+  refused_at_once<CheckpointError>(fifo, [&] {
+    shardtrain::models::MLP mlp(std::vector<int64_t>{2, 3});
+    ck::load_safetensors_into(*mlp, fifo);
+  });
+
+  // Files found in a checkpoint directory: the marker, the metadata and a
+  // rank file, each replaced by a FIFO.
+  const auto make_checkpoint = [&](const std::string& dir) {
+    cd::save_ranks_locally(dir, {{}}, "state", {"rng"}, ck::SaveOptions().step(1));
+  };
+  for (const char* name : {cd::kCommitFile, cd::kMetadataFile, "rank-00000.bin"}) {
+    const std::string dir = tmp / (std::string("ckpt-") + name);
+    make_checkpoint(dir);
+    const std::string victim = (fs::path(dir) / name).string();
+    fs::remove(victim);
+    ASSERT_EQ(::mkfifo(victim.c_str(), 0600), 0);
+    refused_at_once<CheckpointError>(victim, [&] {
+      ck::CheckpointReader reader(dir, /*check_files=*/false);
+      reader.rank_state(0);
+    });
+  }
+}
+
+// ---- safetensors headers ----------------------------------------------------------------
+
+// A safetensors file with `header` and `data`.
+std::string st_file(const TempDir& tmp, const std::string& header, const std::string& data) {
+  const std::string path = tmp / "x.safetensors";
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  const uint64_t n = header.size();
+  for (int i = 0; i < 8; ++i) out.put(static_cast<char>(n >> (8 * i)));
+  out << header << data;
+  return path;
+}
+
+TEST(UntrustedFiles, SafetensorsShapesAndOffsetsMustBeWholeNumbers) {
+  TempDir tmp;
+  const std::string eight(8, '\0');
+  for (const char* header : {
+           R"({"a":{"dtype":"F32","shape":[2.9],"data_offsets":[0,8]}})",
+           R"({"a":{"dtype":"F32","shape":[2.0],"data_offsets":[0,8]}})",
+           R"({"a":{"dtype":"F32","shape":[true, 2],"data_offsets":[0,8]}})",
+           R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8.5]}})",
+           R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0.0,8]}})",
+           R"({"a":{"dtype":"F32","shape":["2"],"data_offsets":[0,8]}})",
+           R"({"a":{"dtype":"F32","shape":[18446744073709551615],"data_offsets":[0,8]}})"}) {
+    const std::string path = st_file(tmp, header, eight);
+    const std::string msg = shardtrain::testing::checkpoint_error([&] { ck::SafetensorsFile f(path); });
+    EXPECT_HAS(msg, "whole numbers");
+  }
+  // The same tensor with integer fields reads.
+  const std::string ok = st_file(tmp, R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", eight);
+  EXPECT_NO_THROW(ck::SafetensorsFile f(ok));
+}
+
+// ---- the command line -------------------------------------------------------------------
+
+using shardtrain::testing::cli;
+
+TEST(UntrustedCli, CountsBeyondTheirTypeAreRefused) {
+  // 99999999999 once wrapped to 1215752191 ranks.
+  for (const std::string args : {"train --nproc-per-node 99999999999",
+                                 "train --nproc-per-node=99999999999",
+                                 "launch --nproc-per-node 99999999999 -- true",
+                                 "launch --nnodes 4294967297 -- true",
+                                 "launch --master-port 4294967296 -- true",
+                                 "estimate --nproc-per-node 99999999999"}) {
+    const auto r = cli(args);
+    EXPECT_EQ(r.code, 2) << args << ":\n" << r.out;
+    EXPECT_HAS(r.out, "configuration error");
+  }
+  const auto r = cli("train " + std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/default.yaml"
+                     " --set distributed.strategy=single --set distributed.threads_per_rank=2147483648");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_HAS(r.out, "distributed.threads_per_rank: got 2147483648");
+}
+
+// A raw LibTorch error that reaches main (here: sampling at a temperature so
+// low that the logits overflow to inf, and multinomial refuses the NaNs) is
+// one line; its backtrace only with SHARDTRAIN_DEBUG=1.
+TEST(UntrustedCli, RawLibTorchErrorsAreOneLineWithTheBacktraceBehindDebug) {
+  TempDir tmp;
+  const std::string src = SHARDTRAIN_SOURCE_DIR;
+  const auto trained = cli("train " + src + "/configs/default.yaml --set run.dir=" + tmp.path() +
+                           " --set data.train=" + src + "/data/corpus.txt" +
+                           " --set distributed.strategy=single --set trainer.max_steps=1"
+                           " --set trainer.eval_every=0 --set trainer.sample_tokens=0"
+                           " --set model.n_layer=1 --set model.n_embd=32 --set model.n_head=2"
+                           " --set model.block_size=16 --set batch.global=2 --set batch.micro=2"
+                           " --set batch.accumulate=null");
+  ASSERT_EQ(trained.code, 0) << trained.out;
+  const std::string generate =
+      "generate --checkpoint " + tmp.path() + " --prompt x --max-new-tokens 2 --temperature 1e-300";
+  const auto plain = cli(generate);
+  EXPECT_EQ(plain.code, 1) << plain.out;
+  EXPECT_HAS(plain.out, "shardtrain generate: LibTorch error: ");
+  EXPECT_HAS(plain.out, "SHARDTRAIN_DEBUG=1 shows the backtrace");
+  EXPECT_EQ(plain.out.find("frame #"), std::string::npos) << plain.out;
+  EXPECT_EQ(plain.out.find("Exception raised from"), std::string::npos) << plain.out;
+  // The error is the last line and the only one after the source line.
+  const size_t error_at = plain.out.find("shardtrain generate:");
+  EXPECT_EQ(plain.out.find('\n', error_at), plain.out.size() - 1) << plain.out;
+
+  ::setenv("SHARDTRAIN_DEBUG", "1", 1);
+  const auto debug = cli(generate);
+  ::unsetenv("SHARDTRAIN_DEBUG");
+  EXPECT_EQ(debug.code, 1) << debug.out;
+  EXPECT_HAS(debug.out, "Exception raised from");
+}
+
+}  // namespace
