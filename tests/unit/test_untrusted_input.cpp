@@ -12,13 +12,19 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <limits>
 #include <future>
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
+#include "../dist/checkpoint_synthetic.h"
 #include "checkpoint/detail.h"
 #include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/checkpoint/safetensors.h"
+#include "shardtrain/comm/communicator.h"
 #include "shardtrain/config/config.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/data/tokens.h"
@@ -299,6 +305,94 @@ TEST(UntrustedCli, RawLibTorchErrorsAreOneLineWithTheBacktraceBehindDebug) {
   ::unsetenv("SHARDTRAIN_DEBUG");
   EXPECT_EQ(debug.code, 1) << debug.out;
   EXPECT_HAS(debug.out, "Exception raised from");
+}
+
+// ---- checkpoint metadata: inspect refuses what load refuses ------------------------------
+
+using Json = nlohmann::ordered_json;
+
+// Rewrites `dir`'s metadata through `edit` and commits it again (a marker
+// with the new checksum), as a tool or an attacker could.
+template <class Edit>
+void rewrite_metadata(const std::string& dir, Edit edit) {
+  const std::string path = (fs::path(dir) / cd::kMetadataFile).string();
+  std::ifstream in(path);
+  Json j = Json::parse(in);
+  edit(j);
+  const std::string text = j.dump(1) + "\n";
+  std::ofstream(path, std::ios::trunc) << text;
+  std::ofstream((fs::path(dir) / cd::kCommitFile).string(), std::ios::trunc)
+      << "{\"format\": \"shardtrain-checkpoint\", \"metadata_bytes\": " << text.size()
+      << ", \"metadata_crc32c\": " << cd::crc32c(0, text.data(), text.size()) << "}";
+}
+
+Json& tensor(Json& j, const std::string& name) {
+  for (auto& t : j["tensors"]) {
+    if (t["name"] == name) return t;
+  }
+  throw std::runtime_error("no tensor " + name);
+}
+
+TEST(UntrustedCheckpoint, InspectAndLoadRefuseTheSameDamagedMetadata) {
+  namespace syn = shardtrain::testing::synthetic;
+  constexpr int64_t k2to62 = int64_t{1} << 62;
+  struct Case {
+    const char* what;
+    std::function<void(Json&)> edit;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {"a tensor with no stored data", [](Json& j) { tensor(j, "wte.weight")["slices"] = Json::array(); },
+       "stores no data for elements 0..34 of 35 (no data at all)"},
+      {"a tensor missing its last element",
+       [](Json& j) {
+         auto& last = tensor(j, "big.weight")["slices"].back();
+         last["count"] = last["count"].get<int64_t>() - 1;
+       },
+       "stores no data for elements 1000..1000"},
+      {"a rank-state range whose offset + size overflows",
+       [=](Json& j) {
+         j["files"][0]["rank_state_offset"] = k2to62;
+         j["files"][0]["rank_state_bytes"] = k2to62;
+       },
+       "has its rank state"},
+      {"a float in a shape", [](Json& j) { tensor(j, "wte.weight")["shape"] = {7.5, 5}; },
+       "expected a list of whole numbers"},
+      {"a float slice count", [](Json& j) { tensor(j, "wte.weight")["slices"][0]["count"] = 3.0; },
+       "'count' is 3.0"},
+      {"a world size beyond int", [](Json& j) { j["world_size"] = 4294967298LL; },
+       "'world_size' is 4294967298"},
+      {"a rank beyond int", [](Json& j) { j["files"][1]["rank"] = 4294967297LL; },
+       "'rank' is 4294967297"},
+      {"a world size of 2^31-1 with three files", [](Json& j) { j["world_size"] = 2147483647; },
+       "lists only 3 files"},
+      {"a file size whose chunk count overflows",
+       [](Json& j) { j["files"][0]["bytes"] = std::numeric_limits<int64_t>::max(); },
+       "chunk checksums"},
+      {"a negative checksum", [](Json& j) { j["files"][0]["chunk_crc32c"][0] = -1; },
+       "not a 32-bit checksum"},
+  };
+  TempDir tmp;
+  auto comm = shardtrain::comm::Communicator::create(
+      shardtrain::comm::CommOptions().rank(0).world_size(1));
+  int n = 0;
+  for (const Case& c : cases) {
+    const std::string dir = tmp / ("ckpt" + std::to_string(n++));
+    std::vector<std::vector<shardtrain::strategy::ShardedTensor>> ranks;
+    for (int r = 0; r < 2; ++r) ranks.push_back(syn::rank_tensors(2, r, 0, true));
+    cd::save_ranks_locally(dir, ranks, "state", {"rng of rank 0", "rng of rank 1"},
+                           ck::SaveOptions().step(3));
+    rewrite_metadata(dir, c.edit);
+    // load: every rank asks for its tensors; the checkpoint is refused first.
+    auto targets = syn::rank_tensors(1, 0, 1, false);
+    const std::string load = shardtrain::testing::checkpoint_error(
+        [&] { ck::load_sharded(dir, *comm, targets); });
+    EXPECT_HAS(load, c.message) << c.what;
+    // inspect: the same refusal, exit 3.
+    const auto inspect = cli("checkpoint inspect " + dir);
+    EXPECT_EQ(inspect.code, 3) << c.what << ":\n" << inspect.out;
+    EXPECT_HAS(inspect.out, c.message) << c.what;
+  }
 }
 
 }  // namespace
