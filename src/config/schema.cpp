@@ -171,8 +171,9 @@ void declare_distributed(std::vector<Key>& keys) {
            "the micro-steps of `batch.accumulate`; see below.")
       .key(ST_OPTION(memory_budget_mb),
            not_below(0.0, "a number of MiB >= 0; 0: MemAvailable divided by the local ranks"),
-           "Memory one rank may use, in MiB, for `strategy: auto` and `shardtrain estimate`; 0: "
-           "this machine's MemAvailable (`/proc/meminfo`) divided by the local ranks.");
+           "Memory one rank may use, in MiB, for `strategy: auto`, `shardtrain estimate` and the "
+           "check that the model fits before it is built; 0: this machine's MemAvailable "
+           "(`/proc/meminfo`) divided by the local ranks.");
 }
 
 void declare_checkpoint_precision(std::vector<Key>& keys) {
