@@ -7,6 +7,7 @@
 #   B. 1 rank; the final checkpoint fits but the model export does not: the
 #      checkpoint was written first and is complete, exit 3, no half model.
 # Needs root to mount (CI runs as root); exits 77 (skipped) otherwise.
+# KEEP_LOGS=DIR copies the runs' logs there.
 #   train_full_disk.sh SHARDTRAIN_CLI SOURCE_DIR
 set -euo pipefail
 cli=$1 src=$2

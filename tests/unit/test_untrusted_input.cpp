@@ -31,6 +31,7 @@
 #include "shardtrain/models/mlp.h"
 #include "shardtrain/train/plan.h"
 #include "shardtrain/train/task.h"
+#include "shardtrain/train/trainer.h"
 #include "temp_dir.h"
 #include "test_helpers.h"
 
@@ -393,6 +394,46 @@ TEST(UntrustedCheckpoint, InspectAndLoadRefuseTheSameDamagedMetadata) {
     EXPECT_EQ(inspect.code, 3) << c.what << ":\n" << inspect.out;
     EXPECT_HAS(inspect.out, c.message) << c.what;
   }
+}
+
+// A training state (train_state.bin) without its step: a CheckpointError
+// naming the checkpoint, not a raw JSON exception.
+TEST(UntrustedCheckpoint, DamagedTrainingStateIsACheckpointError) {
+  TempDir tmp;
+  Config c;
+  c.run.dir = tmp / "run";
+  c.model.type = shardtrain::train::ModelType::Mlp;
+  c.model.mlp_sizes = {4, 8, 2};
+  c.batch.global = 4;
+  c.batch.micro = 4;
+  c.batch.accumulate.reset();
+  c.trainer.max_steps = 1;
+  c.trainer.eval_every = 0;
+  c.trainer.progress = shardtrain::train::ProgressMode::None;
+  auto comm = shardtrain::comm::Communicator::create(
+      shardtrain::comm::CommOptions().rank(0).world_size(1));
+  {
+    shardtrain::train::Trainer t(c, shardtrain::train::make_task(c, 1), comm);
+    t.fit();
+  }
+  // The same tensors again, with a training state that lacks "step".
+  const std::string good = ck::checkpoint_dir(c.run.dir, 1);
+  const std::string bad = tmp / "bad";
+  {
+    ck::CheckpointReader reader(good);
+    std::vector<shardtrain::strategy::ShardedTensor> tensors;
+    for (const auto& t : reader.metadata().tensors) {
+      tensors.push_back({t.name, t.shape, 0, reader.read_tensor(t.name), true, t.kind == "parameter"});
+    }
+    Json state = Json::parse(reader.train_state());
+    state.erase("step");
+    cd::save_ranks_locally(bad, {tensors}, state.dump(), {reader.rank_state(0)},
+                           ck::SaveOptions().step(1));
+  }
+  shardtrain::train::Trainer t(c, shardtrain::train::make_task(c, 1), comm);
+  const std::string msg = shardtrain::testing::checkpoint_error([&] { t.resume(bad); });
+  EXPECT_HAS(msg, "its training state (train_state.bin) is damaged");
+  EXPECT_HAS(msg, "step");
 }
 
 }  // namespace
