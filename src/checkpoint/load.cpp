@@ -234,7 +234,10 @@ CheckpointReader::CheckpointReader(const std::string& dir, bool check_files)
              f.rank >= 0 ? " as rank " + std::to_string(f.rank) + "'s file" : std::string(),
              "). Hint: copy it back from where the checkpoint was written, or load an older "
              "checkpoint.");
-    const auto size = fs::is_regular_file(p, ec) ? static_cast<int64_t>(fs::file_size(p, ec)) : -1;
+    ST_CHECK(fs::is_regular_file(p, ec), CheckpointError, "checkpoint file '", p.string(),
+             "' is not a regular file (a FIFO, a device or a directory is never read). ",
+             kInspectHint);
+    const auto size = static_cast<int64_t>(fs::file_size(p, ec));
     ST_CHECK(size == f.bytes, CheckpointError, "checkpoint file '", p.string(), "' has ", size,
              " bytes but the metadata records ", f.bytes,
              size >= 0 && size < f.bytes ? ": it is truncated. " : ". ", kInspectHint);

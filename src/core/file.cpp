@@ -26,7 +26,16 @@ const char* kind_of(mode_t mode) {
 int open_checked(const std::string& path, int flags, std::string* why) {
   const int fd = ::open(path.c_str(), flags | O_NONBLOCK | O_CLOEXEC, 0644);
   if (fd < 0) {
-    *why = std::strerror(errno);
+    const int err = errno;
+    struct stat st {};
+    // A FIFO opened for writing without a reader fails with ENXIO: say what it is.
+    if (err == ENXIO && ::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+      *why = std::string("it is ") + kind_of(st.st_mode) + ", not a regular file";
+      errno = EINVAL;
+    } else {
+      *why = std::strerror(err);
+      errno = err;
+    }
     return -1;
   }
   struct stat st {};

@@ -7,8 +7,8 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 #include <cstring>
+#include <filesystem>
 #include <sstream>
 
 #include "core/file.h"

@@ -29,6 +29,7 @@
 #include "shardtrain/core/error.h"
 #include "shardtrain/data/tokens.h"
 #include "shardtrain/models/mlp.h"
+#include "shardtrain/train/callbacks.h"
 #include "shardtrain/train/plan.h"
 #include "shardtrain/train/task.h"
 #include "shardtrain/train/trainer.h"
@@ -159,8 +160,8 @@ TEST(UntrustedConfig, ModelsThatCannotFitAreRefusedWithTheirBytes) {
 // ---- FIFOs and other files that are not regular -------------------------------------
 
 // Runs `fn`, which must refuse the FIFO at `fifo` with ErrorType. A plain
-// open() of a FIFO waits for a writer: after 10 s the test becomes that
-// writer, releasing it, and fails.
+// open() of a FIFO waits for its other end: after 10 s the test opens both
+// ends, releasing it, and fails.
 template <class ErrorType, class Fn>
 std::string refused_at_once(const std::string& fifo, Fn fn) {
   auto result = std::async(std::launch::async, [&]() -> std::string {
@@ -175,9 +176,11 @@ std::string refused_at_once(const std::string& fifo, Fn fn) {
   });
   if (result.wait_for(std::chrono::seconds(10)) == std::future_status::timeout) {
     ADD_FAILURE() << "blocked on the FIFO " << fifo;
-    const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+    const int reader = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK);  // releases a writer
+    const int writer = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);  // releases a reader
+    if (writer >= 0) ::close(writer);                                // whose reads then end
     result.wait();
-    if (fd >= 0) ::close(fd);
+    if (reader >= 0) ::close(reader);
   }
   const std::string msg = result.get();
   EXPECT_EQ(msg.find("WRONG TYPE"), std::string::npos) << msg;
@@ -218,7 +221,21 @@ TEST(UntrustedFiles, FifosAreRefusedNotWaitedOn) {
       ck::CheckpointReader reader(dir, /*check_files=*/false);
       reader.rank_state(0);
     });
+    refused_at_once<CheckpointError>(victim, [&] { ck::CheckpointReader reader(dir); });
   }
+
+  // metrics.jsonl found as a FIFO in the run directory.
+  const std::string run = tmp / "run";
+  fs::create_directories(run);
+  const std::string metrics = (fs::path(run) / "metrics.jsonl").string();
+  ASSERT_EQ(::mkfifo(metrics.c_str(), 0600), 0);
+  refused_at_once<ConfigError>(metrics, [&] {
+    shardtrain::train::MetricsWriter writer;
+    shardtrain::train::TrainerState state;
+    shardtrain::train::TrainerControl control;
+    state.run_dir = run;
+    writer.on_train_begin(state, control);
+  });
 }
 
 // ---- safetensors headers ----------------------------------------------------------------
