@@ -304,8 +304,13 @@ TEST(UntrustedCli, RawLibTorchErrorsAreOneLineWithTheBacktraceBehindDebug) {
                            " --set trainer.eval_every=0 --set trainer.sample_tokens=0"
                            " --set model.n_layer=1 --set model.n_embd=32 --set model.n_head=2"
                            " --set model.block_size=16 --set batch.global=2 --set batch.micro=2"
-                           " --set batch.accumulate=null");
+                           " --set batch.accumulate=null --set model.vocab_size=240");
   ASSERT_EQ(trained.code, 0) << trained.out;
+  // A prompt byte beyond the vocabulary (255 >= 240) is bad input, not an
+  // index error inside LibTorch.
+  const auto beyond = cli("generate --checkpoint " + tmp.path() + " --prompt \"$(printf '\\377')\"");
+  EXPECT_EQ(beyond.code, 2) << beyond.out;
+  EXPECT_HAS(beyond.out, "--prompt holds byte 255 but the model's vocabulary has 240 tokens");
   const std::string generate =
       "generate --checkpoint " + tmp.path() + " --prompt x --max-new-tokens 2 --temperature 1e-300";
   const auto plain = cli(generate);
