@@ -135,6 +135,10 @@ Metadata merge_rank_results(const std::vector<RankResult>& results, const SaveOp
 /// metadata's text, whose checksum the commit marker records.
 std::string finish_on_rank0(const std::string& tmp_dir, const std::string& dir, Metadata metadata,
                             const std::string& train_state, int64_t chunk_bytes);
+/// After a failed save of `dir`: removes its temporary directory and a
+/// renamed but uncommitted `dir`, and puts back a previous complete
+/// checkpoint of that name that was moved aside. Never throws.
+void undo_failed_save(const std::string& dir);
 /// Writes the COMMITTED marker for `metadata_text` into `dir`, durably, and
 /// deletes a previous checkpoint that finish_on_rank0 moved aside.
 void commit(const std::string& dir, const std::string& metadata_text);

@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "checkpoint/detail.h"
+#include "core/file.h"
 #include "shardtrain/core/error.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -235,15 +236,21 @@ void fsync_dir(const std::string& dir) {
 
 void write_file_atomically(const std::string& path, const std::string& bytes) {
   const std::string tmp = path + ".tmp";
-  {
-    OutFile f(tmp, int64_t{1} << 20);
-    f.write(bytes.data(), bytes.size());
-    f.close_and_sync();
-  }
   std::error_code ec;
-  fs::rename(tmp, path, ec);
-  ST_CHECK(!ec, CheckpointError, "cannot rename '", tmp, "' to '", path, "': ", ec.message());
-  fsync_dir(fs::path(path).parent_path().string());
+  try {
+    {
+      OutFile f(tmp, int64_t{1} << 20);
+      f.write(bytes.data(), bytes.size());
+      f.close_and_sync();
+    }
+    fs::rename(tmp, path, ec);
+    ST_CHECK(!ec, CheckpointError, "cannot rename '", tmp, "' to '", path, "': ", ec.message());
+  } catch (...) {
+    fs::remove(tmp, ec);  // a full disk leaves no half-written file behind
+    throw;
+  }
+  const std::string parent = fs::path(path).parent_path().string();
+  fsync_dir(parent.empty() ? "." : parent);
 }
 
 void pread_exact(int fd, void* buf, size_t n, int64_t offset, const std::string& path) {
@@ -262,10 +269,12 @@ void pread_exact(int fd, void* buf, size_t n, int64_t offset, const std::string&
 }
 
 std::string read_small_file(const std::string& path, int64_t max_bytes) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  ST_CHECK(fd >= 0, CheckpointError, "cannot open '", path, "': ", errno_text());
+  std::string why;
+  const int fd = ::shardtrain::detail::open_regular_for_reading(path, &why);
+  ST_CHECK(fd >= 0, CheckpointError, "cannot open '", path, "': ", why,
+           "; it is not part of a shardtrain checkpoint");
   struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size > max_bytes) {
+  if (::fstat(fd, &st) != 0 || st.st_size > max_bytes) {
     ::close(fd);
     ST_CHECK(false, CheckpointError, "'", path, "' is not a regular file of at most ", max_bytes,
              " bytes; it is not part of a shardtrain checkpoint");

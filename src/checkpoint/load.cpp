@@ -24,6 +24,7 @@
 #include <unordered_map>
 
 #include "checkpoint/detail.h"
+#include "core/file.h"
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/core/error.h"
 
@@ -68,17 +69,19 @@ struct CheckpointReader::Impl {
     if (fds[i] >= 0) return fds[i];
     const FileInfo& f = meta.files[i];
     const std::string path = path_of(f);
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    std::string why;
+    const int fd = ::shardtrain::detail::open_regular_for_reading(path, &why);
     if (fd < 0) {
       const int err = errno;
       ST_CHECK(err != ENOENT, CheckpointError, "checkpoint file '", path,
                "' is missing (the metadata lists it", f.rank >= 0 ? " as rank " : "",
                f.rank >= 0 ? std::to_string(f.rank) + "'s file" : std::string(), "). ",
                kInspectHint);
-      ST_CHECK(false, CheckpointError, "cannot open '", path, "': ", std::strerror(err));
+      ST_CHECK(false, CheckpointError, "cannot open checkpoint file '", path, "': ", why, ". ",
+               kInspectHint);
     }
     struct stat st {};
-    const bool ok = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+    const bool ok = ::fstat(fd, &st) == 0;
     if (!ok || st.st_size != f.bytes) {
       ::close(fd);
       ST_CHECK(false, CheckpointError, "checkpoint file '", path, "' has ",
@@ -231,7 +234,10 @@ CheckpointReader::CheckpointReader(const std::string& dir, bool check_files)
              f.rank >= 0 ? " as rank " + std::to_string(f.rank) + "'s file" : std::string(),
              "). Hint: copy it back from where the checkpoint was written, or load an older "
              "checkpoint.");
-    const auto size = fs::is_regular_file(p, ec) ? static_cast<int64_t>(fs::file_size(p, ec)) : -1;
+    ST_CHECK(fs::is_regular_file(p, ec), CheckpointError, "checkpoint file '", p.string(),
+             "' is not a regular file (a FIFO, a device or a directory is never read). ",
+             kInspectHint);
+    const auto size = static_cast<int64_t>(fs::file_size(p, ec));
     ST_CHECK(size == f.bytes, CheckpointError, "checkpoint file '", p.string(), "' has ", size,
              " bytes but the metadata records ", f.bytes,
              size >= 0 && size < f.bytes ? ": it is truncated. " : ". ", kInspectHint);

@@ -8,6 +8,7 @@
 #include <unordered_map>
 
 #include "checkpoint/detail.h"
+#include "checkpoint/json_int.h"
 #include "shardtrain/core/error.h"
 
 namespace shardtrain::checkpoint {
@@ -83,6 +84,35 @@ T get(const Json& j, const char* key, const std::string& where) {
   return T{};
 }
 
+// A whole number in [lo, hi]: get<int>() would truncate 2.9, read true as
+// 1 and wrap 4294967297 to 1, so every number of the metadata comes here.
+int64_t get_int(const Json& j, const char* key, const std::string& where, int64_t lo, int64_t hi) {
+  ST_CHECK(j.is_object() && j.contains(key), CheckpointError, where, " has no '", key, "'");
+  int64_t v = 0;
+  ST_CHECK(json_int(j.at(key), lo, hi, &v), CheckpointError, where, ": '", key, "' is ",
+           j.at(key).dump(), "; expected a whole number in ", lo, "..", hi,
+           ". Hint: the metadata is damaged or not shardtrain's.");
+  return v;
+}
+
+// A list of checksums, each a whole number that fits 32 bits.
+std::vector<uint32_t> get_crc_list(const Json& j, const char* key, const std::string& where) {
+  ST_CHECK(j.is_object() && j.contains(key) && j.at(key).is_array(), CheckpointError, where,
+           " has no '", key, "' list");
+  std::vector<uint32_t> out;
+  out.reserve(j.at(key).size());
+  for (const auto& item : j.at(key)) {
+    int64_t v = 0;
+    ST_CHECK(json_int(item, 0, std::numeric_limits<uint32_t>::max(), &v), CheckpointError, where,
+             ": '", key, "' holds ", item.dump(), ", not a 32-bit checksum");
+    out.push_back(static_cast<uint32_t>(v));
+  }
+  return out;
+}
+
+constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
+constexpr int64_t kMaxInt64 = std::numeric_limits<int64_t>::max();
+
 bool mul_overflows(int64_t a, int64_t b, int64_t* out) { return __builtin_mul_overflow(a, b, out); }
 
 bool safe_file_name(const std::string& name) {
@@ -126,19 +156,21 @@ Metadata metadata_from_json(const std::string& text, const std::string& path) {
            where, " is not shardtrain checkpoint metadata (no \"format\": \"", kFormatName,
            "\")");
   Metadata m;
-  m.format_version = get<int>(j, "format_version", where);
+  m.format_version = static_cast<int>(get_int(j, "format_version", where, 0, kMaxInt));
   ST_CHECK(m.format_version == kFormatVersion, CheckpointError, where,
            " has format version ", m.format_version, "; this build reads version ",
            kFormatVersion, ". Hint: use the shardtrain release that wrote it.");
   ST_CHECK(get<std::string>(j, "byte_order", where) == "little", CheckpointError, where,
            " stores big-endian data, which this build does not read");
-  m.world_size = get<int>(j, "world_size", where);
-  ST_CHECK(m.world_size >= 1, CheckpointError, where, " has world_size ", m.world_size);
+  m.world_size = static_cast<int>(get_int(j, "world_size", where, 1, kMaxInt));
   m.strategy = get<std::string>(j, "strategy", where);
-  m.step = get<int64_t>(j, "step", where);
+  m.step = get_int(j, "step", where, -1, kMaxInt64);
 
   const Json& files = j.contains("files") ? j.at("files") : Json();
   ST_CHECK(files.is_array(), CheckpointError, where, " has no 'files' list");
+  // One file per rank at least: checked before anything is sized by world_size.
+  ST_CHECK(files.size() >= static_cast<size_t>(m.world_size), CheckpointError, where,
+           " has world_size ", m.world_size, " but lists only ", files.size(), " files");
   std::unordered_map<std::string, size_t> file_index;
   std::vector<bool> rank_seen(static_cast<size_t>(m.world_size), false);
   for (const auto& jf : files) {
@@ -146,22 +178,20 @@ Metadata metadata_from_json(const std::string& text, const std::string& path) {
     f.name = get<std::string>(jf, "name", where + " files[]");
     const std::string fw = where + " file '" + f.name + "'";
     ST_CHECK(safe_file_name(f.name), CheckpointError, fw, " is not a plain file name");
-    f.rank = get<int>(jf, "rank", fw);
-    f.bytes = get<int64_t>(jf, "bytes", fw);
-    f.crc32c = get<uint32_t>(jf, "crc32c", fw);
-    f.chunk_bytes = get<int64_t>(jf, "chunk_bytes", fw);
-    f.chunk_crc32c = get<std::vector<uint32_t>>(jf, "chunk_crc32c", fw);
-    f.rank_state_offset = get<int64_t>(jf, "rank_state_offset", fw);
-    f.rank_state_bytes = get<int64_t>(jf, "rank_state_bytes", fw);
-    ST_CHECK(f.bytes >= 0 && f.chunk_bytes >= 1 && f.chunk_bytes <= (int64_t{1} << 30),
-             CheckpointError, fw, " has impossible sizes (bytes ", f.bytes, ", chunk_bytes ",
-             f.chunk_bytes, ")");
-    const int64_t chunks = (f.bytes + f.chunk_bytes - 1) / f.chunk_bytes;
+    f.rank = static_cast<int>(get_int(jf, "rank", fw, -1, kMaxInt));
+    f.bytes = get_int(jf, "bytes", fw, 0, kMaxInt64);
+    f.crc32c = static_cast<uint32_t>(get_int(jf, "crc32c", fw, 0, std::numeric_limits<uint32_t>::max()));
+    f.chunk_bytes = get_int(jf, "chunk_bytes", fw, 1, int64_t{1} << 30);
+    f.chunk_crc32c = get_crc_list(jf, "chunk_crc32c", fw);
+    f.rank_state_offset = get_int(jf, "rank_state_offset", fw, 0, kMaxInt64);
+    f.rank_state_bytes = get_int(jf, "rank_state_bytes", fw, 0, kMaxInt64);
+    // Overflow-free: bytes / chunk rounded up, and offset + size <= bytes.
+    const int64_t chunks = f.bytes / f.chunk_bytes + (f.bytes % f.chunk_bytes != 0 ? 1 : 0);
     ST_CHECK(static_cast<int64_t>(f.chunk_crc32c.size()) == chunks, CheckpointError, fw, " lists ",
              f.chunk_crc32c.size(), " chunk checksums for ", chunks, " chunks");
-    ST_CHECK(f.rank_state_offset >= 0 && f.rank_state_bytes >= 0 &&
-                 f.rank_state_offset + f.rank_state_bytes <= f.bytes,
-             CheckpointError, fw, " has its rank state outside the file");
+    ST_CHECK(f.rank_state_offset <= f.bytes && f.rank_state_bytes <= f.bytes - f.rank_state_offset,
+             CheckpointError, fw, " has its rank state (offset ", f.rank_state_offset, ", ",
+             f.rank_state_bytes, " bytes) outside the file's ", f.bytes, " bytes");
     if (f.rank >= 0) {
       ST_CHECK(f.rank < m.world_size && f.name == rank_file_name(f.rank), CheckpointError, fw,
                " does not belong to a rank of a world of ", m.world_size);
@@ -189,7 +219,8 @@ Metadata metadata_from_json(const std::string& text, const std::string& path) {
     const std::string tw = where + " tensor '" + t.name + "'";
     ST_CHECK(names.insert(t.name).second, CheckpointError, where, " lists tensor '", t.name,
              "' twice");
-    t.shape = get<std::vector<int64_t>>(jt, "shape", tw);
+    ST_CHECK(jt.contains("shape") && json_int_list(jt.at("shape"), &t.shape), CheckpointError, tw,
+             " has shape ", jt.value("shape", Json()).dump(), "; expected a list of whole numbers");
     t.dtype = get<std::string>(jt, "dtype", tw);
     t.kind = get<std::string>(jt, "kind", tw);
     const int64_t esize = dtype_bytes(t.dtype);
@@ -205,28 +236,42 @@ Metadata metadata_from_json(const std::string& text, const std::string& path) {
     ST_CHECK(slices.is_array(), CheckpointError, tw, " has no 'slices' list");
     for (const auto& js : slices) {
       SliceInfo s;
-      s.rank = get<int>(js, "rank", tw);
+      s.rank = static_cast<int>(get_int(js, "rank", tw, 0, m.world_size - 1));
       s.file = get<std::string>(js, "file", tw);
-      s.offset = get<int64_t>(js, "offset", tw);
-      s.count = get<int64_t>(js, "count", tw);
-      s.byte_offset = get<int64_t>(js, "byte_offset", tw);
+      s.offset = get_int(js, "offset", tw, 0, kMaxInt64);
+      s.count = get_int(js, "count", tw, 0, kMaxInt64);
+      s.byte_offset = get_int(js, "byte_offset", tw, 0, kMaxInt64);
       auto it = file_index.find(s.file);
       ST_CHECK(it != file_index.end() && m.files[it->second].rank >= 0, CheckpointError, tw,
                " is stored in unknown file '", s.file, "'");
       const FileInfo& f = m.files[it->second];
-      ST_CHECK(s.offset >= 0 && s.count >= 0 && s.offset <= numel - s.count, CheckpointError, tw,
-               " has a slice [", s.offset, ", +", s.count, ") outside its ", numel, " elements");
+      ST_CHECK(f.rank == s.rank, CheckpointError, tw, " has a slice of rank ", s.rank,
+               " in rank ", f.rank, "'s file '", s.file, "'");
+      ST_CHECK(s.offset <= numel - s.count, CheckpointError, tw, " has a slice [", s.offset,
+               ", +", s.count, ") outside its ", numel, " elements");
       ST_CHECK(s.byte_offset >= 0 && s.byte_offset <= f.bytes - s.count * esize, CheckpointError,
                tw, " has a slice outside its file '", s.file, "'");
       t.slices.push_back(std::move(s));
     }
     std::sort(t.slices.begin(), t.slices.end(),
               [](const SliceInfo& a, const SliceInfo& b) { return a.offset < b.offset; });
-    for (size_t i = 1; i < t.slices.size(); ++i) {
-      const auto& prev = t.slices[i - 1];
-      ST_CHECK(prev.offset + prev.count <= t.slices[i].offset, CheckpointError, tw,
-               " has overlapping slices (ranks ", prev.rank, " and ", t.slices[i].rank, ")");
+    // Every element stored exactly once, as a save writes them: slices
+    // sorted by offset tile [0, numel). A tensor without (all of) its data
+    // would load as garbage or fail late; it is refused here, for load and
+    // inspect alike. (Empty slices are never written.)
+    int64_t next = 0;
+    for (const auto& x : t.slices) {
+      ST_CHECK(x.count > 0, CheckpointError, tw, " has an empty slice on rank ", x.rank);
+      ST_CHECK(x.offset >= next, CheckpointError, tw, " has overlapping slices (rank ", x.rank,
+               " starts at element ", x.offset, ", before ", next, ")");
+      ST_CHECK(x.offset == next, CheckpointError, tw, " stores no data for elements ", next, "..",
+               x.offset - 1, " of ", numel, ". Hint: the metadata is damaged; load an older checkpoint.");
+      next = x.offset + x.count;
     }
+    ST_CHECK(next == numel, CheckpointError, tw, " stores no data for elements ", next, "..",
+             numel - 1, " of ", numel,
+             next == 0 ? " (no data at all)" : "", ". Hint: the metadata is damaged; load an older "
+             "checkpoint.");
     m.tensors.push_back(std::move(t));
   }
   return m;

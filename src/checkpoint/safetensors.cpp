@@ -19,6 +19,8 @@
 #include <unordered_set>
 
 #include "checkpoint/detail.h"
+#include "checkpoint/json_int.h"
+#include "core/file.h"
 #include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/core/error.h"
 
@@ -102,8 +104,16 @@ SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<Safete
   unsigned char len[8];
   uint64_t n = text.size();
   for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));
-  impl_->out->write(len, 8);
-  impl_->out->write(text.data(), text.size());
+  try {
+    impl_->out->write(len, 8);
+    impl_->out->write(text.data(), text.size());
+  } catch (...) {
+    // No destructor runs for a constructor that throws: remove the file here.
+    impl_->out.reset();
+    std::error_code ec;
+    fs::remove(impl_->tmp, ec);
+    throw;
+  }
 }
 
 SafetensorsWriter::~SafetensorsWriter() {
@@ -179,11 +189,13 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : impl_(std::make_uniq
   Impl& m = *impl_;
   m.path = path;
   const std::string where = "safetensors file '" + path + "'";
-  m.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  ST_CHECK(m.fd >= 0, CheckpointError, "cannot open ", where, ": ", std::strerror(errno));
+  std::string why;
+  m.fd = ::shardtrain::detail::open_regular_for_reading(path, &why);
+  ST_CHECK(m.fd >= 0, CheckpointError, "cannot open ", where, ": ", why,
+           ". Hint: pass a .safetensors file");
   struct stat st {};
-  ST_CHECK(::fstat(m.fd, &st) == 0 && S_ISREG(st.st_mode), CheckpointError, where,
-           " is not a regular file");
+  ST_CHECK(::fstat(m.fd, &st) == 0, CheckpointError, "cannot stat ", where, ": ",
+           std::strerror(errno));
   const int64_t size = st.st_size;
   ST_CHECK(size >= 8, CheckpointError, where, " has ", size,
            " bytes: too short for the 8-byte header length. Hint: it is not a safetensors file.");
@@ -230,9 +242,13 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : impl_(std::make_uniq
       const int64_t es = dtype_bytes(e.dtype);
       ST_CHECK(es > 0, CheckpointError, tw, " has unknown dtype '", e.dtype,
                "'; known: F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL");
-      e.shape = value.at("shape").get<std::vector<int64_t>>();
-      const auto offsets = value.at("data_offsets").get<std::vector<int64_t>>();
-      ST_CHECK(offsets.size() == 2, CheckpointError, tw, " needs data_offsets [begin, end]");
+      // Whole numbers only: nlohmann would truncate 2.9 to 2 and read true as 1.
+      std::vector<int64_t> offsets;
+      ST_CHECK(json_int_list(value.at("shape"), &e.shape), CheckpointError, tw, " has shape ",
+               value.at("shape").dump(), ": expected a list of whole numbers");
+      ST_CHECK(json_int_list(value.at("data_offsets"), &offsets) && offsets.size() == 2,
+               CheckpointError, tw, " has data_offsets ", value.at("data_offsets").dump(),
+               ": expected [begin, end], two whole numbers");
       e.begin = offsets[0];
       e.end = offsets[1];
       int64_t numel = 1;

@@ -72,6 +72,18 @@ void remove_tree(const std::string& dir) {
 
 }  // namespace
 
+void undo_failed_save(const std::string& dir) {
+  const std::string final_dir = normal_dir(dir);
+  std::error_code ec;
+  fs::remove_all(temporary_dir(final_dir), ec);
+  // Renamed into place but never committed (the marker could not be
+  // written): torn, so it goes, and a previous complete checkpoint of the
+  // same name that was moved aside comes back.
+  if (fs::exists(final_dir, ec) && !is_complete(final_dir)) remove_tree(final_dir);
+  const std::string old = previous_dir(final_dir);
+  if (fs::exists(old, ec) && !fs::exists(final_dir, ec)) fs::rename(old, final_dir, ec);
+}
+
 std::string rank_result_to_bytes(const RankResult& r) {
   Json j;
   j["rank"] = r.rank;
@@ -306,18 +318,23 @@ std::string save_ranks_locally(const std::string& dir,
            options.checksum_chunk_bytes());
   const std::string final_dir = normal_dir(dir);
   const std::string tmp = temporary_dir(final_dir);
-  prepare_tmp(tmp);
-  const int world = static_cast<int>(per_rank.size());
-  std::vector<RankResult> results;
-  for (int r = 0; r < world; ++r) {
-    results.push_back(write_rank_file(tmp, r, world, per_rank[static_cast<size_t>(r)],
-                                      rank_states.empty() ? std::string() : rank_states[r],
-                                      options.checksum_chunk_bytes()));
+  try {
+    prepare_tmp(tmp);
+    const int world = static_cast<int>(per_rank.size());
+    std::vector<RankResult> results;
+    for (int r = 0; r < world; ++r) {
+      results.push_back(write_rank_file(tmp, r, world, per_rank[static_cast<size_t>(r)],
+                                        rank_states.empty() ? std::string() : rank_states[r],
+                                        options.checksum_chunk_bytes()));
+    }
+    Metadata m = merge_rank_results(results, options);
+    const std::string text =
+        finish_on_rank0(tmp, final_dir, std::move(m), train_state, options.checksum_chunk_bytes());
+    commit(final_dir, text);
+  } catch (...) {
+    undo_failed_save(final_dir);
+    throw;
   }
-  Metadata m = merge_rank_results(results, options);
-  const std::string text =
-      finish_on_rank0(tmp, final_dir, std::move(m), train_state, options.checksum_chunk_bytes());
-  commit(final_dir, text);
   return final_dir;
 }
 
@@ -356,7 +373,8 @@ std::string broadcast_string(comm::Communicator& comm, const std::string& s, int
   return std::string(static_cast<const char*>(buf.data_ptr()), static_cast<size_t>(n));
 }
 
-std::string what_of(const std::exception& e) { return e.what(); }
+// Without a backtrace: the text travels to every rank and into one line.
+std::string what_of(const std::exception& e) { return ::shardtrain::detail::one_line_message(e); }
 
 }  // namespace
 
@@ -394,6 +412,7 @@ std::string save_sharded(const std::string& dir, comm::Communicator& comm,
     }
   }
   error = agree_on_error(comm, error);
+  if (!error.empty() && rank == 0) undo_failed_save(final_dir);
   ST_CHECK(error.empty(), CheckpointError, "saving '", final_dir, "' failed: ", error);
 
   // 2. Every rank writes and fsyncs its own file.
@@ -435,11 +454,10 @@ std::string save_sharded(const std::string& dir, comm::Communicator& comm,
   }
   error = agree_on_error(comm, error);
   if (!error.empty()) {
-    if (rank == 0) {
-      std::error_code ec;
-      fs::remove_all(tmp, ec);
-    }
-    ST_CHECK(false, CheckpointError, "saving '", final_dir, "' failed: ", error);
+    if (rank == 0) undo_failed_save(final_dir);
+    ST_CHECK(false, CheckpointError, "saving '", final_dir, "' failed: ", error,
+             " Nothing of this save was kept; older checkpoints are untouched. Hint: free disk "
+             "space under the run directory (checkpoint.keep limits how many are kept).");
   }
   return final_dir;
 }

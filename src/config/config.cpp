@@ -9,6 +9,7 @@
 #include <optional>
 #include <sstream>
 
+#include "core/file.h"
 #include "key_table.h"
 #include "overrides.h"
 
@@ -50,15 +51,13 @@ void validate(const Source& source, const Config& config) {
 }  // namespace
 
 Config Config::load(const std::string& path, const std::vector<std::string>& overrides) {
-  std::ifstream in(path);
-  if (!in) {
-    throw ConfigError(str_cat("cannot read the config file '", path,
-                              "': it does not exist or is not readable; pass the path of a YAML "
-                              "file such as configs/default.yaml"));
+  // Never blocks: a FIFO or a device is refused, not waited on.
+  std::string text, why;
+  if (!::shardtrain::detail::read_regular_file(path, int64_t{64} << 20, &text, &why)) {
+    throw ConfigError(str_cat("cannot read the config file '", path, "': ", why,
+                              "; pass the path of a YAML file such as configs/default.yaml"));
   }
-  std::ostringstream text;
-  text << in.rdbuf();
-  return parse(text.str(), overrides, path);
+  return parse(text, overrides, path);
 }
 
 Config Config::parse(const std::string& yaml, const std::vector<std::string>& overrides,

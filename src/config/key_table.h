@@ -39,6 +39,10 @@ struct Key {
   std::function<void(const Source&, const Config&)> check;
 };
 
+/// The largest value of an `auto_count` key (ranks per node), as the
+/// launcher's --nproc-per-node allows.
+constexpr int64_t kMaxAutoCount = 65536;
+
 /// Every key, in the order to_yaml() writes them (sections contiguous).
 const std::vector<Key>& keys();
 /// The key at `path`, or null.
@@ -180,27 +184,29 @@ SectionKeys<GetSection>& SectionKeys<GetSection>::auto_count(const char* name, G
                                                              std::string doc) {
   const GetSection get_section = get_section_;
   const auto value = [get_section, get_field](auto& c) -> auto& { return get_field(get_section(c)); };
-  constexpr const char* kExpected = "auto or an integer >= 1";
+  // At most kMaxAutoCount: the count becomes an int (processes, threads);
+  // 99999999999 must be refused, not wrapped.
+  const std::string expected = "auto or an integer in 1.." + std::to_string(kMaxAutoCount);
   Key k;
   k.path = prefix_ + "." + name;
   k.type = "`auto` or int";
-  k.allowed = "`auto`, ≥ 1 (0 also means auto)";
+  k.allowed = "`auto`, 1.." + std::to_string(kMaxAutoCount) + " (0 also means auto)";
   k.doc = std::move(doc);
-  k.read = [path = k.path, value](const Source& s, const YAML::Node& node, Config& c) {
+  k.read = [path = k.path, value, expected](const Source& s, const YAML::Node& node, Config& c) {
     int64_t v = 0;
     if (node.IsScalar() && node.Scalar() == "auto") {
       value(c) = 0;
     } else if (parse_scalar(node, v)) {
       value(c) = v;
     } else {
-      s.fail_at(s.where(path, &node), path, show(node), kExpected);
+      s.fail_at(s.where(path, &node), path, show(node), expected);
     }
   };
   k.write = [value](const Config& c) {
     return value(c) == 0 ? std::string("auto") : std::to_string(value(c));
   };
-  k.check = [path = k.path, value](const Source& s, const Config& c) {
-    s.require(value(c) >= 0, path, std::to_string(value(c)), kExpected);
+  k.check = [path = k.path, value, expected](const Source& s, const Config& c) {
+    s.require(value(c) >= 0 && value(c) <= kMaxAutoCount, path, std::to_string(value(c)), expected);
   };
   out_.push_back(std::move(k));
   return *this;

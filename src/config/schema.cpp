@@ -14,6 +14,12 @@ namespace {
 
 using strategy::DType;
 
+// Upper bounds of the integer keys that are narrowed to int where they are
+// used (threads for at::set_num_threads, checkpoints to keep for prune()):
+// a larger value would wrap (4294967296 to 0) instead of being refused.
+constexpr int64_t kMaxThreadsPerRank = 1024;
+constexpr int64_t kMaxKeep = 1000000;
+
 void declare_run_model_data(std::vector<Key>& keys) {
   section(keys, "run", [](auto& c) -> auto& { return c.run; })
       .key(ST_FIELD(dir), non_empty("a directory path"), "Directory for checkpoints and logs.")
@@ -122,7 +128,9 @@ void declare_distributed(std::vector<Key>& keys) {
       .key(ST_OPTION(find_unused_parameters),
            "`true`: parameters without a gradient in a step are reduced as zeros; `false`: such a "
            "parameter is an error that names it.")
-      .key(ST_OPTION(threads_per_rank), at_least(0),
+      .key(ST_OPTION(threads_per_rank),
+           in_range(0, kMaxThreadsPerRank,
+                    str_cat("an integer in 0..", kMaxThreadsPerRank, "; 0: cores / local ranks")),
            "Intra-op threads per rank, for LibTorch and OpenBLAS alike; 0: cores / local ranks.")
       .key(ST_OPTION(reduce_dtype), one_of({DType::Fp32, DType::Bf16, DType::Fp16}),
            "dtype gradients are reduced in; bf16/fp16 halve the bytes moved and round once per "
@@ -163,8 +171,9 @@ void declare_distributed(std::vector<Key>& keys) {
            "the micro-steps of `batch.accumulate`; see below.")
       .key(ST_OPTION(memory_budget_mb),
            not_below(0.0, "a number of MiB >= 0; 0: MemAvailable divided by the local ranks"),
-           "Memory one rank may use, in MiB, for `strategy: auto` and `shardtrain estimate`; 0: "
-           "this machine's MemAvailable (`/proc/meminfo`) divided by the local ranks.");
+           "Memory one rank may use, in MiB, for `strategy: auto`, `shardtrain estimate` and the "
+           "check that the model fits before it is built; 0: this machine's MemAvailable "
+           "(`/proc/meminfo`) divided by the local ranks.");
 }
 
 void declare_checkpoint_precision(std::vector<Key>& keys) {
@@ -175,7 +184,7 @@ void declare_checkpoint_precision(std::vector<Key>& keys) {
       .key(ST_FIELD(every_n_minutes),
            not_below(0.0, "a number of minutes >= 0; 0 turns time-based saving off"),
            "Also save once this many minutes passed since the last save (any rank's clock); 0: off.")
-      .key(ST_FIELD(keep), at_least(0),
+      .key(ST_FIELD(keep), in_range(0, kMaxKeep, str_cat("an integer in 0..", kMaxKeep, "; 0 keeps all")),
            "Complete checkpoints kept: the newest `keep` (plus the best); torn ones are removed "
            "too. 0 keeps all.")
       .key(ST_FIELD(monitor), any("a metric of the evaluation lines, e.g. `eval_loss`"),

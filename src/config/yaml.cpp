@@ -152,6 +152,40 @@ bool parse_scalar(const YAML::Node& node, uint64_t& out) {
   return true;
 }
 
+namespace {
+
+// yaml-cpp keeps both entries of a key written twice in one mapping and
+// lookups find the first, so `lr: 1e-3` then `lr: -5` silently trained with
+// 1e-3. Every mapping, at any depth, is checked for repeated keys.
+void refuse_duplicate_keys(const Source& source, const YAML::Node& node, const std::string& path) {
+  if (node.IsSequence()) {
+    for (size_t i = 0; i < node.size(); ++i) {
+      refuse_duplicate_keys(source, node[i], str_cat(path, "[", i, "]"));
+    }
+    return;
+  }
+  if (!node.IsMap()) return;
+  std::map<std::string, YAML::Mark> seen;
+  for (const auto& entry : node) {
+    const std::string key = entry.first.IsScalar() ? entry.first.Scalar() : show(entry.first);
+    const std::string full = path.empty() ? key : path + "." + key;
+    const auto [first, fresh] = seen.emplace(key, entry.first.Mark());
+    if (!fresh) {
+      const YAML::Mark& again = entry.first.Mark();
+      const auto line = [](const YAML::Mark& m) {
+        return m.is_null() ? std::string("?") : std::to_string(m.line + 1);
+      };
+      source.problem_at(
+          again.is_null() ? source.origin() : str_cat(source.origin(), ":", again.line + 1), full,
+          str_cat("the key is written twice, at line ", line(first->second), " and at line ",
+                  line(again), "; YAML would silently keep only one of them, so delete the other"));
+    }
+    refuse_duplicate_keys(source, entry.second, full);
+  }
+}
+
+}  // namespace
+
 YAML::Node load_yaml(const Source& source, const std::string& text) {
   YAML::Node root;
   try {
@@ -169,6 +203,7 @@ YAML::Node load_yaml(const Source& source, const std::string& text) {
     source.fail_at(source.where("", &root), "<top level>", show(root),
                    "a mapping of sections (run:, model:, data:, ...)");
   }
+  refuse_duplicate_keys(source, root, "");
   return root;
 }
 

@@ -137,8 +137,10 @@ std::string expected_text() {
     return "a finite number";
   } else if constexpr (std::is_same_v<T, uint64_t>) {
     return "an integer in [0, 2^64)";
+  } else if constexpr (std::is_same_v<T, int>) {
+    return "an integer in [-2^31, 2^31)";
   } else if constexpr (std::is_integral_v<T>) {
-    return "an integer";
+    return "an integer in [-2^63, 2^63)";
   } else if constexpr (has_names<T>::value) {
     return "one of: " + enum_choices<T>();
   } else if constexpr (is_optional<T>::value) {

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <random>
 
+#include "core/file.h"
 #include "shardtrain/core/error.h"
 
 namespace shardtrain::data {
@@ -158,8 +159,9 @@ TokenSource TokenSource::from_tokens(std::vector<uint16_t> tokens) {
 // a file is taken as text only if it holds no NUL byte, so binary data in
 // another layout (a header-less nanoGPT .bin) is an error, not 256-way noise.
 TokenSource TokenSource::open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  ST_CHECK(fd >= 0, ConfigError, "cannot open token source '", path, "': ", std::strerror(errno),
+  std::string why;
+  const int fd = ::shardtrain::detail::open_regular_for_reading(path, &why);
+  ST_CHECK(fd >= 0, ConfigError, "cannot open token source '", path, "': ", why,
            "; hint: check data.train (a UTF-8 text file or a token file with magic ",
            kTokenFileMagic, ")");
   FdGuard guard{fd};

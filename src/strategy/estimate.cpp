@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <string>
 
@@ -27,6 +28,12 @@ std::string size_text(double bytes) {
     std::snprintf(buf, sizeof(buf), "%.2f GiB", m / 1024.0);
   }
   return buf;
+}
+
+// Bytes as int64, at most INT64_MAX (converting a larger double is undefined).
+int64_t saturate(double bytes) {
+  constexpr double kMax = 9.2e18;  // just below 2^63
+  return bytes >= kMax ? std::numeric_limits<int64_t>::max() : static_cast<int64_t>(bytes);
 }
 
 }  // namespace
@@ -146,7 +153,7 @@ int64_t gpt_activation_bytes(const models::GPTConfig& config, int64_t micro_batc
   const double blocks = config.activation_checkpointing
                             ? layers * 2.0 * b * t * c * bytes + full_layer
                             : layers * full_layer;
-  return static_cast<int64_t>(blocks + logits);
+  return saturate(blocks + logits);
 }
 
 int64_t mlp_activation_bytes(const std::vector<int64_t>& sizes, int64_t micro_batch,
@@ -154,10 +161,11 @@ int64_t mlp_activation_bytes(const std::vector<int64_t>& sizes, int64_t micro_ba
   ST_CHECK(sizes.size() >= 2 && micro_batch >= 0 && bytes_per_element > 0, InvalidArgument,
            "mlp_activation_bytes: needs at least two widths, micro_batch >= 0 and "
            "bytes_per_element > 0");
-  int64_t elements = 2 * sizes.back();                                  // output and its gradient
-  for (size_t i = 0; i + 1 < sizes.size(); ++i) elements += sizes[i];   // Linear inputs
-  for (size_t i = 1; i + 1 < sizes.size(); ++i) elements += sizes[i];   // GELU inputs
-  return micro_batch * elements * bytes_per_element;
+  // In doubles: widths from a config may be absurd and must not overflow.
+  double elements = 2.0 * static_cast<double>(sizes.back());                        // output and its gradient
+  for (size_t i = 0; i + 1 < sizes.size(); ++i) elements += static_cast<double>(sizes[i]);  // Linear inputs
+  for (size_t i = 1; i + 1 < sizes.size(); ++i) elements += static_cast<double>(sizes[i]);  // GELU inputs
+  return saturate(static_cast<double>(micro_batch) * elements * bytes_per_element);
 }
 
 }  // namespace shardtrain::strategy

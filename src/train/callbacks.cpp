@@ -1,13 +1,17 @@
 // The built-in callbacks and the metrics line.
 #include "shardtrain/train/callbacks.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <sstream>
 
+#include "core/file.h"
 #include "shardtrain/core/error.h"
 
 namespace shardtrain::train {
@@ -74,6 +78,19 @@ std::string format_duration(double seconds) {
   return buf;
 }
 
+// The progress lines are the run's log: a write that fails (stdout
+// redirected to a full disk) stops the run with an IoError rather than
+// losing lines unnoticed.
+void flush_log(FILE* out) {
+  errno = 0;
+  const bool ok = std::fflush(out) == 0 && !std::ferror(out);
+  if (ok) return;
+  const std::string err = errno != 0 ? std::strerror(errno) : "write error";
+  std::clearerr(out);
+  ST_CHECK(false, IoError, "cannot write the progress log: ", err,
+           ". Hint: free disk space where the output goes, or set trainer.progress=none");
+}
+
 }  // namespace
 
 std::string Metrics::to_json() const {
@@ -131,14 +148,14 @@ void ProgressCallback::on_log(TrainerState& state, TrainerControl&, const Metric
                  (long long)state.step, (long long)state.max_steps, state.loss, state.lr,
                  state.grad_norm, tokens_per_s, format_duration(eta).c_str());
   }
-  std::fflush(out_);
+  flush_log(out_);
 }
 
 void ProgressCallback::on_evaluate(TrainerState& state, TrainerControl&, const Metrics& metrics) {
   if (!enabled_ || state.rank != 0) return;
   std::fprintf(out_, "%sstep %lld | eval_loss %.4f\n", bar_ ? "\n" : "", (long long)state.step,
                metrics.number("eval_loss").value_or(NAN));
-  std::fflush(out_);
+  flush_log(out_);
 }
 
 void ProgressCallback::on_train_end(TrainerState& state, TrainerControl&) {
@@ -147,30 +164,58 @@ void ProgressCallback::on_train_end(TrainerState& state, TrainerControl&) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   std::fprintf(out_, "%strained %lld steps in %s\n", bar_ ? "\n" : "", (long long)state.step,
                format_duration(elapsed).c_str());
-  std::fflush(out_);
+  flush_log(out_);
 }
 
 // ---- MetricsWriter --------------------------------------------------------------------
 
+MetricsWriter::~MetricsWriter() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
 void MetricsWriter::on_train_begin(TrainerState& state, TrainerControl&) {
   if (state.rank != 0) return;
-  std::filesystem::create_directories(state.run_dir);
+  std::error_code ec;
+  std::filesystem::create_directories(state.run_dir, ec);
+  ST_CHECK(!ec, IoError, "cannot create the run directory '", state.run_dir, "': ", ec.message(),
+           "; check run.dir, its permissions and free disk space");
   path_ = (std::filesystem::path(state.run_dir) / "metrics.jsonl").string();
-  out_.open(path_, std::ios::app);
-  ST_CHECK(out_.good(), ConfigError, "cannot open ", path_,
-           " for writing; check run.dir and its permissions");
+  std::string why;
+  fd_ = ::shardtrain::detail::open_regular_for_append(path_, &why);
+  ST_CHECK(fd_ >= 0, ConfigError, "cannot open ", path_, " for writing: ", why,
+           "; check run.dir and its permissions");
+}
+
+void MetricsWriter::append_line(const std::string& json) {
+  const std::string line = json + '\n';
+  // One line, one write() to a file opened O_APPEND. Should it come short
+  // (a full disk), the file is cut back to where it was before the error
+  // is raised, so readers never see half a line.
+  struct stat st {};
+  const off_t before = ::fstat(fd_, &st) == 0 ? st.st_size : -1;
+  size_t done = 0;
+  while (done < line.size()) {
+    const ssize_t w = ::write(fd_, line.data() + done, line.size() - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      const std::string err = w < 0 ? std::strerror(errno) : "nothing was written";
+      const bool restored = before >= 0 && ::ftruncate(fd_, before) == 0;
+      ST_CHECK(false, IoError, "cannot append to ", path_, ": ", err,
+               restored ? "; the partial line was removed" : "",
+               ". Hint: free disk space under run.dir; checkpoints already written are intact");
+    }
+    done += static_cast<size_t>(w);
+  }
 }
 
 void MetricsWriter::on_step_end(TrainerState& state, TrainerControl&) {
   if (state.rank != 0) return;
-  out_ << state.metrics.to_json() << '\n';
-  out_.flush();
+  append_line(state.metrics.to_json());
 }
 
 void MetricsWriter::on_evaluate(TrainerState& state, TrainerControl&, const Metrics& metrics) {
   if (state.rank != 0) return;
-  out_ << metrics.to_json() << '\n';
-  out_.flush();
+  append_line(metrics.to_json());
 }
 
 // ---- LearningRateMonitor --------------------------------------------------------------

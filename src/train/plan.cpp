@@ -3,6 +3,8 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <unordered_set>
 
 #include "shardtrain/core/error.h"
@@ -64,6 +66,75 @@ strategy::EstimateInput estimate_input(const config::Config& config, torch::nn::
                             ? strategy::mlp_activation_bytes(config.model.mlp_sizes, micro, act_bytes)
                             : strategy::gpt_activation_bytes(gpt_config(config.model), micro, act_bytes);
   return in;
+}
+
+double model_parameter_count(const config::ModelConfig& m) {
+  if (m.type == ModelType::Mlp) {
+    double n = 0.0;
+    for (size_t i = 0; i + 1 < m.mlp_sizes.size(); ++i) {
+      const double in = static_cast<double>(m.mlp_sizes[i]);
+      const double out = static_cast<double>(m.mlp_sizes[i + 1]);
+      n += in * out + out;  // weight and bias
+    }
+    return n;
+  }
+  // GPTConfig::num_parameters() in doubles.
+  const double c = static_cast<double>(m.n_embd);
+  const double per_block = 12.0 * c * c + 13.0 * c;
+  return static_cast<double>(m.vocab_size) * c + static_cast<double>(m.block_size) * c +
+         static_cast<double>(m.n_layer) * per_block + 2.0 * c;
+}
+
+namespace {
+
+// "1.50 GiB" up to a PiB, "4.8e+25 bytes" beyond.
+std::string bytes_text(double b) {
+  char buf[64];
+  if (b < 1024.0 * 1024.0 * 1024.0) {
+    std::snprintf(buf, sizeof(buf), "%.1f MiB", b / (1024.0 * 1024.0));
+  } else if (b < std::pow(1024.0, 5)) {
+    std::snprintf(buf, sizeof(buf), "%.2f GiB", b / (1024.0 * 1024.0 * 1024.0));
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.3g bytes", b);
+  }
+  return buf;
+}
+
+}  // namespace
+
+void check_model_fits(const config::Config& config, int world_size, int local_world_size) {
+  const config::ModelConfig& m = config.model;
+  if (m.type == ModelType::Mlp && m.mlp_sizes.size() < 2) return;  // make_task names that
+  const double params = model_parameter_count(m);
+  const double weights = 4.0 * params;  // built in fp32 on every rank
+  const int64_t micro = estimate_micro_batch(config, world_size);
+  const int act_bytes = activation_element_bytes(config);
+  const double activations =
+      m.type == ModelType::Mlp
+          ? static_cast<double>(strategy::mlp_activation_bytes(m.mlp_sizes, micro, act_bytes))
+          : static_cast<double>(strategy::gpt_activation_bytes(gpt_config(m), micro, act_bytes));
+  const double need = weights + activations;
+  const double budget_mb = config.distributed.memory_budget_mb();
+  const double have = budget_mb > 0.0 ? budget_mb * 1024.0 * 1024.0
+                                      : strategy::default_memory_budget_bytes(local_world_size);
+  if (need <= have) return;
+  const std::string sizes =
+      m.type == ModelType::Mlp
+          ? "model.mlp_sizes"
+          : ::shardtrain::detail::str_cat("model.n_layer=", m.n_layer, ", n_embd=", m.n_embd,
+                                          ", vocab_size=", m.vocab_size, ", block_size=",
+                                          m.block_size);
+  char count[32];
+  std::snprintf(count, sizeof(count), "%.3g", params);
+  ST_CHECK(false, ConfigError, "the model cannot fit in memory: ", sizes, " gives about ", count,
+           " parameters, so each rank needs at least ", bytes_text(need), " (fp32 weights ",
+           bytes_text(weights), " + activations of a micro-batch of ", micro, ": ",
+           bytes_text(activations), ") but has ", bytes_text(have), " available (",
+           budget_mb > 0.0 ? "distributed.memory_budget_mb"
+                           : ::shardtrain::detail::str_cat("MemAvailable / ", local_world_size,
+                                                           " local rank(s)"),
+           "). Hint: lower those model sizes or batch.micro; set distributed.memory_budget_mb "
+           "only if more memory is really available");
 }
 
 strategy::StrategyOptions strategy_options(const config::Config& config, torch::nn::Module& model,

@@ -151,25 +151,32 @@ void Trainer::restore_train_state(const std::string& dir, const ck::LoadResult& 
         e.what(), ". Hint: this checkpoint was not written by the Trainer; load it with "
         "checkpoint::load_sharded instead"));
   }
-  ST_CHECK(state.value("format", 0) == kTrainStateFormat, CheckpointError, "cannot resume from '", dir,
-           "': training-state format ", state.value("format", 0), ", this build reads ",
-           kTrainStateFormat);
-  state_.step = state.at("step").get<int64_t>();
-  state_.epoch = state.at("epoch").get<int64_t>();
-  if (auto* scaler = precision_->scaler(); scaler && state.contains("loss_scaler")) {
-    const auto& j = state["loss_scaler"];
-    precision::LossScalerState s;
-    s.scale = j.at("scale").get<double>();
-    s.iteration = j.at("iteration").get<int64_t>();
-    s.last_overflow_iteration = j.at("last_overflow_iteration").get<int64_t>();
-    s.hysteresis_left = j.at("hysteresis_left").get<int>();
-    s.skips_at_min = j.at("skips_at_min").get<int64_t>();
-    s.skipped_steps = j.at("skipped_steps").get<int64_t>();
-    scaler->load_state(s);
-  }
-  if (state.contains("best") && state["best"].value("monitor", "") == config_.checkpoint.monitor) {
-    best_value_ = state["best"].at("value").get<double>();
-    best_step_ = state["best"].at("step").get<int64_t>();
+  ST_CHECK(state.is_object() && state.value("format", 0) == kTrainStateFormat, CheckpointError,
+           "cannot resume from '", dir, "': training-state format ",
+           state.is_object() ? state.value("format", 0) : 0, ", this build reads ", kTrainStateFormat);
+  try {
+    state_.step = state.at("step").get<int64_t>();
+    state_.epoch = state.at("epoch").get<int64_t>();
+    if (auto* scaler = precision_->scaler(); scaler && state.contains("loss_scaler")) {
+      const auto& j = state["loss_scaler"];
+      precision::LossScalerState s;
+      s.scale = j.at("scale").get<double>();
+      s.iteration = j.at("iteration").get<int64_t>();
+      s.last_overflow_iteration = j.at("last_overflow_iteration").get<int64_t>();
+      s.hysteresis_left = j.at("hysteresis_left").get<int>();
+      s.skips_at_min = j.at("skips_at_min").get<int64_t>();
+      s.skipped_steps = j.at("skipped_steps").get<int64_t>();
+      scaler->load_state(s);
+    }
+    if (state.contains("best") && state["best"].value("monitor", "") == config_.checkpoint.monitor) {
+      best_value_ = state["best"].at("value").get<double>();
+      best_step_ = state["best"].at("step").get<int64_t>();
+    }
+  } catch (const nlohmann::json::exception& e) {
+    // A missing or mistyped field: the checkpoint's fault, not a bug of ours.
+    throw CheckpointError(::shardtrain::detail::str_cat(
+        "cannot resume from '", dir, "': its training state (train_state.bin) is damaged: ",
+        e.what(), ". Hint: load an older checkpoint"));
   }
   // The same rank layout continues its own random streams; another one
   // starts them from the seed (the data order does not depend on them).

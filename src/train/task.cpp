@@ -4,8 +4,10 @@
 #include <algorithm>
 
 #include "shardtrain/core/error.h"
+#include "shardtrain/dist/env.h"
 #include "shardtrain/models/gpt.h"
 #include "shardtrain/models/mlp.h"
+#include "shardtrain/train/plan.h"
 #include "shardtrain/train/task.h"
 
 namespace shardtrain::train {
@@ -127,6 +129,10 @@ TrainTask mlp_task(const config::Config& config, const config::BatchPlan& plan) 
 
 TrainTask make_task(const config::Config& config, int world_size) {
   const config::BatchPlan plan = config.resolve_batch(world_size);
+  if (config.model.type == ModelType::Gpt) gpt_config(config.model).validate();
+  // Before any allocation: a model that cannot fit is a ConfigError naming
+  // the bytes, not a LibTorch allocator failure with a backtrace.
+  check_model_fits(config, world_size, dist::ClusterEnv::detect().local_world_size);
   switch (config.model.type) {
     case ModelType::Gpt: return gpt_task(config, plan, world_size);
     case ModelType::Mlp: return mlp_task(config, plan);

@@ -339,7 +339,7 @@ std::string Trainer::export_model(const std::string& dir) {
                             {"step", std::to_string(state_.step)}});
     }
   } catch (const std::exception& e) {
-    failure = e.what();
+    failure = ::shardtrain::detail::one_line_message(e);
   }
   auto failed = torch::tensor({failure.empty() ? 0L : 1L}, torch::kLong);
   comm_->broadcast(failed);  // also the barrier: nobody goes on before the model is in place

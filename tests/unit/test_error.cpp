@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <c10/util/Exception.h>
+
 #include "shardtrain/core/error.h"
 
 using namespace shardtrain;
@@ -34,4 +36,20 @@ TEST(Errors, AssertIsAnInternalErrorWithFileAndLine) {
     EXPECT_NE(msg.find("1 + 1 == 3"), std::string::npos) << msg;
     EXPECT_NE(msg.find("arithmetic"), std::string::npos) << msg;
   }
+}
+
+TEST(Errors, OneLineMessageDropsLibTorchBacktraces) {
+  try {
+    TORCH_CHECK(false, "the tensor is wrong\nin two ways");
+    FAIL() << "TORCH_CHECK did not throw";
+  } catch (const c10::Error& e) {
+    ASSERT_NE(std::string(e.what()).find("Exception raised from"), std::string::npos)
+        << "LibTorch no longer puts a backtrace in what(): " << e.what();
+    const std::string line = shardtrain::detail::one_line_message(e);
+    EXPECT_EQ(line, "the tensor is wrong; in two ways");
+    // The same text copied into one of our errors (as rank errors are).
+    const CheckpointError ours(std::string("rank 1: ") + e.what());
+    EXPECT_EQ(shardtrain::detail::one_line_message(ours), "rank 1: the tensor is wrong; in two ways");
+  }
+  EXPECT_EQ(shardtrain::detail::one_line_message(ConfigError("plain [x.cpp:1]")), "plain [x.cpp:1]");
 }

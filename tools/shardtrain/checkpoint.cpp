@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -85,10 +86,15 @@ int inspect(const std::string& arg, bool verify) {
   } else {
     std::printf("step            (not recorded)\n");
   }
+  // Sizes come from the file: sums saturate rather than overflow.
+  const auto add = [](int64_t a, int64_t b) {
+    int64_t sum = 0;
+    return __builtin_add_overflow(a, b, &sum) ? std::numeric_limits<int64_t>::max() : sum;
+  };
   int64_t state_bytes = 0, rank_state_bytes = 0;
   for (const auto& f : m.files) {
     if (f.rank < 0) state_bytes = f.bytes;
-    rank_state_bytes += f.rank_state_bytes;
+    rank_state_bytes = add(rank_state_bytes, f.rank_state_bytes);
   }
   std::printf("training state  %" PRId64 " bytes (opaque), per-rank state %" PRId64
               " bytes in all\n",
@@ -101,7 +107,7 @@ int inspect(const std::string& arg, bool verify) {
     int64_t es = t.dtype == "F64" || t.dtype == "I64" ? 8
                  : t.dtype == "F32" || t.dtype == "I32" ? 4
                  : t.dtype == "F16" || t.dtype == "BF16" || t.dtype == "I16" ? 2 : 1;
-    bytes += t.numel() * es;
+    bytes = add(bytes, t.numel() * es);  // each tensor's size was checked on reading
     width = std::max(width, t.name.size());
   }
   std::printf("\ntensors: %zu (%" PRId64 " parameters, %" PRId64 " buffers, %" PRId64

@@ -58,7 +58,7 @@ EstimateArgs parse(int argc, char** argv) {
       char* end = nullptr;
       const long n = std::strtol(v.c_str(), &end, 10);
       ST_CHECK(!v.empty() && *end == '\0' && n >= 1 && n <= 1 << 20, ConfigError, flag, " '", v,
-               "' is not a count >= 1");
+               "' is not a count in 1..", 1 << 20);
       return static_cast<int>(n);
     };
     if (arg == "--set" || arg.rfind("--set=", 0) == 0) {
@@ -126,9 +126,13 @@ std::shared_ptr<torch::nn::Module> build_model(const config::Config& config) {
   const models::GPTConfig g = train::gpt_config(config.model);
   g.validate();
   // Building allocates the weights; refuse before that would exhaust memory.
-  const double need = static_cast<double>(g.num_parameters()) * 4.0;
+  // Counted in doubles: absurd sizes must not overflow.
+  const double params = train::model_parameter_count(config.model);
+  const double need = params * 4.0;
   const double have = strategy::default_memory_budget_bytes(1);
-  ST_CHECK(need <= have / 2, ConfigError, "the model has ", grouped(g.num_parameters()),
+  char count[32];
+  std::snprintf(count, sizeof(count), "%.3g", params);
+  ST_CHECK(need <= have / 2, ConfigError, "the model has about ", count,
            " parameters (", bytes(need), " in fp32), more than half this machine's available ",
            bytes(have), "; estimate builds the model to plan its units, so run it on a machine "
            "with more memory");

@@ -109,6 +109,14 @@ int generate_main(int argc, char** argv) {
   ST_CHECK(temperature > 0, ConfigError, "--temperature must be > 0");
 
   auto model = load_gpt(checkpoint, /*say_source=*/true);
+  // Each byte of the prompt is a token id; one beyond the model's
+  // vocabulary would reach LibTorch's embedding as an index error.
+  const int64_t vocab = model->config().vocab_size;
+  for (const char c : prompt) {
+    const int byte = static_cast<unsigned char>(c);
+    ST_CHECK(byte < vocab, ConfigError, "--prompt holds byte ", byte, " but the model's vocabulary has ",
+             vocab, " tokens (bytes 0..", vocab - 1, "); use a prompt made of those bytes only");
+  }
   std::printf("%s\n", sample_text(*model, prompt, max_new_tokens, seed, temperature, top_k).c_str());
   return 0;
 }

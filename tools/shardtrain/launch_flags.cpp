@@ -33,7 +33,8 @@ int parse_int(const std::string& flag, const std::string& value, long lo, long h
   const long v = std::strtol(value.c_str(), &end, 10);
   const bool ok = !value.empty() && end && *end == '\0' && errno == 0 && v >= lo && v <= hi &&
                   value.find_first_of(" \t+") == std::string::npos;
-  ST_CHECK(ok, ConfigError, "invalid value '", value, "' for ", flag, "; expected ", allowed);
+  ST_CHECK(ok, ConfigError, "invalid value '", value, "' for ", flag, "; expected ", allowed, " (",
+           lo, "..", hi, ")");
   return static_cast<int>(v);
 }
 

@@ -1,8 +1,13 @@
 // `shardtrain SUBCOMMAND ...`: dispatches to one file per subcommand and turns
 // shardtrain's typed errors into a one-line message and a non-zero exit code.
+#include <c10/util/Exception.h>
+
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <filesystem>
+#include <new>
 #include <string>
 
 #include "commands.h"
@@ -34,6 +39,30 @@ void usage(FILE* out) {
   std::fprintf(out, "\nRun 'shardtrain COMMAND --help' for a command's options.\n");
 }
 
+// A checkpoint, the exported model, metrics or logs could not be read or
+// written (docs/failure-modes.md lists the exit codes).
+constexpr int kIoExitCode = 3;
+constexpr int kErrorExitCode = 1;
+
+bool debug_output() {
+  const char* v = std::getenv("SHARDTRAIN_DEBUG");
+  return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
+}
+
+// One line on stderr: the command, the kind of error, its message and hint.
+// LibTorch's backtraces (in c10::Error's text, also when copied into one of
+// our messages) only with SHARDTRAIN_DEBUG=1, after that line.
+int report(const char* command, const char* kind, const std::exception& e, int code) {
+  const std::string line = shardtrain::detail::one_line_message(e);
+  const std::string full = e.what();
+  const bool cut = full.find("Exception raised from ") != std::string::npos ||
+                   full.find("frame #0") != std::string::npos;
+  std::fprintf(stderr, "shardtrain %s: %s: %s%s\n", command, kind, line.c_str(),
+               cut && !debug_output() ? " (SHARDTRAIN_DEBUG=1 shows the backtrace)" : "");
+  if (debug_output()) std::fprintf(stderr, "details (SHARDTRAIN_DEBUG=1):\n%s\n", full.c_str());
+  return code;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -46,14 +75,24 @@ int main(int argc, char** argv) {
     try {
       return c.run(argc - 1, argv + 1);
     } catch (const shardtrain::ConfigError& e) {
-      std::fprintf(stderr, "shardtrain %s: configuration error: %s\n", c.name, e.what());
-      return shardtrain::dist::kBadInputExitCode;
+      return report(c.name, "configuration error", e, shardtrain::dist::kBadInputExitCode);
     } catch (const shardtrain::CheckpointError& e) {
-      std::fprintf(stderr, "shardtrain %s: checkpoint error: %s\n", c.name, e.what());
-      return 3;
+      return report(c.name, "checkpoint error", e, kIoExitCode);
+    } catch (const shardtrain::IoError& e) {
+      return report(c.name, "I/O error", e, kIoExitCode);
+    } catch (const std::filesystem::filesystem_error& e) {
+      return report(c.name, "I/O error", e, kIoExitCode);
+    } catch (const std::bad_alloc& e) {
+      return report(c.name, "out of memory", e, kErrorExitCode);
+    } catch (const shardtrain::Error& e) {
+      return report(c.name, "error", e, kErrorExitCode);
+    } catch (const c10::Error& e) {
+      return report(c.name, "LibTorch error", e, kErrorExitCode);
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "shardtrain %s: error: %s\n", c.name, e.what());
-      return 1;
+      return report(c.name, "error", e, kErrorExitCode);
+    } catch (...) {
+      std::fprintf(stderr, "shardtrain %s: error: an unknown exception\n", c.name);
+      return kErrorExitCode;
     }
   }
   std::fprintf(stderr, "shardtrain: unknown command '%s'\n\n", argv[1]);

@@ -3,8 +3,9 @@
 // Every user-facing failure is one of these types, so callers can catch what
 // they can handle: ConfigError for bad options or environment, CommError (and
 // its TimeoutError) for failed collectives and rendezvous, CheckpointError for
-// unreadable checkpoints. Messages say what went wrong and end with a hint of
-// what to do. The library never calls exit().
+// unreadable checkpoints, IoError for files that cannot be written (a full
+// disk). Messages say what went wrong and end with a hint of what to do. The
+// library never calls exit().
 #pragma once
 
 #include <sstream>
@@ -49,6 +50,13 @@ class CheckpointError : public Error {
   using Error::Error;
 };
 
+/// A file other than a checkpoint could not be written or read: metrics,
+/// logs, the exported model's companions (a full disk, permissions).
+class IoError : public Error {
+ public:
+  using Error::Error;
+};
+
 /// A broken internal invariant: a bug in shardtrain, not in the caller's input.
 class InternalError : public Error {
  public:
@@ -73,6 +81,14 @@ constexpr const char* base_name(const char* path) {
   }
   return base;
 }
+
+/// `e`'s message without a backtrace, on one line: LibTorch's c10::Error
+/// carries a C++ backtrace in what() ("Exception raised from ... frame #0"),
+/// also when an error's text was copied into one of ours; it is cut off, and
+/// line breaks become "; ".
+std::string one_line_message(const std::exception& e);
+/// The same for a message already taken from what().
+std::string one_line_message(const std::string& what);
 
 [[noreturn]] void throw_internal(const char* file, int line, const char* cond,
                                  const std::string& msg);

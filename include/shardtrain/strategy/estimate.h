@@ -107,13 +107,15 @@ double default_memory_budget_bytes(int local_world_size);
 /// (B·T·V·bytes_per_element·2). With activation checkpointing, a layer keeps
 /// only 2·B·T·C·bytes_per_element (its input) and one layer at a time holds
 /// its full activations while it is recomputed. Not a measurement: kernels'
-/// workspaces and the allocator's slack are not in it.
+/// workspaces and the allocator's slack are not in it. Saturates at
+/// INT64_MAX for sizes no machine holds.
 int64_t gpt_activation_bytes(const models::GPTConfig& config, int64_t micro_batch,
                              int bytes_per_element);
 
 /// The same estimate for the built-in MLP (models/mlp.h) with layer widths
 /// `sizes`: each Linear keeps its input and each GELU its input, plus the
 /// output and its gradient: B·bytes·(Σ sizes[0..n-2] + Σ hidden + 2·out).
+/// Saturates at INT64_MAX.
 int64_t mlp_activation_bytes(const std::vector<int64_t>& sizes, int64_t micro_batch,
                              int bytes_per_element);
 

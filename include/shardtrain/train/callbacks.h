@@ -32,17 +32,24 @@ class ProgressCallback : public Callback {
 };
 
 /// Rank 0 appends every step's metrics line, and every evaluation's, to
-/// <run.dir>/metrics.jsonl (one JSON object per line, flushed each line).
+/// <run.dir>/metrics.jsonl (one JSON object per line, written whole). A line
+/// that cannot be written (a full disk) is cut off again and is an IoError:
+/// the file never ends in half a line.
 class MetricsWriter : public Callback {
  public:
+  MetricsWriter() = default;
+  ~MetricsWriter() override;
+  MetricsWriter(const MetricsWriter&) = delete;
+  MetricsWriter& operator=(const MetricsWriter&) = delete;
   void on_train_begin(TrainerState&, TrainerControl&) override;
   void on_step_end(TrainerState&, TrainerControl&) override;
   void on_evaluate(TrainerState&, TrainerControl&, const Metrics& metrics) override;
   const std::string& path() const { return path_; }
 
  private:
+  void append_line(const std::string& json);
   std::string path_;
-  std::ofstream out_;
+  int fd_ = -1;
 };
 
 /// Adds the learning rate of every parameter group to the step's metrics

@@ -26,6 +26,20 @@ int activation_element_bytes(const config::Config& config);
 /// else the one the batch arithmetic derives for `world_size`.
 int64_t estimate_micro_batch(const config::Config& config, int world_size);
 
+/// The parameters of the model the config describes, counted from the
+/// config alone (before anything is allocated), tied weights once. A double:
+/// absurd sizes (n_embd 10^12) must be refused, not overflow.
+double model_parameter_count(const config::ModelConfig& model);
+
+/// Refuses, with a ConfigError naming the estimated bytes and the memory
+/// available, a model this machine cannot build: every rank builds the whole
+/// model in fp32 before a strategy shards it, so 4 bytes per parameter plus
+/// the activations of one micro-batch must fit in what one rank may use
+/// (distributed.memory_budget_mb, else MemAvailable / `local_world_size`).
+/// A lower bound: a model that passes may still not fit once gradients and
+/// optimizer state are added (`shardtrain estimate` shows those).
+void check_model_fits(const config::Config& config, int world_size, int local_world_size);
+
 /// The strategy options the config's distributed section asks for; strategy
 /// "auto" becomes the one choose_strategy() picks for the memory budget
 /// (distributed.memory_budget_mb, or MemAvailable / local ranks).

@@ -1,0 +1,103 @@
+#include "core/file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace shardtrain::detail {
+
+namespace {
+
+const char* kind_of(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a plain file";
+}
+
+// O_NONBLOCK makes open() return at once for a FIFO without a peer (and a
+// device); the type is checked on the descriptor itself, so a file swapped
+// in between cannot slip through, and blocking is restored for reads.
+int open_checked(const std::string& path, int flags, std::string* why) {
+  const int fd = ::open(path.c_str(), flags | O_NONBLOCK | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    const int err = errno;
+    struct stat st {};
+    // A FIFO opened for writing without a reader fails with ENXIO: say what it is.
+    if (err == ENXIO && ::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+      *why = std::string("it is ") + kind_of(st.st_mode) + ", not a regular file";
+      errno = EINVAL;
+    } else {
+      *why = std::strerror(err);
+      errno = err;
+    }
+    return -1;
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    *why = std::strerror(err);
+    ::close(fd);
+    errno = err;
+    return -1;
+  }
+  if (!S_ISREG(st.st_mode)) {
+    *why = std::string("it is ") + kind_of(st.st_mode) + ", not a regular file";
+    ::close(fd);
+    errno = EINVAL;
+    return -1;
+  }
+  const int fl = ::fcntl(fd, F_GETFL);
+  if (fl >= 0) ::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+  return fd;
+}
+
+}  // namespace
+
+int open_regular_for_reading(const std::string& path, std::string* why) {
+  return open_checked(path, O_RDONLY, why);
+}
+
+int open_regular_for_append(const std::string& path, std::string* why) {
+  return open_checked(path, O_WRONLY | O_APPEND | O_CREAT, why);
+}
+
+bool read_regular_file(const std::string& path, long long max_bytes, std::string* out,
+                       std::string* why) {
+  const int fd = open_regular_for_reading(path, why);
+  if (fd < 0) return false;
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || st.st_size > max_bytes) {
+    *why = st.st_size > max_bytes ? "it is larger than " + std::to_string(max_bytes) + " bytes"
+                                  : std::string(std::strerror(errno));
+    ::close(fd);
+    return false;
+  }
+  out->clear();
+  char buf[1 << 16];
+  while (true) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      *why = std::strerror(errno);
+      ::close(fd);
+      return false;
+    }
+    if (n == 0) break;
+    out->append(buf, static_cast<size_t>(n));
+    if (static_cast<long long>(out->size()) > max_bytes) {
+      *why = "it is larger than " + std::to_string(max_bytes) + " bytes";
+      ::close(fd);
+      return false;
+    }
+  }
+  ::close(fd);
+  return true;
+}
+
+}  // namespace shardtrain::detail

@@ -1,0 +1,461 @@
+// Values that parse but are wrong, and files that are not what they claim:
+// each is refused with a typed error that names it, never accepted, wrapped,
+// truncated or waited on.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <future>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "../dist/checkpoint_synthetic.h"
+#include "checkpoint/detail.h"
+#include "shardtrain/checkpoint/checkpoint.h"
+#include "shardtrain/checkpoint/safetensors.h"
+#include "shardtrain/comm/communicator.h"
+#include "shardtrain/config/config.h"
+#include "shardtrain/core/error.h"
+#include "shardtrain/data/tokens.h"
+#include "shardtrain/models/mlp.h"
+#include "shardtrain/train/callbacks.h"
+#include "shardtrain/train/plan.h"
+#include "shardtrain/train/task.h"
+#include "shardtrain/train/trainer.h"
+#include "temp_dir.h"
+#include "test_helpers.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace ck = shardtrain::checkpoint;
+namespace cd = shardtrain::checkpoint::detail;
+using shardtrain::CheckpointError;
+using shardtrain::ConfigError;
+using shardtrain::config::Config;
+using shardtrain::testing::TempDir;
+
+#define EXPECT_HAS(msg, part) \
+  EXPECT_NE((msg).find(part), std::string::npos) << "missing \"" << (part) << "\" in: " << (msg)
+
+// The message of the ConfigError that parse() throws; fails the test if none.
+std::string config_error(const std::string& yaml, const std::vector<std::string>& overrides = {}) {
+  try {
+    Config::parse(yaml, overrides, "test.yaml");
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no ConfigError for:\n" << yaml;
+  return "";
+}
+
+// ---- duplicate keys ------------------------------------------------------------------
+
+TEST(UntrustedConfig, DuplicateKeysAreAnErrorNamingBothLines) {
+  std::string msg = config_error("optimizer:\n  lr: 1.0e-3\n  name: adamw\n  lr: -5\n");
+  EXPECT_HAS(msg, "test.yaml:4: optimizer.lr");
+  EXPECT_HAS(msg, "line 2 and at line 4");
+  // A whole section twice, flow style, and a key under a nested section.
+  msg = config_error("model:\n  n_layer: 1\nrun:\n  seed: 3\nmodel:\n  n_head: 2\n");
+  EXPECT_HAS(msg, "model: the key is written twice, at line 1 and at line 5");
+  msg = config_error("optimizer: {lr: 0.1, lr: 0.2}\n");
+  EXPECT_HAS(msg, "optimizer.lr");
+  msg = config_error("trainer:\n  early_stopping:\n    patience: 2\n    patience: 3\n");
+  EXPECT_HAS(msg, "trainer.early_stopping.patience");
+  EXPECT_HAS(msg, "line 3 and at line 4");
+  // Overrides on top of a file with a repeated key do not hide it.
+  msg = config_error("checkpoint:\n  keep: 1\n  keep: 2\n", {"checkpoint.keep=3"});
+  EXPECT_HAS(msg, "checkpoint.keep");
+}
+
+// ---- integers that would be narrowed -------------------------------------------------
+
+TEST(UntrustedConfig, IntegersAreRangeCheckedBeforeNarrowing) {
+  struct Case {
+    std::string yaml, got, expected;
+  };
+  const std::vector<Case> cases = {
+      // keep becomes an int for prune(): 2^32 wrapped to 0 and deleted everything.
+      {"checkpoint: {keep: 4294967296}", "checkpoint.keep: got 4294967296", "0..1000000"},
+      {"checkpoint: {keep: -1}", "checkpoint.keep: got -1", "0..1000000"},
+      {"distributed: {threads_per_rank: 2147483648}",
+       "distributed.threads_per_rank: got 2147483648", "0..1024"},
+      {"distributed: {nproc_per_node: 99999999999}",
+       "distributed.nproc_per_node: got 99999999999", "1..65536"},
+      // int keys: beyond 32 bits is not an int at all.
+      {"loss_scaler: {hysteresis: 4294967297}", "loss_scaler.hysteresis: got '4294967297'",
+       "[-2^31, 2^31)"},
+      {"loss_scaler: {initial_scale_power: 4294967296}",
+       "loss_scaler.initial_scale_power: got '4294967296'", "[-2^31, 2^31)"},
+      // int64 keys: beyond 64 bits is refused, not saturated.
+      {"trainer: {max_steps: 99999999999999999999}", "trainer.max_steps: got '99999999999999999999'",
+       "[-2^63, 2^63)"},
+  };
+  for (const Case& c : cases) {
+    const std::string msg = config_error(c.yaml);
+    EXPECT_HAS(msg, c.got);
+    EXPECT_HAS(msg, c.expected);
+  }
+  // The same through --set.
+  const std::string msg = config_error("", {"checkpoint.keep=4294967296"});
+  EXPECT_HAS(msg, "--set 'checkpoint.keep=4294967296'");
+  // The bounds themselves are fine.
+  EXPECT_NO_THROW(Config::parse("checkpoint: {keep: 1000000}\ndistributed: {threads_per_rank: 1024, "
+                                "nproc_per_node: 65536, strategy: ddp}\n"));
+}
+
+// ---- models that cannot fit ------------------------------------------------------------
+
+std::string fits_error(const std::vector<std::string>& overrides) {
+  const Config config = Config::parse("", overrides, "test.yaml");
+  try {
+    shardtrain::train::make_task(config, 1);
+  } catch (const ConfigError& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "not a ConfigError: " << e.what();
+    return "";
+  }
+  ADD_FAILURE() << "no ConfigError for a model that cannot fit";
+  return "";
+}
+
+// (Not n_layer 10^12: without the check its blocks would be allocated one by
+// one until the machine runs out of memory, instead of failing at once.)
+TEST(UntrustedConfig, ModelsThatCannotFitAreRefusedWithTheirBytes) {
+  const std::string data = "data.train=" + std::string(SHARDTRAIN_SOURCE_DIR) + "/data/corpus.txt";
+  for (const std::vector<std::string>& o : std::vector<std::vector<std::string>>{
+           {data, "model.n_embd=1000000000000"},
+           {data, "model.vocab_size=1099511627776"},
+           {data, "model.block_size=1099511627776"},
+           {"model.type=mlp", "model.mlp_sizes=[1000000000, 1000000000]"}}) {
+    const std::string msg = fits_error(o);
+    EXPECT_HAS(msg, "cannot fit in memory");
+    EXPECT_HAS(msg, "bytes");
+    EXPECT_HAS(msg, "available (MemAvailable");
+  }
+  // The default model fits, and a budget set on purpose is what is compared.
+  const Config defaults = Config::parse("", {}, "test.yaml");
+  EXPECT_NO_THROW(shardtrain::train::check_model_fits(defaults, 1, 1));
+  const Config tight = Config::parse("distributed: {memory_budget_mb: 0.001}", {}, "test.yaml");
+  try {
+    shardtrain::train::check_model_fits(tight, 1, 1);
+    ADD_FAILURE() << "a model larger than memory_budget_mb passed";
+  } catch (const ConfigError& e) {
+    EXPECT_HAS(std::string(e.what()), "distributed.memory_budget_mb");
+  }
+}
+
+// ---- FIFOs and other files that are not regular -------------------------------------
+
+// Runs `fn`, which must refuse the FIFO at `fifo` with ErrorType. A plain
+// open() of a FIFO waits for its other end: after 10 s the test opens both
+// ends, releasing it, and fails.
+template <class ErrorType, class Fn>
+std::string refused_at_once(const std::string& fifo, Fn fn) {
+  auto result = std::async(std::launch::async, [&]() -> std::string {
+    try {
+      fn();
+    } catch (const ErrorType& e) {
+      return e.what();
+    } catch (const std::exception& e) {
+      return std::string("WRONG TYPE: ") + e.what();
+    }
+    return "NO ERROR";
+  });
+  if (result.wait_for(std::chrono::seconds(10)) == std::future_status::timeout) {
+    ADD_FAILURE() << "blocked on the FIFO " << fifo;
+    const int reader = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK);  // releases a writer
+    const int writer = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);  // releases a reader
+    if (writer >= 0) ::close(writer);                                // whose reads then end
+    result.wait();
+    if (reader >= 0) ::close(reader);
+  }
+  const std::string msg = result.get();
+  EXPECT_EQ(msg.find("WRONG TYPE"), std::string::npos) << msg;
+  EXPECT_NE(msg, "NO ERROR");
+  EXPECT_HAS(msg, "FIFO");
+  return msg;
+}
+
+TEST(UntrustedFiles, FifosAreRefusedNotWaitedOn) {
+  TempDir tmp;
+  const std::string fifo = tmp / "pipe";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+
+  // data.train
+  std::string msg = refused_at_once<ConfigError>(fifo, [&] { shardtrain::data::TokenSource::open(fifo); });
+  EXPECT_HAS(msg, "data.train");
+  // the config file itself
+  refused_at_once<ConfigError>(fifo, [&] { Config::load(fifo); });
+  // model.init_from (a safetensors file) and `generate --checkpoint x.safetensors`
+  refused_at_once<CheckpointError>(fifo, [&] { ck::SafetensorsFile f(fifo); });
+  refused_at_once<CheckpointError>(fifo, [&] {
+    shardtrain::models::MLP mlp(std::vector<int64_t>{2, 3});
+    ck::load_safetensors_into(*mlp, fifo);
+  });
+
+  // Files found in a checkpoint directory: the marker, the metadata and a
+  // rank file, each replaced by a FIFO.
+  const auto make_checkpoint = [&](const std::string& dir) {
+    cd::save_ranks_locally(dir, {{}}, "state", {"rng"}, ck::SaveOptions().step(1));
+  };
+  for (const char* name : {cd::kCommitFile, cd::kMetadataFile, "rank-00000.bin"}) {
+    const std::string dir = tmp / (std::string("ckpt-") + name);
+    make_checkpoint(dir);
+    const std::string victim = (fs::path(dir) / name).string();
+    fs::remove(victim);
+    ASSERT_EQ(::mkfifo(victim.c_str(), 0600), 0);
+    refused_at_once<CheckpointError>(victim, [&] {
+      ck::CheckpointReader reader(dir, /*check_files=*/false);
+      reader.rank_state(0);
+    });
+    refused_at_once<CheckpointError>(victim, [&] { ck::CheckpointReader reader(dir); });
+  }
+
+  // metrics.jsonl found as a FIFO in the run directory.
+  const std::string run = tmp / "run";
+  fs::create_directories(run);
+  const std::string metrics = (fs::path(run) / "metrics.jsonl").string();
+  ASSERT_EQ(::mkfifo(metrics.c_str(), 0600), 0);
+  refused_at_once<ConfigError>(metrics, [&] {
+    shardtrain::train::MetricsWriter writer;
+    shardtrain::train::TrainerState state;
+    shardtrain::train::TrainerControl control;
+    state.run_dir = run;
+    writer.on_train_begin(state, control);
+  });
+}
+
+// ---- safetensors headers ----------------------------------------------------------------
+
+// A safetensors file with `header` and `data`.
+std::string st_file(const TempDir& tmp, const std::string& header, const std::string& data) {
+  const std::string path = tmp / "x.safetensors";
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  const uint64_t n = header.size();
+  for (int i = 0; i < 8; ++i) out.put(static_cast<char>(n >> (8 * i)));
+  out << header << data;
+  return path;
+}
+
+TEST(UntrustedFiles, SafetensorsShapesAndOffsetsMustBeWholeNumbers) {
+  TempDir tmp;
+  const std::string eight(8, '\0');
+  for (const char* header : {
+           R"({"a":{"dtype":"F32","shape":[2.9],"data_offsets":[0,8]}})",
+           R"({"a":{"dtype":"F32","shape":[2.0],"data_offsets":[0,8]}})",
+           R"({"a":{"dtype":"F32","shape":[true, 2],"data_offsets":[0,8]}})",
+           R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8.5]}})",
+           R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0.0,8]}})",
+           R"({"a":{"dtype":"F32","shape":["2"],"data_offsets":[0,8]}})",
+           R"({"a":{"dtype":"F32","shape":[18446744073709551615],"data_offsets":[0,8]}})"}) {
+    const std::string path = st_file(tmp, header, eight);
+    const std::string msg = shardtrain::testing::checkpoint_error([&] { ck::SafetensorsFile f(path); });
+    EXPECT_HAS(msg, "whole numbers");
+  }
+  // The same tensor with integer fields reads.
+  const std::string ok = st_file(tmp, R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", eight);
+  EXPECT_NO_THROW(ck::SafetensorsFile f(ok));
+}
+
+// ---- the command line -------------------------------------------------------------------
+
+using shardtrain::testing::cli;
+
+TEST(UntrustedCli, CountsBeyondTheirTypeAreRefused) {
+  // 99999999999 once wrapped to 1215752191 ranks.
+  for (const std::string args : {"train --nproc-per-node 99999999999",
+                                 "train --nproc-per-node=99999999999",
+                                 "launch --nproc-per-node 99999999999 -- true",
+                                 "launch --nnodes 4294967297 -- true",
+                                 "launch --master-port 4294967296 -- true",
+                                 "estimate --nproc-per-node 99999999999"}) {
+    const auto r = cli(args);
+    EXPECT_EQ(r.code, 2) << args << ":\n" << r.out;
+    EXPECT_HAS(r.out, "configuration error");
+  }
+  const auto r = cli("train " + std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/default.yaml"
+                     " --set distributed.strategy=single --set distributed.threads_per_rank=2147483648");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_HAS(r.out, "distributed.threads_per_rank: got 2147483648");
+}
+
+// A raw LibTorch error that reaches main (here: sampling at a temperature so
+// low that the logits overflow to inf, and multinomial refuses the NaNs) is
+// one line; its backtrace only with SHARDTRAIN_DEBUG=1.
+TEST(UntrustedCli, RawLibTorchErrorsAreOneLineWithTheBacktraceBehindDebug) {
+  TempDir tmp;
+  const std::string src = SHARDTRAIN_SOURCE_DIR;
+  const auto trained = cli("train " + src + "/configs/default.yaml --set run.dir=" + tmp.path() +
+                           " --set data.train=" + src + "/data/corpus.txt" +
+                           " --set distributed.strategy=single --set trainer.max_steps=1"
+                           " --set trainer.eval_every=0 --set trainer.sample_tokens=0"
+                           " --set model.n_layer=1 --set model.n_embd=32 --set model.n_head=2"
+                           " --set model.block_size=16 --set batch.global=2 --set batch.micro=2"
+                           " --set batch.accumulate=null --set model.vocab_size=240");
+  ASSERT_EQ(trained.code, 0) << trained.out;
+  // A prompt byte beyond the vocabulary (255 >= 240) is bad input, not an
+  // index error inside LibTorch.
+  const auto beyond = cli("generate --checkpoint " + tmp.path() + " --prompt \"$(printf '\\377')\"");
+  EXPECT_EQ(beyond.code, 2) << beyond.out;
+  EXPECT_HAS(beyond.out, "--prompt holds byte 255 but the model's vocabulary has 240 tokens");
+  const std::string generate =
+      "generate --checkpoint " + tmp.path() + " --prompt x --max-new-tokens 2 --temperature 1e-300";
+  const auto plain = cli(generate);
+  EXPECT_EQ(plain.code, 1) << plain.out;
+  EXPECT_HAS(plain.out, "shardtrain generate: LibTorch error: ");
+  EXPECT_HAS(plain.out, "SHARDTRAIN_DEBUG=1 shows the backtrace");
+  EXPECT_EQ(plain.out.find("frame #"), std::string::npos) << plain.out;
+  EXPECT_EQ(plain.out.find("Exception raised from"), std::string::npos) << plain.out;
+  // The error is the last line and the only one after the source line.
+  const size_t error_at = plain.out.find("shardtrain generate:");
+  EXPECT_EQ(plain.out.find('\n', error_at), plain.out.size() - 1) << plain.out;
+
+  ::setenv("SHARDTRAIN_DEBUG", "1", 1);
+  const auto debug = cli(generate);
+  ::unsetenv("SHARDTRAIN_DEBUG");
+  EXPECT_EQ(debug.code, 1) << debug.out;
+  EXPECT_HAS(debug.out, "Exception raised from");
+}
+
+// ---- checkpoint metadata: inspect refuses what load refuses ------------------------------
+
+using Json = nlohmann::ordered_json;
+
+// Rewrites `dir`'s metadata through `edit` and commits it again (a marker
+// with the new checksum), as a tool or an attacker could.
+template <class Edit>
+void rewrite_metadata(const std::string& dir, Edit edit) {
+  const std::string path = (fs::path(dir) / cd::kMetadataFile).string();
+  std::ifstream in(path);
+  Json j = Json::parse(in);
+  edit(j);
+  const std::string text = j.dump(1) + "\n";
+  std::ofstream(path, std::ios::trunc) << text;
+  std::ofstream((fs::path(dir) / cd::kCommitFile).string(), std::ios::trunc)
+      << "{\"format\": \"shardtrain-checkpoint\", \"metadata_bytes\": " << text.size()
+      << ", \"metadata_crc32c\": " << cd::crc32c(0, text.data(), text.size()) << "}";
+}
+
+Json& tensor(Json& j, const std::string& name) {
+  for (auto& t : j["tensors"]) {
+    if (t["name"] == name) return t;
+  }
+  throw std::runtime_error("no tensor " + name);
+}
+
+TEST(UntrustedCheckpoint, InspectAndLoadRefuseTheSameDamagedMetadata) {
+  namespace syn = shardtrain::testing::synthetic;
+  constexpr int64_t k2to62 = int64_t{1} << 62;
+  struct Case {
+    const char* what;
+    std::function<void(Json&)> edit;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {"a tensor with no stored data", [](Json& j) { tensor(j, "wte.weight")["slices"] = Json::array(); },
+       "stores no data for elements 0..34 of 35 (no data at all)"},
+      {"a tensor missing its last element",
+       [](Json& j) {
+         auto& last = tensor(j, "big.weight")["slices"].back();
+         last["count"] = last["count"].get<int64_t>() - 1;
+       },
+       "stores no data for elements 1000..1000"},
+      {"a rank-state range whose offset + size overflows",
+       [=](Json& j) {
+         j["files"][0]["rank_state_offset"] = k2to62;
+         j["files"][0]["rank_state_bytes"] = k2to62;
+       },
+       "has its rank state"},
+      {"a float in a shape", [](Json& j) { tensor(j, "wte.weight")["shape"] = {7.5, 5}; },
+       "expected a list of whole numbers"},
+      {"a float slice count", [](Json& j) { tensor(j, "wte.weight")["slices"][0]["count"] = 3.0; },
+       "'count' is 3.0"},
+      {"a world size beyond int", [](Json& j) { j["world_size"] = 4294967298LL; },
+       "'world_size' is 4294967298"},
+      {"a rank beyond int", [](Json& j) { j["files"][1]["rank"] = 4294967297LL; },
+       "'rank' is 4294967297"},
+      {"a world size of 2^31-1 with three files", [](Json& j) { j["world_size"] = 2147483647; },
+       "lists only 3 files"},
+      {"a file size whose chunk count overflows",
+       [](Json& j) { j["files"][0]["bytes"] = std::numeric_limits<int64_t>::max(); },
+       "chunk checksums"},
+      {"a negative checksum", [](Json& j) { j["files"][0]["chunk_crc32c"][0] = -1; },
+       "not a 32-bit checksum"},
+  };
+  TempDir tmp;
+  auto comm = shardtrain::comm::Communicator::create(
+      shardtrain::comm::CommOptions().rank(0).world_size(1));
+  int n = 0;
+  for (const Case& c : cases) {
+    const std::string dir = tmp / ("ckpt" + std::to_string(n++));
+    std::vector<std::vector<shardtrain::strategy::ShardedTensor>> ranks;
+    for (int r = 0; r < 2; ++r) ranks.push_back(syn::rank_tensors(2, r, 0, true));
+    cd::save_ranks_locally(dir, ranks, "state", {"rng of rank 0", "rng of rank 1"},
+                           ck::SaveOptions().step(3));
+    rewrite_metadata(dir, c.edit);
+    // load: every rank asks for its tensors; the checkpoint is refused first.
+    auto targets = syn::rank_tensors(1, 0, 1, false);
+    const std::string load = shardtrain::testing::checkpoint_error(
+        [&] { ck::load_sharded(dir, *comm, targets); });
+    EXPECT_HAS(load, c.message) << c.what;
+    // inspect: the same refusal, exit 3.
+    const auto inspect = cli("checkpoint inspect " + dir);
+    EXPECT_EQ(inspect.code, 3) << c.what << ":\n" << inspect.out;
+    EXPECT_HAS(inspect.out, c.message) << c.what;
+  }
+}
+
+// A training state (train_state.bin) without its step: a CheckpointError
+// naming the checkpoint, not a raw JSON exception.
+TEST(UntrustedCheckpoint, DamagedTrainingStateIsACheckpointError) {
+  TempDir tmp;
+  Config c;
+  c.run.dir = tmp / "run";
+  c.model.type = shardtrain::train::ModelType::Mlp;
+  c.model.mlp_sizes = {4, 8, 2};
+  c.batch.global = 4;
+  c.batch.micro = 4;
+  c.batch.accumulate.reset();
+  c.trainer.max_steps = 1;
+  c.trainer.eval_every = 0;
+  c.trainer.progress = shardtrain::train::ProgressMode::None;
+  auto comm = shardtrain::comm::Communicator::create(
+      shardtrain::comm::CommOptions().rank(0).world_size(1));
+  {
+    shardtrain::train::Trainer t(c, shardtrain::train::make_task(c, 1), comm);
+    t.fit();
+  }
+  // The same tensors again, with a training state that lacks "step".
+  const std::string good = ck::checkpoint_dir(c.run.dir, 1);
+  const std::string bad = tmp / "bad";
+  {
+    ck::CheckpointReader reader(good);
+    std::vector<shardtrain::strategy::ShardedTensor> tensors;
+    for (const auto& t : reader.metadata().tensors) {
+      tensors.push_back({t.name, t.shape, 0, reader.read_tensor(t.name), true, t.kind == "parameter"});
+    }
+    Json state = Json::parse(reader.train_state());
+    state.erase("step");
+    cd::save_ranks_locally(bad, {tensors}, state.dump(), {reader.rank_state(0)},
+                           ck::SaveOptions().step(1));
+  }
+  shardtrain::train::Trainer t(c, shardtrain::train::make_task(c, 1), comm);
+  const std::string msg = shardtrain::testing::checkpoint_error([&] { t.resume(bad); });
+  EXPECT_HAS(msg, "its training state (train_state.bin) is damaged");
+  EXPECT_HAS(msg, "step");
+}
+
+}  // namespace
