@@ -226,7 +226,7 @@ void declare_checkpoint_precision(std::vector<Key>& keys) {
 // LoRA fine-tuning (models/lora.h); one block so that it merges cleanly.
 void declare_lora(std::vector<Key>& keys) {
   section(keys, "lora", [](auto& c) -> auto& { return c.lora; })
-      .key(ST_OPTION(r), at_least(0),
+      .key(ST_OPTION(r), in_range(0, 65536, "an integer in 0..65536"),
            "Adapter rank; 0: no LoRA (full training). At most the width of every adapted layer.")
       .key(ST_OPTION(alpha), above(0.0, "a number > 0, e.g. 16"),
            "The adapters' output is scaled by `alpha / r`.")
