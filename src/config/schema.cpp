@@ -201,7 +201,12 @@ void declare_checkpoint_precision(std::vector<Key>& keys) {
       .key(ST_FIELD(save_on_signal),
            "On SIGTERM or SIGINT: finish the step, save, exit with 128 + the signal. `shardtrain "
            "train` gives its ranks 300 s for that before SIGKILL; under your own `shardtrain "
-           "launch`, pass `--stop-grace` long enough for a step and a save.");
+           "launch`, pass `--stop-grace` long enough for a step and a save.")
+      .key(ST_FIELD(save_frozen_base),
+           "LoRA runs with `model.init_from`: `false` leaves the frozen base out of every "
+           "checkpoint, which records the base file's path, size and SHA-256 instead and is "
+           "refused when that file changed; `true` copies the base into each checkpoint (needed "
+           "to resume without the base file). Without `model.init_from` the base is always copied.");
 
   // fp16-mixed is a known name; whether this machine can run it (CUDA) is
   // decided when the precision plugin is created.

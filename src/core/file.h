@@ -27,4 +27,8 @@ int open_regular_for_append(const std::string& path, std::string* why);
 bool read_regular_file(const std::string& path, long long max_bytes, std::string* out,
                        std::string* why);
 
+/// The SHA-256 of a regular file as 64 lowercase hex digits, and its size;
+/// false with `*why` set when it cannot be read.
+bool sha256_of_file(const std::string& path, std::string* hex, long long* bytes, std::string* why);
+
 }  // namespace shardtrain::detail

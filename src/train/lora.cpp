@@ -1,10 +1,16 @@
 // The trainer's LoRA set-up and adapter export, kept out of trainer.cpp.
 #include "train/lora.h"
 
+#include <malloc.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <nlohmann/json.hpp>
+#include <set>
 
+#include "checkpoint/detail.h"
+#include "core/file.h"
 #include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/checkpoint/safetensors.h"
 #include "shardtrain/comm/communicator.h"
@@ -13,6 +19,7 @@
 #include "shardtrain/models/lora.h"
 #include "shardtrain/models/lora_peft.h"
 #include "shardtrain/strategy/strategy.h"
+#include "shardtrain/train/task.h"
 
 namespace shardtrain::train::detail {
 
@@ -33,11 +40,77 @@ bool prepare_lora(torch::nn::Module& model, const config::Config& config) {
   }
   models::LoraOptions options = config.lora;  // the section is the options struct
   options.seed(config.run.seed);
+  const bool quantized = options.quantize() != models::LoraQuantize::None;
+  // Quantizing frees the full-precision base, layer by layer. A fixed mmap
+  // threshold gives such large blocks back to the system when freed (glibc
+  // would otherwise raise its threshold after the first and keep the rest on
+  // the heap), and the trim returns what stayed, so training does not carry
+  // the fp32 base's pages through its peak.
+  if (quantized) mallopt(M_MMAP_THRESHOLD, 4 << 20);
   models::apply_lora(model, options);
+  if (quantized) malloc_trim(0);
   if (!config.lora.init_from().empty()) {
     models::load_peft_adapter(model, config.lora.init_from(), peft_prefix(config));
   }
   return true;
+}
+
+FrozenBase frozen_base(const torch::nn::Module& model, const config::Config& config) {
+  FrozenBase base;
+  if (config.lora.r() == 0) return base;
+  for (const auto& p : model.named_parameters()) {
+    if (!p.value().requires_grad()) base.names.push_back(p.key());
+  }
+  const std::string& file = config.model.init_from;
+  if (file.empty()) return base;  // a random base: only a copy can restore it
+  std::string hex, why;
+  long long bytes = 0;
+  ST_CHECK(::shardtrain::detail::sha256_of_file(file, &hex, &bytes, &why), CheckpointError,
+           "cannot read model.init_from '", file, "': ", why);
+  base.identity =
+      nlohmann::json{{"path", std::filesystem::absolute(file).string()}, {"bytes", bytes}, {"sha256", hex}}
+          .dump();
+  base.referenced = !config.checkpoint.save_frozen_base;
+  return base;
+}
+
+void drop_referenced_base(checkpoint::CheckpointReader& reader, const FrozenBase& base,
+                          std::vector<strategy::ShardedTensor>& targets) {
+  const auto& md = reader.metadata();
+  const bool holds_base = std::any_of(base.names.begin(), base.names.end(), [&](const std::string& n) {
+    return md.find_tensor(n) != nullptr;
+  });
+  if (base.names.empty() || holds_base) return;
+  nlohmann::json recorded;
+  try {
+    recorded = nlohmann::json::parse(reader.train_state()).at(kBaseKey);
+    (void)recorded.at("sha256").get<std::string>();
+    (void)recorded.at("bytes").get<int64_t>();
+    (void)recorded.at("path").get<std::string>();
+  } catch (const nlohmann::json::exception&) {
+    ST_CHECK(false, CheckpointError, "checkpoint '", reader.dir(), "' holds none of the model's ",
+             base.names.size(), " frozen tensors (", base.names.front(),
+             ", ...) and records no base file to take them from. Hint: it was not written by a "
+             "LoRA run of this model");
+  }
+  const std::string where = recorded["path"].get<std::string>();
+  ST_CHECK(!base.identity.empty(), CheckpointError, "checkpoint '", reader.dir(),
+           "' leaves its frozen LoRA base out and references '", where,
+           "', but model.init_from is not set. Hint: set model.init_from to that file");
+  const auto mine = nlohmann::json::parse(base.identity);
+  ST_CHECK(mine["sha256"] == recorded["sha256"] && mine["bytes"] == recorded["bytes"], CheckpointError,
+           "checkpoint '", reader.dir(), "' was trained on the frozen base '", where, "' (",
+           recorded["bytes"].get<int64_t>(), " bytes, SHA-256 ", recorded["sha256"].get<std::string>().substr(0, 16),
+           "...), but model.init_from '", mine["path"].get<std::string>(), "' is another file (",
+           mine["bytes"].get<int64_t>(), " bytes, SHA-256 ", mine["sha256"].get<std::string>().substr(0, 16),
+           "...). Hint: point model.init_from at the base the run started from; "
+           "checkpoint.save_frozen_base: true writes checkpoints that carry their base");
+  const std::set<std::string> frozen(base.names.begin(), base.names.end());
+  targets.erase(std::remove_if(targets.begin(), targets.end(),
+                               [&](const strategy::ShardedTensor& t) {
+                                 return t.is_parameter && frozen.count(t.name) > 0;
+                               }),
+                targets.end());
 }
 
 std::string adapter_dir(const std::string& run_dir) {
@@ -50,6 +123,9 @@ void export_lora(strategy::Strategy& strategy, comm::Communicator& comm,
   const auto state = strategy.full_state_dict();  // collective; the tensors on rank 0
   std::string failure;
   if (comm.rank() == 0) try {
+      std::filesystem::create_directories(run_dir);
+      checkpoint::detail::write_file_atomically(checkpoint::exported_config_path(run_dir),
+                                                config.to_yaml());
       models::save_peft_adapter(adapter_dir(run_dir), state, config.lora, peft_prefix(config),
                                 config.model.init_from);
       // The exported model is the merged one, so `shardtrain generate` and
@@ -70,3 +146,46 @@ void export_lora(strategy::Strategy& strategy, comm::Communicator& comm,
 }
 
 }  // namespace shardtrain::train::detail
+
+namespace shardtrain::train {
+
+void load_trained_model(torch::nn::Module& model, const config::Config& config,
+                        checkpoint::CheckpointReader& reader) {
+  detail::FrozenBase base;
+  if (config.lora.r() > 0) {
+    bool referenced = false;
+    std::string recorded_path;
+    try {
+      const auto state = nlohmann::json::parse(reader.train_state());
+      if (state.contains(detail::kBaseKey)) {
+        referenced = true;
+        recorded_path = state[detail::kBaseKey].at("path").get<std::string>();
+      }
+    } catch (const nlohmann::json::exception&) {
+      // A checkpoint that holds its base needs no training state here.
+    }
+    config::Config c = config;
+    if (referenced) {
+      // The base as the run started: model.init_from as the config gives it,
+      // or where the run found it when that is relative to another directory.
+      std::string& file = c.model.init_from;
+      if (file.empty() || !std::filesystem::exists(file)) file = recorded_path;
+      checkpoint::load_safetensors_into(model, file, checkpoint::SafetensorsLoadOptions().transpose_conv1d(true));
+    }
+    models::LoraOptions options = c.lora;
+    models::apply_lora(model, options);
+    if (referenced) base = detail::frozen_base(model, c);
+  }
+  std::vector<strategy::ShardedTensor> targets;
+  for (const auto& p : model.named_parameters()) {
+    targets.push_back({p.key(), p.value().sizes().vec(), 0, p.value().detach(), true, true});
+  }
+  for (const auto& b : model.named_buffers()) {
+    targets.push_back({b.key(), b.value().sizes().vec(), 0, b.value().detach(), true, false});
+  }
+  detail::drop_referenced_base(reader, base, targets);
+  torch::NoGradGuard no_grad;
+  reader.read(targets);  // names and shapes checked first, one error listing them
+}
+
+}  // namespace shardtrain::train

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 namespace torch::nn {
 class Module;
@@ -16,6 +17,10 @@ class Communicator;
 }
 namespace shardtrain::strategy {
 class Strategy;
+struct ShardedTensor;
+}  // namespace shardtrain::strategy
+namespace shardtrain::checkpoint {
+class CheckpointReader;
 }
 
 namespace shardtrain::train::detail {
@@ -26,14 +31,40 @@ namespace shardtrain::train::detail {
 /// Returns whether the model was adapted.
 bool prepare_lora(torch::nn::Module& model, const config::Config& config);
 
+/// The frozen base of an adapted model, as checkpoints see it.
+struct FrozenBase {
+  /// The parameters that do not train, in model order (empty without LoRA).
+  std::vector<std::string> names;
+  /// model.init_from as JSON {"path", "bytes", "sha256"}; "" when unset.
+  std::string identity;
+  /// Checkpoints leave the base out and record `identity` instead.
+  bool referenced = false;
+};
+
+/// After prepare_lora, before the strategy's setup. Hashes model.init_from
+/// when it is set (every rank reads the same file, so all agree).
+FrozenBase frozen_base(const torch::nn::Module& model, const config::Config& config);
+
+/// The key of the base's identity in a Trainer checkpoint's training state.
+inline constexpr const char* kBaseKey = "lora_base";
+
+/// Before loading the checkpoint `reader` opened into `targets`: when it
+/// holds none of `base.names` (it references its base), checks that the
+/// base it records is the file `base.identity` describes and drops the
+/// frozen targets, which already hold that base. CheckpointError when the
+/// checkpoint records no base, or another one. A no-op for a checkpoint that
+/// holds its base.
+void drop_referenced_base(checkpoint::CheckpointReader& reader, const FrozenBase& base,
+                          std::vector<strategy::ShardedTensor>& targets);
+
 /// Where a LoRA run writes its adapter: <run_dir>/adapter.
 std::string adapter_dir(const std::string& run_dir);
 
 /// With lora.r > 0: writes the adapter in the PEFT layout to
-/// adapter_dir(run_dir), and the merged model over the exported
-/// model.safetensors. Every rank calls it (the strategy gathers the
-/// adapters to rank 0, which writes); CheckpointError on every rank when
-/// writing fails.
+/// adapter_dir(run_dir), and the merged model as the exported
+/// model.safetensors with its config.yaml. Every rank calls it (the strategy
+/// gathers the model to rank 0, which writes); CheckpointError on every rank
+/// when writing fails.
 void export_lora(strategy::Strategy& strategy, comm::Communicator& comm,
                  const config::Config& config, const std::string& run_dir);
 

@@ -9,11 +9,13 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/checkpoint/optimizer_state.h"
@@ -22,6 +24,7 @@
 #include "shardtrain/precision/precision.h"
 #include "shardtrain/strategy/strategy.h"
 #include "shardtrain/train/trainer.h"
+#include "train/lora.h"
 
 namespace shardtrain::train {
 
@@ -52,6 +55,14 @@ void set_rng_state(const std::string& bytes) {
 std::string Trainer::save_checkpoint() {
   const std::string dir = ck::checkpoint_dir(config_.run.dir, state_.step);
   std::vector<strategy::ShardedTensor> tensors = strategy_->sharded_state_dict();
+  if (reference_base_) {  // the frozen base stays in model.init_from
+    const std::set<std::string> frozen(frozen_names_.begin(), frozen_names_.end());
+    tensors.erase(std::remove_if(tensors.begin(), tensors.end(),
+                                 [&](const strategy::ShardedTensor& t) {
+                                   return t.is_parameter && frozen.count(t.name) > 0;
+                                 }),
+                  tensors.end());
+  }
   for (auto& e : ck::optimizer_state(*optimizer_, strategy_->optimizer_parameters())) {
     tensors.push_back(std::move(e));
   }
@@ -79,6 +90,7 @@ std::string Trainer::save_checkpoint() {
     state["best"] = {{"monitor", config_.checkpoint.monitor}, {"value", best_value_}, {"step", best_step_}};
   }
   state["config"] = config_.to_yaml();
+  if (reference_base_) state[detail::kBaseKey] = nlohmann::json::parse(base_identity_);
   ck::save_sharded(dir, *comm_, tensors, state.dump(), rng_state(),
                    ck::SaveOptions().strategy(strategy_->name()).step(state_.step));
   last_save_ = std::chrono::steady_clock::now();
@@ -135,6 +147,10 @@ std::string Trainer::resume(const std::string& spec) {
 
 ck::LoadResult Trainer::load_checkpoint(const std::string& dir) {
   std::vector<strategy::ShardedTensor> targets = strategy_->sharded_state_dict();
+  if (!frozen_names_.empty()) {  // a checkpoint may reference its frozen base
+    ck::CheckpointReader reader(dir);
+    detail::drop_referenced_base(reader, {frozen_names_, base_identity_, reference_base_}, targets);
+  }
   ck::LoadResult loaded = ck::load_sharded(dir, *comm_, targets);
   strategy_->reload_parameters();
   ck::load_optimizer_state(dir, *comm_, *optimizer_, strategy_->optimizer_parameters());

@@ -116,6 +116,12 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
   // LoRA: freeze the (loaded) base and attach the adapters before anything
   // plans over the parameters.
   detail::prepare_lora(*task_.model, config_);
+  {
+    detail::FrozenBase base = detail::frozen_base(*task_.model, config_);
+    frozen_names_ = std::move(base.names);
+    base_identity_ = std::move(base.identity);
+    reference_base_ = base.referenced;
+  }
   precision_->prepare_model(*task_.model);
 
   const strategy::StrategyOptions so =
@@ -315,6 +321,10 @@ double Trainer::evaluate() {
 
 std::string Trainer::export_model(const std::string& dir) {
   const std::string model_path = ck::exported_model_path(dir);
+  if (config_.lora.r() > 0) {  // the merged model (its checkpoints may lack the base)
+    detail::export_lora(*strategy_, *comm_, config_, dir);
+    return model_path;
+  }
   // From this step's checkpoint when there is one: rank 0 streams it tensor
   // by tensor and nobody gathers. Otherwise sharded strategies gather the
   // model unit by unit, to rank 0 only. Every rank decides alike: the
@@ -416,9 +426,8 @@ const TrainerState& Trainer::fit() {
   }
   if (saved_at != state_.step) run_checkpoint();
   // The whole model for `generate` and fine-tuning, converted from the
-  // checkpoint just written.
+  // checkpoint just written (LoRA: merged, and the adapter beside it).
   if (state_.signal == 0) export_model(config_.run.dir);
-  if (state_.signal == 0) detail::export_lora(*strategy_, *comm_, config_, config_.run.dir);
   for_each_callback([&](Callback& c) { c.on_train_end(state_, control_); });
   return state_;
 }

@@ -675,6 +675,126 @@ TEST(LoraTrainer, QuantizedRunResumesBitExactly) {
   EXPECT_EQ(resumed->v[1], whole->v[3]);
 }
 
+// A base file for lora_job(): a GPT of the job's shape from its own seed.
+std::string write_base(const st::config::Config& c, const std::string& path, uint64_t seed) {
+  torch::manual_seed(seed);
+  GPT base(st::train::gpt_config(c.model));
+  std::vector<std::pair<std::string, torch::Tensor>> tensors;
+  for (const auto& p : base->named_parameters()) {
+    if (p.key() != "lm_head.weight") tensors.emplace_back(p.key(), p.value().detach());
+  }
+  st::checkpoint::save_safetensors(path, tensors, /*transpose_conv1d=*/true, {});
+  return path;
+}
+
+int64_t checkpoint_bytes(const std::string& dir) {
+  int64_t n = 0;
+  for (const auto& f : st::checkpoint::read_metadata(dir).files) n += f.bytes;
+  return n;
+}
+
+// With model.init_from, checkpoints leave the frozen base out and record the
+// file instead: they resume bit-exactly from it, are refused when the file
+// changed or is not given, load for `generate`, and are not consolidated
+// into a model that would lack the base. checkpoint.save_frozen_base copies it.
+TEST(LoraTrainer, CheckpointsReferenceTheBaseUnlessAsked) {
+  namespace ck = st::checkpoint;
+  st::testing::TempDir tmp("lora_ref");
+  auto c = lora_job(tmp / "run");
+  c.lora.quantize(LoraQuantize::Nf4);
+  c.trainer.max_steps = 4;
+  c.checkpoint.every_n_steps = 2;
+  c.model.init_from = write_base(c, tmp / "base.safetensors", 99);
+  struct Losses : st::train::Callback {
+    std::vector<double> v;
+    void on_step_end(st::train::TrainerState& s, st::train::TrainerControl&) override { v.push_back(s.loss); }
+  };
+  auto whole = std::make_shared<Losses>();
+  torch::Tensor final_logits;
+  const auto idx = torch::randint(0, 256, {2, 16}, torch::kLong);
+  {
+    st::train::Trainer t(c, st::train::make_task(c, 1), st::comm::Communicator::create(st::comm::CommOptions()));
+    t.add_callback(whole);
+    t.fit();
+    t.model()->eval();
+    final_logits = dynamic_cast<m::GPTImpl&>(*t.model()).forward(idx);
+  }
+  const std::string step2 = ck::checkpoint_dir(c.run.dir, 2);
+  const auto md = ck::read_metadata(step2);
+  EXPECT_EQ(md.find_tensor("h.0.attn.c_attn.qweight"), nullptr);
+  EXPECT_EQ(md.find_tensor("wte.weight"), nullptr);
+  EXPECT_NE(md.find_tensor("h.0.attn.c_attn.lora_A.weight"), nullptr);
+  {
+    ck::CheckpointReader reader(step2);
+    const auto state = nlohmann::json::parse(reader.train_state());
+    ASSERT_TRUE(state.contains("lora_base")) << state.dump();
+    EXPECT_EQ(state["lora_base"]["bytes"].get<int64_t>(),
+              static_cast<int64_t>(std::filesystem::file_size(c.model.init_from)));
+    EXPECT_EQ(state["lora_base"]["sha256"].get<std::string>().size(), 64u);
+  }
+
+  // Resumed from the referenced checkpoint: the same losses, bit for bit.
+  auto r = c;
+  r.run.dir = tmp / "resumed";
+  r.checkpoint.resume = step2;
+  auto resumed = std::make_shared<Losses>();
+  {
+    st::train::Trainer t(r, st::train::make_task(r, 1), st::comm::Communicator::create(st::comm::CommOptions()));
+    t.add_callback(resumed);
+    t.fit();
+  }
+  ASSERT_EQ(whole->v.size(), 4u);
+  ASSERT_EQ(resumed->v.size(), 2u);
+  EXPECT_EQ(resumed->v[0], whole->v[2]);
+  EXPECT_EQ(resumed->v[1], whole->v[3]);
+
+  // The final checkpoint as `generate` loads it gives the trained model's logits.
+  {
+    ck::CheckpointReader reader(ck::checkpoint_dir(c.run.dir, 4));
+    GPT loaded(st::train::gpt_config(c.model));
+    st::train::load_trained_model(*loaded, c, reader);
+    loaded->eval();
+    EXPECT_TRUE(torch::equal(loaded->forward(idx), final_logits));
+  }
+  const auto gen = st::testing::cli("generate --checkpoint " + ck::checkpoint_dir(c.run.dir, 4) +
+                                    " --max-new-tokens 4");
+  EXPECT_EQ(gen.code, 0) << gen.out;
+  const auto cons = st::testing::cli("checkpoint consolidate " + step2 + " --out " + tmp / "c.safetensors");
+  EXPECT_NE(cons.code, 0) << cons.out;
+  EXPECT_NE(cons.out.find("does not copy"), std::string::npos) << cons.out;
+  EXPECT_FALSE(std::filesystem::exists(tmp / "c.safetensors"));
+
+  // Another base under the same name, or none: a CheckpointError naming it.
+  write_base(c, c.model.init_from, 100);
+  auto msg = st::testing::checkpoint_error([&] {
+    st::train::Trainer t(r, st::train::make_task(r, 1), st::comm::Communicator::create(st::comm::CommOptions()));
+    t.fit();
+  });
+  EXPECT_NE(msg.find("was trained on the frozen base"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("save_frozen_base"), std::string::npos) << msg;
+  auto no_base = r;
+  no_base.model.init_from.clear();
+  msg = st::testing::checkpoint_error([&] {
+    st::train::Trainer t(no_base, st::train::make_task(no_base, 1),
+                         st::comm::Communicator::create(st::comm::CommOptions()));
+    t.fit();
+  });
+  EXPECT_NE(msg.find("model.init_from is not set"), std::string::npos) << msg;
+
+  // Asked to copy: the base is in the checkpoint, which is many times larger.
+  auto copy = c;
+  copy.run.dir = tmp / "copy";
+  copy.trainer.max_steps = 2;
+  copy.checkpoint.save_frozen_base = true;
+  {
+    st::train::Trainer t(copy, st::train::make_task(copy, 1), st::comm::Communicator::create(st::comm::CommOptions()));
+    t.fit();
+  }
+  const std::string copied = ck::checkpoint_dir(copy.run.dir, 2);
+  EXPECT_NE(ck::read_metadata(copied).find_tensor("h.0.attn.c_attn.qweight"), nullptr);
+  EXPECT_GT(checkpoint_bytes(copied), 2 * checkpoint_bytes(step2));
+}
+
 // Activation checkpointing recomputes adapted blocks: the same gradients, fp32 and nf4.
 TEST(Lora, ActivationCheckpointingGivesTheSameAdapterGradients) {
   for (const auto q : {LoraQuantize::None, LoraQuantize::Nf4}) {

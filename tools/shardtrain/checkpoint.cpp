@@ -5,6 +5,7 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -143,6 +144,19 @@ int consolidate(const std::string& arg, const std::string& out, bool transpose) 
   ST_CHECK(!out.empty(), ConfigError,
            "consolidate needs --out FILE.safetensors; see shardtrain checkpoint --help");
   const std::string dir = resolve(arg);
+  {
+    // A LoRA run's checkpoints reference their frozen base ("lora_base" in
+    // the training state) instead of holding it: a consolidated file would
+    // lack the base weights.
+    ck::CheckpointReader reader(dir);
+    const auto state = nlohmann::json::parse(reader.train_state(), nullptr, /*allow_exceptions=*/false);
+    ST_CHECK(!(state.is_object() && state.contains("lora_base")), CheckpointError, "'", dir,
+             "' holds LoRA adapters over a frozen base it does not copy (",
+             state.is_object() && state.contains("lora_base") ? state["lora_base"].value("path", "") : "",
+             "), so a consolidated file would lack the base. Hint: use the run's model.safetensors "
+             "(merged) or adapter/, `shardtrain generate ", dir, "`, or train with "
+             "checkpoint.save_frozen_base: true");
+  }
   const int64_t n = ck::consolidate_to_safetensors(dir, out, transpose);
   std::error_code ec;
   const auto size = fs::file_size(out, ec);

@@ -70,16 +70,9 @@ std::shared_ptr<models::GPTImpl> load_gpt(const std::string& path, bool say_sour
     return model;
   }
   ck::CheckpointReader reader(source.path);
-  auto model = build_gpt(checkpoint_config(reader), source.path);
-  std::vector<ck::ShardedTensor> targets;
-  for (const auto& p : model->named_parameters()) {
-    targets.push_back({p.key(), p.value().sizes().vec(), 0, p.value().detach(), true, true});
-  }
-  for (const auto& b : model->named_buffers()) {
-    targets.push_back({b.key(), b.value().sizes().vec(), 0, b.value().detach(), true, false});
-  }
-  torch::NoGradGuard no_grad;
-  reader.read(targets);  // names and shapes checked first, one error listing them
+  const config::Config config = checkpoint_config(reader);
+  auto model = build_gpt(config, source.path);
+  train::load_trained_model(*model, config, reader);  // a LoRA run's adapters included
   return model;
 }
 

@@ -64,6 +64,10 @@ struct CheckpointConfig {
   /// always start fresh; otherwise a checkpoint directory.
   std::string resume;
   bool save_on_signal = true;
+  /// LoRA with model.init_from: false keeps the frozen base out of every
+  /// checkpoint (it records the base file and its SHA-256 instead); true
+  /// copies the base into each checkpoint.
+  bool save_frozen_base = false;
 };
 
 struct DataConfig {

@@ -14,6 +14,9 @@
 namespace torch::nn {
 class Module;
 }
+namespace shardtrain::checkpoint {
+class CheckpointReader;
+}
 namespace shardtrain::models {
 struct GPTConfig;
 }
@@ -53,6 +56,15 @@ TrainTask make_task(const config::Config& config, int world_size);
 
 /// The GPT described by the config's model section.
 models::GPTConfig gpt_config(const config::ModelConfig& model);
+
+/// Fills `model`, freshly built from `config` (the config the checkpoint's
+/// training state records), with the Trainer checkpoint `reader` opened.
+/// For a LoRA run it first loads model.init_from and attaches the adapters
+/// as the Trainer does; a checkpoint that references its frozen base instead
+/// of holding it is checked against that file. CheckpointError names what
+/// is missing or differs.
+void load_trained_model(torch::nn::Module& model, const config::Config& config,
+                        checkpoint::CheckpointReader& reader);
 
 /// Target id the built-in losses skip (padding), as in PyTorch.
 constexpr int64_t kIgnoreIndex = -100;

@@ -126,6 +126,12 @@ class Trainer {
   std::chrono::steady_clock::time_point last_save_ = std::chrono::steady_clock::now();
   // Times the launcher restarted this job (SHARDTRAIN_RESTART_COUNT).
   int restarts_ = 0;
+  // LoRA: the frozen parameters' names, model.init_from's identity as JSON
+  // (path, bytes, SHA-256; "" without it), and whether checkpoints reference
+  // that file instead of copying the base.
+  std::vector<std::string> frozen_names_;
+  std::string base_identity_;
+  bool reference_base_ = false;
 };
 
 }  // namespace shardtrain::train
