@@ -10,7 +10,7 @@ CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 # the reference BLAS behind LibTorch's GEMMs (about 5 -> 90 GFLOP/s here).
 DEB_PACKAGES := build-essential cmake ninja-build ccache pkg-config \
 	libtorch-dev libgloo-dev libyaml-cpp-dev libgtest-dev libopenblas0-pthread \
-	nlohmann-json3-dev iproute2 libssl-dev
+	nlohmann-json3-dev iproute2 libssl-dev tmux
 # What the benchmarks add: Debian's PyTorch as the peer we compare against.
 BENCH_PACKAGES := python3-torch
 

@@ -97,7 +97,10 @@ void declare_optimization(std::vector<Key>& keys) {
       .key(ST_FIELD(log_every), at_least(1), "Log a training line every N steps.")
       .key(ST_FIELD(max_grad_norm), not_below(0.0, "a number >= 0; 0 disables clipping"),
            "Clip the global gradient norm to this; 0: no clipping.")
-      .key(ST_FIELD(progress), "`auto`: a bar on a terminal, plain lines otherwise.")
+      .key(ST_FIELD(progress),
+           "`auto`: a bar on a terminal, plain lines otherwise. Under `shardtrain launch` (and a "
+           "multi-rank `shardtrain train`) whose output is a terminal, the launcher draws one bar for "
+           "every rank (`auto` and `bar`); `plain`: a line per step; `none`: nothing.")
       .key(ST_FIELD(sample_tokens), at_least(0),
            "Tokens sampled at the end of `shardtrain train`; 0: none.");
 

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "comm/kv_store.h"
+#include "dist/progress.h"
 #include "shardtrain/core/error.h"
 
 extern char** environ;
@@ -44,7 +45,7 @@ constexpr int kWatchMs = 250;
 const std::set<std::string> kReplacedVars = {
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
     "MASTER_PORT", "SHARDTRAIN_RESTART_COUNT", "SHARDTRAIN_JOB_TOKEN",
-    "SHARDTRAIN_STORE", "SLURM_PROCID", "SLURM_LOCALID",
+    "SHARDTRAIN_STORE", "SHARDTRAIN_PROGRESS_TO_LAUNCHER", "SLURM_PROCID", "SLURM_LOCALID",
     "SLURM_NODEID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE",
     "MPI_LOCALRANKID", "MPI_LOCALNRANKS"};
@@ -116,19 +117,16 @@ int take_stop_signal() {
 
 // ---- output ------------------------------------------------------------------
 
-void write_all(int fd, const std::string& text) {
-  const char* p = text.data();
-  size_t left = text.size();
-  while (left > 0) {
-    const ssize_t n = ::write(fd, p, left);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;  // our own stdout is gone; keep running the ranks
-    p += n;
-    left -= static_cast<size_t>(n);
-  }
+// The one progress bar on our terminal (inactive when stdout is not one):
+// every line we print goes above it.
+ProgressBar& progress_bar() {
+  static ProgressBar bar(STDOUT_FILENO);
+  return bar;
 }
 
-void say(const std::string& text) { write_all(STDERR_FILENO, "shardtrain launch: " + text + "\n"); }
+void say(const std::string& text) {
+  progress_bar().print(STDERR_FILENO, "shardtrain launch: " + text + "\n");
+}
 
 std::string describe_code(int code) {
   if (code > 128 && code < 128 + 65) {
@@ -447,6 +445,7 @@ std::vector<std::string> Group::child_env(int local_rank) const {
   set("SHARDTRAIN_RESTART_COUNT", std::to_string(restart_));
   set("SHARDTRAIN_JOB_TOKEN", token_);
   set("SHARDTRAIN_STORE", rdzv_.store_address());
+  if (progress_bar().active()) set(kProgressEnv, "1");
   return env;
 }
 
@@ -536,7 +535,12 @@ void Group::start_all() {
 }
 
 void Group::emit(Rank& r, Stream& s, const std::string& line) {
-  write_all(s.target, "[rank " + std::to_string(r.rank) + "] " + line + "\n");
+  ProgressReport report;
+  if (s.target == STDOUT_FILENO && progress_bar().active() && parse_progress_line(line, &report)) {
+    progress_bar().update(r.rank, report);
+    return;
+  }
+  progress_bar().print(s.target, "[rank " + std::to_string(r.rank) + "] " + line + "\n");
   if (options_.tail_lines() <= 0) return;
   r.tail.push_back(line);
   while (r.tail.size() > static_cast<size_t>(options_.tail_lines())) r.tail.pop_front();
@@ -727,6 +731,7 @@ int Group::run() {
     reap();
     watch_other_nodes();
   }
+  progress_bar().finish();
   if (failed_ >= 0) {
     report_failure();
     return ranks_[failed_].code;

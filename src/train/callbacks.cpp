@@ -7,11 +7,13 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <sstream>
 
 #include "core/file.h"
+#include "dist/progress.h"
 #include "shardtrain/core/error.h"
 
 namespace shardtrain::train {
@@ -68,16 +70,6 @@ void write_json_string(std::ostringstream& os, const std::string& s) {
   os << '"';
 }
 
-std::string format_duration(double seconds) {
-  if (!std::isfinite(seconds) || seconds < 0) return "?";
-  const auto s = static_cast<int64_t>(seconds + 0.5);
-  char buf[32];
-  if (s >= 3600) std::snprintf(buf, sizeof(buf), "%lldh%02lldm", (long long)(s / 3600), (long long)(s % 3600 / 60));
-  else if (s >= 60) std::snprintf(buf, sizeof(buf), "%lldm%02llds", (long long)(s / 60), (long long)(s % 60));
-  else std::snprintf(buf, sizeof(buf), "%llds", (long long)s);
-  return buf;
-}
-
 // The progress lines are the run's log: a write that fails (stdout
 // redirected to a full disk) stops the run with an IoError rather than
 // losing lines unnoticed.
@@ -119,7 +111,13 @@ std::string Metrics::to_json() const {
 
 ProgressCallback::ProgressCallback(ProgressMode mode, FILE* out) : out_(out) {
   enabled_ = mode != ProgressMode::None;
-  bar_ = mode == ProgressMode::Bar || (mode == ProgressMode::Auto && isatty(fileno(out)));
+  // Under a launcher whose output is a terminal, every rank reports to it
+  // and the launcher draws the one bar; our own output is a pipe then.
+  const char* launcher = std::getenv(dist::kProgressEnv);
+  to_launcher_ = (mode == ProgressMode::Auto || mode == ProgressMode::Bar) && launcher &&
+                 std::strcmp(launcher, "1") == 0;
+  bar_ = !to_launcher_ &&
+         (mode == ProgressMode::Bar || (mode == ProgressMode::Auto && isatty(fileno(out))));
 }
 
 void ProgressCallback::on_train_begin(TrainerState& state, TrainerControl&) {
@@ -127,13 +125,25 @@ void ProgressCallback::on_train_begin(TrainerState& state, TrainerControl&) {
 }
 
 void ProgressCallback::on_log(TrainerState& state, TrainerControl&, const Metrics& logs) {
-  if (!enabled_ || state.rank != 0) return;
+  if (!enabled_ || (state.rank != 0 && !to_launcher_)) return;
   const double elapsed =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   const double per_step = state.step > 0 ? elapsed / static_cast<double>(state.step) : 0.0;
   const double eta = per_step * static_cast<double>(state.max_steps - state.step);
   const double tokens_per_s = logs.number("tokens_per_s").value_or(0.0);
-  if (bar_) {
+  using dist::format_duration;
+  if (to_launcher_) {
+    dist::ProgressReport r;
+    r.step = state.step;
+    r.max_steps = state.max_steps;
+    if (state.rank == 0) {
+      r.has_loss = true;
+      r.loss = state.loss;
+      r.tokens_per_s = tokens_per_s;
+      r.eta_s = eta;
+    }
+    std::fprintf(out_, "%s\n", dist::format_progress_line(r).c_str());
+  } else if (bar_) {
     constexpr int kWidth = 24;
     const int filled = state.max_steps > 0
                            ? static_cast<int>(kWidth * state.step / state.max_steps)
@@ -163,7 +173,7 @@ void ProgressCallback::on_train_end(TrainerState& state, TrainerControl&) {
   const double elapsed =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   std::fprintf(out_, "%strained %lld steps in %s\n", bar_ ? "\n" : "", (long long)state.step,
-               format_duration(elapsed).c_str());
+               dist::format_duration(elapsed).c_str());
   flush_log(out_);
 }
 

@@ -14,6 +14,12 @@ add_test(NAME cli.train_default_job
          COMMAND ${CMAKE_CURRENT_LIST_DIR}/train_default_job.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
 set_tests_properties(cli.train_default_job PROPERTIES TIMEOUT 600 ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=120")
 
+# In a real terminal (tmux) the launcher draws one progress bar in place;
+# through a pipe, plain lines.
+add_test(NAME cli.train_progress_terminal
+         COMMAND ${CMAKE_CURRENT_LIST_DIR}/progress_terminal.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
+set_tests_properties(cli.train_progress_terminal PROPERTIES TIMEOUT 600 ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=120")
+
 # SIGTERM saves a checkpoint and exits 143; resume auto continues from it.
 add_test(NAME cli.train_sigterm_resume
          COMMAND ${CMAKE_CURRENT_LIST_DIR}/train_signal.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})

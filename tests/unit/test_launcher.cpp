@@ -2,6 +2,7 @@
 // rank program, and checks exit codes, prefixed output, restarts and signals.
 #include <gtest/gtest.h>
 #include "shardtrain/dist/launcher.h"
+#include "dist/progress.h"
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -426,6 +427,63 @@ TEST(Launcher, HelpAndAuto) {
   ASSERT_EQ(a.code, 0) << a.err;
   const long cpus = ::sysconf(_SC_NPROCESSORS_ONLN);
   EXPECT_EQ(count_of(a.out, "partial"), cpus) << a.out;
+}
+
+}  // namespace
+
+// ---- the progress bar's protocol and text ------------------------------------------
+
+namespace {
+
+using shardtrain::dist::ProgressReport;
+
+TEST(Progress, LinesRoundTripAndOtherLinesAreNotProgress) {
+  ProgressReport r;
+  r.step = 17;
+  r.max_steps = 60;
+  r.has_loss = true;
+  r.loss = 2.5;
+  r.tokens_per_s = 812.5;
+  r.eta_s = 41;
+  ProgressReport got;
+  ASSERT_TRUE(shardtrain::dist::parse_progress_line(shardtrain::dist::format_progress_line(r), &got));
+  EXPECT_EQ(got.step, 17);
+  EXPECT_EQ(got.max_steps, 60);
+  EXPECT_TRUE(got.has_loss);
+  EXPECT_DOUBLE_EQ(got.loss, 2.5);
+  EXPECT_DOUBLE_EQ(got.tokens_per_s, 812.5);
+  EXPECT_DOUBLE_EQ(got.eta_s, 41);
+  ProgressReport step_only;
+  step_only.step = 3;
+  step_only.max_steps = 9;
+  ASSERT_TRUE(shardtrain::dist::parse_progress_line(shardtrain::dist::format_progress_line(step_only), &got));
+  EXPECT_FALSE(got.has_loss);
+  for (const char* line : {"step 17/60 | loss 2.5", "@shardtrain-progress step=x max=3",
+                           "@shardtrain-progress max=3", "", "@shardtrain-progress step=1 max=2 junk"}) {
+    EXPECT_FALSE(shardtrain::dist::parse_progress_line(line, &got)) << line;
+  }
+}
+
+TEST(Progress, BarShowsTheSlowestRankAndFitsTheTerminal) {
+  shardtrain::dist::ProgressBar bar(-1);  // not a terminal: draws nothing
+  EXPECT_FALSE(bar.active());
+  ProgressReport lead;
+  lead.step = 30;
+  lead.max_steps = 60;
+  lead.has_loss = true;
+  lead.loss = 1.25;
+  lead.tokens_per_s = 900;
+  lead.eta_s = 75;
+  bar.update(0, lead);
+  ProgressReport behind;
+  behind.step = 15;
+  behind.max_steps = 60;
+  bar.update(1, behind);
+  EXPECT_EQ(bar.render(200), "[######..................] 15/60  25% | loss 1.2500 | 900 tok/s | eta 1m15s | "
+                             "slowest: rank 1 at 15");
+  EXPECT_EQ(bar.render(20).size(), 19u);
+  EXPECT_EQ(shardtrain::dist::format_duration(3725), "1h02m");
+  EXPECT_EQ(shardtrain::dist::format_duration(-1), "?");
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
@@ -27,11 +28,16 @@
 namespace shardtrain::cli {
 namespace {
 
+namespace fs = std::filesystem;
+
 const char kUsage[] =
     "usage: shardtrain train [CONFIG] [--set KEY=VALUE ...] [LAUNCH OPTIONS]\n"
     "\n"
-    "Trains the model CONFIG describes (default: configs/default.yaml). KEY is a\n"
-    "dotted config key (optimizer.lr, batch.micro, ...; see docs/config.md).\n"
+    "Trains the model CONFIG describes; without CONFIG, the built-in defaults (the\n"
+    "same as configs/default.yaml). KEY is a dotted config key (optimizer.lr,\n"
+    "batch.micro, ...; see docs/config.md). A relative data.train that is not under\n"
+    "the current directory is looked for among the project's own files (an installed\n"
+    "PREFIX/share/shardtrain, or the checkout above a build directory).\n"
     "Without a surrounding launcher, it starts its ranks through `shardtrain launch`\n"
     "when there is more than one (--nproc-per-node, default distributed.nproc_per_node,\n"
     "auto = this machine's cores), more than one node, or restarts to allow. The\n"
@@ -40,7 +46,7 @@ const char kUsage[] =
     "%s";
 
 struct TrainArgs {
-  std::string config = "configs/default.yaml";
+  std::string config;  // "": the built-in defaults
   std::vector<std::string> overrides;
   dist::LaunchOptions launch = dist::LaunchOptions().stop_grace_s(300.0);
   int nproc = -1;             // -1: from the config
@@ -80,15 +86,52 @@ int relaunch(const TrainArgs& args, int nproc) {
   char self[4096] = {0};
   const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
   ST_CHECK(n > 0, Error, "cannot find this program's path to start its ranks");
-  options.command({std::string(self, static_cast<size_t>(n)), "train", args.config});
+  options.command({std::string(self, static_cast<size_t>(n)), "train"});
+  if (!args.config.empty()) options.command().push_back(args.config);
   for (const auto& o : args.overrides) {
     options.command().push_back("--set");
     options.command().push_back(o);
   }
   std::printf("starting %d ranks on node %d of %d: shardtrain launch -- shardtrain train %s\n",
-              nproc, options.node_rank(), options.nnodes(), args.config.c_str());
+              nproc, options.node_rank(), options.nnodes(),
+              args.config.empty() ? "(built-in defaults)" : args.config.c_str());
   std::fflush(stdout);
   return dist::launch(options);
+}
+
+// The project's own files (configs/, data/) for a binary run from anywhere:
+// beside an installed one (PREFIX/bin/shardtrain -> PREFIX/share/shardtrain),
+// or in the checkout above its build directory. "" when none holds `relative`.
+std::string project_file(const std::string& relative) {
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (ec) return "";
+  for (const fs::path& root : {exe.parent_path().parent_path() / "share" / "shardtrain",
+                               exe.parent_path().parent_path()}) {
+    const fs::path candidate = root / relative;
+    if (fs::is_regular_file(candidate, ec)) return candidate.string();
+  }
+  return "";
+}
+
+config::Config load_config(const TrainArgs& args, bool say) {
+  config::Config config = args.config.empty()
+                              ? config::Config::parse("", args.overrides, "<built-in defaults>")
+                              : config::Config::load(args.config, args.overrides);
+  if (say && args.config.empty()) {
+    std::printf("config: none given; the built-in defaults (the same as configs/default.yaml)\n");
+  }
+  std::string& data = config.data.train;
+  std::error_code ec;
+  if (!data.empty() && fs::path(data).is_relative() && !fs::exists(data, ec)) {
+    const std::string found = project_file(data);
+    if (!found.empty()) {
+      if (say) std::printf("data: '%s' is not under the current directory; using %s\n", data.c_str(), found.c_str());
+      data = found;
+    }
+  }
+  std::fflush(stdout);
+  return config;
 }
 
 }  // namespace
@@ -111,8 +154,9 @@ int train_main(int argc, char** argv) {
   }
   const TrainArgs args = parse(argc, argv);
   check_launch_flags(args.launch);
-  const config::Config config = config::Config::load(args.config, args.overrides);
   const dist::ClusterEnv env = dist::ClusterEnv::detect();
+  // Said once, by the process the user started (its ranks load the same).
+  const config::Config config = load_config(args, /*say=*/env.source == dist::EnvSource::Standalone);
   if (env.source == dist::EnvSource::Standalone) {
     int nproc = args.nproc >= 0 ? args.nproc : static_cast<int>(config.distributed.nproc_per_node());
     if (nproc == 0) nproc = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));

@@ -26,6 +26,7 @@ class ProgressCallback : public Callback {
 
  private:
   bool bar_ = false;
+  bool to_launcher_ = false;  // progress lines for the launcher's bar
   bool enabled_ = true;
   FILE* out_;
   std::chrono::steady_clock::time_point start_;
