@@ -191,14 +191,16 @@ struct Axis {
   double lo, hi, step;
 };
 
-// Round bounds around [lo, hi] and a tick step; a flat range is widened.
-Axis make_axis(double lo, double hi, int target) {
+// Round bounds around [lo, hi] and a tick step of at least `min_step`; a
+// flat range is widened.
+Axis make_axis(double lo, double hi, int target, double min_step = 0.0) {
   if (hi - lo <= 1e-12 * std::max(1.0, std::fabs(hi))) {
     const double pad = std::fabs(hi) > 0 ? std::fabs(hi) * 0.1 : 1.0;
-    lo -= pad;
+    // Counts and sizes never go below 0: widen a flat line upwards only.
+    lo = lo >= 0.0 ? std::max(0.0, lo - pad) : lo - pad;
     hi += pad;
   }
-  const double step = nice_step(hi - lo, target);
+  const double step = std::max(min_step, nice_step(hi - lo, target));
   return {std::floor(lo / step) * step, std::ceil(hi / step) * step, step};
 }
 
@@ -214,7 +216,7 @@ const char* const kPalette[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd",
                                 "#ff7f0e", "#17becf", "#8c564b", "#e377c2"};
 const char* colour(size_t i) { return kPalette[i % (sizeof(kPalette) / sizeof(kPalette[0]))]; }
 
-constexpr double kWidth = 560, kHeight = 300;
+constexpr double kWidth = 520, kHeight = 290;
 constexpr double kLeft = 70, kRight = 16, kTop = 14, kBottom = 44;
 
 // One chart: axes with tick labels, a line per series, an HTML legend.
@@ -234,7 +236,8 @@ std::string chart(const std::string& id, const std::string& title, const std::st
     os << "<p class=\"missing\">not recorded</p></figure>\n";
     return os.str();
   }
-  const Axis ax = make_axis(x0, x1, 6), ay = make_axis(y0, y1, 5);
+  if (x1 - x0 < 2.0) x0 -= 1.0, x1 += 1.0;  // a step or two: room around them
+  const Axis ax = make_axis(x0, x1, 6, /*min_step=*/1.0), ay = make_axis(y0, y1, 5);
   const double pw = kWidth - kLeft - kRight, ph = kHeight - kTop - kBottom;
   const auto sx = [&](double x) { return kLeft + (x - ax.lo) / (ax.hi - ax.lo) * pw; };
   const auto sy = [&](double y) { return kTop + ph - (y - ay.lo) / (ay.hi - ay.lo) * ph; };
@@ -363,12 +366,12 @@ std::string last_value(const Run& run, const std::string& key) {
 }
 
 const char kStyle[] = R"(<style>
-body { font-family: sans-serif; margin: 24px; color: #222; background: #fff; }
+body { font-family: sans-serif; margin: 16px; color: #222; background: #fff; }
 h1 { font-size: 22px; } h2 { font-size: 18px; margin-top: 28px; }
 table { border-collapse: collapse; font-size: 14px; }
 td, th { border: 1px solid #ccc; padding: 4px 8px; text-align: left; }
 .charts { display: flex; flex-wrap: wrap; gap: 12px; }
-figure.chart { margin: 0; padding: 8px; border: 1px solid #ddd; width: 560px; }
+figure.chart { margin: 0; padding: 8px; border: 1px solid #ddd; width: 520px; }
 figcaption { font-weight: bold; font-size: 14px; margin-bottom: 4px; }
 rect.plot { fill: #fafafa; stroke: #888; }
 line.grid { stroke: #e3e3e3; }

@@ -35,7 +35,7 @@ run_browser() {
     --enable-logging=stderr --v=0 "$@" "file://$work/both.html"
 }
 run_browser --dump-dom > "$work/dom.html" 2> "$work/dom.log" || { cat "$work/dom.log"; fail "chromium --dump-dom"; }
-run_browser --screenshot="$work/report.png" --window-size=1200,1500 > /dev/null 2> "$work/shot.log" ||
+run_browser --screenshot="$work/report.png" --window-size=1200,1900 > /dev/null 2> "$work/shot.log" ||
   { cat "$work/shot.log"; fail "chromium --screenshot"; }
 if grep -h ":CONSOLE" "$work/dom.log" "$work/shot.log"; then fail "the page logged to the console"; fi
 
