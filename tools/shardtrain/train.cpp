@@ -151,7 +151,7 @@ int train_main(int argc, char** argv) {
     try {
       train::write_report({state.run_dir}, report);
       std::printf("report: %s\n", report.c_str());
-    } catch (const Error& e) {
+    } catch (const std::exception& e) {
       std::fprintf(stderr, "warning: no report written: %s\n",
                    ::shardtrain::detail::one_line_message(e).c_str());
     }
