@@ -8,9 +8,12 @@ CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 
 # What the build and the tests need from Debian. libopenblas0-pthread replaces
 # the reference BLAS behind LibTorch's GEMMs (about 5 -> 90 GFLOP/s here).
+# protobuf writes TensorBoard event files; chromium renders the run report
+# in the browser test.
 DEB_PACKAGES := build-essential cmake ninja-build ccache pkg-config \
 	libtorch-dev libgloo-dev libyaml-cpp-dev libgtest-dev libopenblas0-pthread \
-	nlohmann-json3-dev iproute2 libssl-dev tmux
+	nlohmann-json3-dev iproute2 libssl-dev tmux \
+	libprotobuf-dev protobuf-compiler chromium
 # What the benchmarks add: Debian's PyTorch as the peer we compare against.
 BENCH_PACKAGES := python3-torch
 

@@ -70,6 +70,23 @@ int open_regular_for_append(const std::string& path, std::string* why) {
   return open_checked(path, O_WRONLY | O_APPEND | O_CREAT, why);
 }
 
+bool append_whole(int fd, const std::string& data, std::string* why, bool* restored) {
+  struct stat st {};
+  const off_t before = ::fstat(fd, &st) == 0 ? st.st_size : -1;
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t w = ::write(fd, data.data() + done, data.size() - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      *why = w < 0 ? std::strerror(errno) : "nothing was written";
+      *restored = before >= 0 && ::ftruncate(fd, before) == 0;
+      return false;
+    }
+    done += static_cast<size_t>(w);
+  }
+  return true;
+}
+
 bool read_regular_file(const std::string& path, long long max_bytes, std::string* out,
                        std::string* why) {
   const int fd = open_regular_for_reading(path, why);

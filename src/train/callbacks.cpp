@@ -95,10 +95,20 @@ std::string Metrics::to_json() const {
     first = false;
     write_json_string(os, key);
     os << ": ";
+    const auto number = [&os](double d) {
+      if (std::isfinite(d)) os << d; else os << "null";
+    };
     if (const auto* d = std::get_if<double>(&value)) {
-      if (std::isfinite(*d)) os << *d; else os << "null";
+      number(*d);
     } else if (const auto* i = std::get_if<int64_t>(&value)) {
       os << *i;
+    } else if (const auto* list = std::get_if<std::vector<double>>(&value)) {
+      os << '[';
+      for (size_t k = 0; k < list->size(); ++k) {
+        if (k > 0) os << ", ";
+        number((*list)[k]);
+      }
+      os << ']';
     } else {
       write_json_string(os, std::get<std::string>(value));
     }
@@ -197,25 +207,14 @@ void MetricsWriter::on_train_begin(TrainerState& state, TrainerControl&) {
 }
 
 void MetricsWriter::append_line(const std::string& json) {
-  const std::string line = json + '\n';
   // One line, one write() to a file opened O_APPEND. Should it come short
   // (a full disk), the file is cut back to where it was before the error
   // is raised, so readers never see half a line.
-  struct stat st {};
-  const off_t before = ::fstat(fd_, &st) == 0 ? st.st_size : -1;
-  size_t done = 0;
-  while (done < line.size()) {
-    const ssize_t w = ::write(fd_, line.data() + done, line.size() - done);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      const std::string err = w < 0 ? std::strerror(errno) : "nothing was written";
-      const bool restored = before >= 0 && ::ftruncate(fd_, before) == 0;
-      ST_CHECK(false, IoError, "cannot append to ", path_, ": ", err,
-               restored ? "; the partial line was removed" : "",
-               ". Hint: free disk space under run.dir; checkpoints already written are intact");
-    }
-    done += static_cast<size_t>(w);
-  }
+  std::string err;
+  bool restored = false;
+  ST_CHECK(::shardtrain::detail::append_whole(fd_, json + '\n', &err, &restored), IoError,
+           "cannot append to ", path_, ": ", err, restored ? "; the partial line was removed" : "",
+           ". Hint: free disk space under run.dir; checkpoints already written are intact");
 }
 
 void MetricsWriter::on_step_end(TrainerState& state, TrainerControl&) {

@@ -139,6 +139,7 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
 
   callbacks_.push_back(std::make_shared<LearningRateMonitor>());
   callbacks_.push_back(std::make_shared<MetricsWriter>());
+  callbacks_.push_back(std::make_shared<TensorBoardWriter>());
   callbacks_.push_back(std::make_shared<ProgressCallback>(config_.trainer.progress));
   const auto& es = config_.trainer.early_stopping;
   if (es.enabled) {
@@ -244,7 +245,8 @@ void Trainer::run_step() {
   comm_->all_gather(local, all);
   auto per_rank = all.view({comm_->size(), 3});
   state_.loss = per_rank.select(1, 0).sum().item<double>() / static_cast<double>(total_targets);
-  const double rss = per_rank.select(1, 1).max().item<double>();
+  const at::Tensor rss_ranks = per_rank.select(1, 1).contiguous();
+  const double rss = rss_ranks.max().item<double>();
   const double slowest = per_rank.select(1, 2).max().item<double>();
   const double samples = static_cast<double>(batch_.global);
 
@@ -258,6 +260,8 @@ void Trainer::run_step() {
   m.set("samples_per_s", samples / slowest);
   m.set("step_time_s", slowest);
   m.set("peak_rss_mb", rss);
+  m.set("peak_rss_mb_ranks", std::vector<double>(rss_ranks.data_ptr<double>(),
+                                                 rss_ranks.data_ptr<double>() + comm_->size()));
   m.set("world_size", static_cast<int64_t>(comm_->size()));
   m.set("strategy", strategy_->name());
   // Communication of the gradient path: time the comm threads worked and

@@ -1,6 +1,6 @@
 // Writes that fail half-way (a full disk) leave nothing half-written: no
 // temporary file or directory, no torn checkpoint, no half line in
-// metrics.jsonl. A full disk is simulated with RLIMIT_FSIZE (writes beyond
+// metrics.jsonl, no half record in a TensorBoard event file. A full disk is simulated with RLIMIT_FSIZE (writes beyond
 // the limit fail with EFBIG, as they would with ENOSPC) or with the
 // checkpoint write hook; tests/dist/train_full_disk.sh does it with a real
 // tmpfs end to end.
@@ -111,6 +111,36 @@ TEST(FullDisk, MetricsLineIsWrittenWholeOrNotAtAll) {
   const std::string after = read_all(path);
   EXPECT_EQ(after.rfind(before, 0), 0u);
   EXPECT_EQ(after.back(), '\n');
+}
+
+TEST(FullDisk, TensorBoardRecordsAreWrittenWholeOrNotAtAll) {
+  TempDir tmp;
+  shardtrain::train::TrainerState state;
+  shardtrain::train::TrainerControl control;
+  state.rank = 0;
+  state.run_dir = tmp.path();
+  shardtrain::train::TensorBoardWriter writer;
+  writer.on_train_begin(state, control);
+  shardtrain::train::Metrics logs;
+  logs.set("step", int64_t{1});
+  logs.set("loss", 5.5);
+  writer.on_log(state, control, logs);
+  const std::string before = read_all(writer.path());
+  ASSERT_FALSE(before.empty());
+  {
+    const FileSizeLimit limit(before.size() + 10);  // room for 10 bytes of the next record
+    logs.set("lr", 3e-4);
+    try {
+      writer.on_log(state, control, logs);
+      FAIL() << "no IoError when the record does not fit";
+    } catch (const IoError& e) {
+      EXPECT_NE(std::string(e.what()).find("events.out.tfevents"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("the partial record was removed"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(read_all(writer.path()), before) << "a partial record was left in the event file";
+  writer.on_log(state, control, logs);
+  EXPECT_GT(read_all(writer.path()).size(), before.size());
 }
 
 TEST(FullDisk, AtomicFileWriteLeavesNoTemporary) {

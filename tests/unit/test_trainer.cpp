@@ -229,7 +229,7 @@ TEST(Trainer, MetricsFileHasOneLinePerStepPlusEvaluations) {
   for (const char* key : {"\"step\": ", "\"epoch\": ", "\"loss\": ", "\"lr\": ", "\"grad_norm\": ",
                           "\"tokens_per_s\": ", "\"samples_per_s\": ", "\"step_time_s\": ",
                           "\"peak_rss_mb\": ", "\"world_size\": 1", "\"strategy\": \"single\"",
-                          "\"precision\": \"fp32\"", "\"lr_group0\": "}) {
+                          "\"precision\": \"fp32\"", "\"lr_group0\": ", "\"peak_rss_mb_ranks\": ["}) {
     EXPECT_NE(lines[0].find(key), std::string::npos) << key << " missing in " << lines[0];
   }
   EXPECT_NE(lines[2].find("\"eval_loss\": "), std::string::npos) << lines[2];

@@ -32,6 +32,9 @@ int generate_main(int argc, char** argv);
 /// `shardtrain checkpoint inspect|consolidate|list DIR ...`.
 int checkpoint_main(int argc, char** argv);
 
+/// `shardtrain report RUN_DIR... [--out FILE.html]`; argv[0] is "report".
+int report_main(int argc, char** argv);
+
 /// `shardtrain lora merge --base FILE --adapter DIR --out FILE`.
 int lora_main(int argc, char** argv);
 

@@ -22,6 +22,7 @@
 #include "shardtrain/dist/env.h"
 #include "shardtrain/dist/launcher.h"
 #include "shardtrain/models/gpt.h"
+#include "shardtrain/train/report.h"
 #include "shardtrain/train/task.h"
 #include "shardtrain/train/trainer.h"
 
@@ -187,6 +188,19 @@ int train_main(int argc, char** argv) {
     std::fflush(stdout);
   }
   const train::TrainerState& state = trainer.fit();
+  if (comm->rank() == 0) {
+    // The report is a view of what is already on disk: failing to write it
+    // (a full disk) is said, but does not fail a run whose model is saved.
+    const std::string report = train::default_report_path(state.run_dir);
+    try {
+      train::write_report({state.run_dir}, report);
+      std::printf("report: %s\n", report.c_str());
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "warning: no report written: %s\n",
+                   ::shardtrain::detail::one_line_message(e).c_str());
+    }
+    std::fflush(stdout);
+  }
   if (state.signal != 0) {
     if (comm->rank() == 0) {
       std::printf("stopped by signal %d after step %lld; resume with --set checkpoint.resume=auto "
@@ -205,7 +219,7 @@ int train_main(int argc, char** argv) {
       std::printf("sample:\n%s\n", sample_text(*gpt, "\n", config.trainer.sample_tokens,
                                                 config.run.seed).c_str());
     }
-    std::printf("run directory: %s (metrics.jsonl, checkpoints/, model.safetensors, config.yaml)\n",
+    std::printf("run directory: %s (metrics.jsonl, report.html, tb/, checkpoints/, model.safetensors, config.yaml)\n",
                 state.run_dir.c_str());
   }
   comm->barrier();

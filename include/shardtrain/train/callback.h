@@ -27,18 +27,20 @@
 
 namespace shardtrain::train {
 
-/// One JSON object of metrics: keys in insertion order, numbers or text.
+/// One JSON object of metrics: keys in insertion order, numbers, text or a
+/// list of numbers (one per rank, for example).
 class Metrics {
  public:
-  using Value = std::variant<double, int64_t, std::string>;
+  using Value = std::variant<double, int64_t, std::string, std::vector<double>>;
 
   /// Sets `key`, replacing an earlier value of the same key.
   void set(const std::string& key, Value value);
-  /// The value of `key` as a number, when present and numeric.
+  /// The value of `key` as a number, when present and a single number.
   std::optional<double> number(const std::string& key) const;
   bool contains(const std::string& key) const;
   const std::vector<std::pair<std::string, Value>>& entries() const { return entries_; }
-  /// {"step": 3, "loss": 2.5, ...} on one line; non-finite numbers are null.
+  /// {"step": 3, "loss": 2.5, "peak_rss_mb_ranks": [301.5, 298], ...} on one
+  /// line; non-finite numbers are null.
   std::string to_json() const;
 
  private:

@@ -1,6 +1,6 @@
-// The built-in callbacks. Trainer adds the progress bar, the metrics writer
-// and the learning-rate monitor by default, and early stopping when the
-// config enables it.
+// The built-in callbacks. Trainer adds the progress bar, the metrics writer,
+// the TensorBoard writer and the learning-rate monitor by default, and early
+// stopping when the config enables it.
 #pragma once
 
 #include <chrono>
@@ -49,6 +49,31 @@ class MetricsWriter : public Callback {
 
  private:
   void append_line(const std::string& json);
+  std::string path_;
+  int fd_ = -1;
+};
+
+/// Rank 0 writes the scalars of every logged step (loss, lr, grad_norm,
+/// tokens_per_s, loss_scale, skipped, peak_rss_mb and peak_rss_mb/rank<k>,
+/// comm_hidden) and each evaluation's eval_loss as a TensorBoard event file,
+/// <run.dir>/tb/events.out.tfevents.<unix seconds>.<host>.<pid>, so
+/// `tensorboard --logdir <run.dir>/tb` shows the run. Each log is one
+/// write() of whole records; a write that comes short is cut off again and
+/// is an IoError, as for MetricsWriter. Non-finite values are left out.
+class TensorBoardWriter : public Callback {
+ public:
+  TensorBoardWriter() = default;
+  ~TensorBoardWriter() override;
+  TensorBoardWriter(const TensorBoardWriter&) = delete;
+  TensorBoardWriter& operator=(const TensorBoardWriter&) = delete;
+  void on_train_begin(TrainerState&, TrainerControl&) override;
+  void on_log(TrainerState&, TrainerControl&, const Metrics& logs) override;
+  void on_evaluate(TrainerState&, TrainerControl&, const Metrics& metrics) override;
+  /// The event file, once on_train_begin has opened it (rank 0 only).
+  const std::string& path() const { return path_; }
+
+ private:
+  void append(const std::string& records);
   std::string path_;
   int fd_ = -1;
 };

@@ -1,0 +1,57 @@
+// `shardtrain report RUN_DIR... [--out FILE.html]`: the run report, one
+// self-contained HTML page (train::write_report); several run directories
+// are overlaid on the same charts.
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "shardtrain/core/error.h"
+#include "shardtrain/train/report.h"
+
+namespace shardtrain::cli {
+namespace {
+
+const char kUsage[] =
+    "usage: shardtrain report RUN_DIR [RUN_DIR ...] [--out FILE.html]\n"
+    "\n"
+    "Writes one self-contained HTML page (no network needed to view it) with each\n"
+    "run's config and charts of train and eval loss, learning rate, gradient norm,\n"
+    "loss scale, skipped steps, tokens/s, peak memory per rank and communication\n"
+    "hidden behind compute, from RUN_DIR/metrics.jsonl. Several run directories are\n"
+    "drawn on the same charts, one colour per run. Default output: the first\n"
+    "RUN_DIR's report.html (`shardtrain train` writes that one itself).\n";
+
+}  // namespace
+
+int report_main(int argc, char** argv) {
+  std::vector<std::string> dirs;
+  std::string out;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      std::printf("%s", kUsage);
+      return 0;
+    }
+    if (arg == "--out") {
+      ST_CHECK(i + 1 < argc, ConfigError, "--out needs a file name; see shardtrain report --help");
+      out = argv[++i];
+    } else if (arg.rfind("--out=", 0) == 0) {
+      out = arg.substr(6);
+    } else if (!arg.empty() && arg[0] == '-') {
+      ST_CHECK(false, ConfigError, "unexpected option '", arg,
+               "'; allowed: RUN_DIR..., --out FILE.html; see shardtrain report --help");
+    } else {
+      dirs.push_back(arg);
+    }
+  }
+  ST_CHECK(!dirs.empty(), ConfigError,
+           "no run directory given; usage: shardtrain report RUN_DIR [RUN_DIR ...] [--out FILE.html]");
+  if (out.empty()) out = train::default_report_path(dirs.front());
+  train::write_report(dirs, out);
+  std::printf("report: %s\n", out.c_str());
+  return 0;
+}
+
+}  // namespace shardtrain::cli
