@@ -400,7 +400,7 @@ TEST(ConfigDocs, TablesAreReplacedBetweenMarkers) {
   EXPECT_EQ(fresh, "intro\n<!-- keys:run -->\n" + key_table("run") + "<!-- /keys -->\nprose\n" +
                        "<!-- keys:precision -->\n" + key_table("precision") + "<!-- /keys -->");
   EXPECT_EQ(with_key_tables(fresh), fresh);
-  EXPECT_HAS(key_table("trainer"), "| `trainer.max_steps` | int | `500` | ≥ 1 |");
+  EXPECT_HAS(key_table("trainer"), "| `trainer.max_steps` | int | `600` | ≥ 1 |");
   EXPECT_EQ(key_table("trainer").find("early_stopping"), std::string::npos);
   EXPECT_HAS(key_table("distributed"),
              "| `distributed.sharding` | string | `full_shard` | `full_shard`, `shard_grad_op`, "
@@ -565,7 +565,7 @@ TEST(ConfigErrors, OutOfRange) {
        "distributed.nproc_per_node: got 2", "strategy=single"},
       {"distributed: {bucket_cap_mb: 0}", "distributed.bucket_cap_mb: got 0.0", "> 0"},
       {"batch: {global: 0}", "batch.global: got 0", ">= 1"},
-      {"batch: {global: null, accumulate: null}", "batch: got {global: null, micro: 8",
+      {"batch: {global: null, accumulate: null}", "batch: got {global: null, micro: 16",
        "at least two"},
       {"batch: {global: 30, micro: 8}", "batch.global: got 30", "a multiple of batch.micro=8"},
       {"batch: {global: 30, micro: 5, accumulate: 4}", "batch.global: got 30",

@@ -42,7 +42,7 @@ struct ModelConfig {
   int64_t n_layer = 4;
   int64_t n_head = 4;
   int64_t n_embd = 128;
-  int64_t block_size = 128;
+  int64_t block_size = 64;
   int64_t vocab_size = 256;
   bool activation_checkpointing = false;
   // mlp: layer widths {in, hidden..., out}
@@ -79,8 +79,8 @@ struct DataConfig {
 /// Batch sizes in samples (sequences). Any two of the three may be given;
 /// resolve_batch() derives the third: global = micro * accumulate * world_size.
 struct BatchConfig {
-  std::optional<int64_t> global = 32;
-  std::optional<int64_t> micro = 8;
+  std::optional<int64_t> global = 64;
+  std::optional<int64_t> micro = 16;
   std::optional<int64_t> accumulate;
 };
 
@@ -93,7 +93,7 @@ struct BatchPlan {
 
 struct OptimizerConfig {
   train::OptimizerKind name = train::OptimizerKind::AdamW;
-  double lr = 3.0e-4;
+  double lr = 4.0e-3;
   double weight_decay = 0.1;
   std::vector<double> betas = {0.9, 0.95};
   double eps = 1.0e-8;
@@ -104,7 +104,7 @@ struct OptimizerConfig {
 struct ScheduleConfig {
   train::LrSchedule name = train::LrSchedule::Cosine;
   int64_t warmup_steps = 20;
-  double min_lr = 3.0e-5;
+  double min_lr = 4.0e-4;
 };
 
 struct EarlyStoppingConfig {
@@ -116,7 +116,7 @@ struct EarlyStoppingConfig {
 };
 
 struct TrainerConfig {
-  int64_t max_steps = 500;
+  int64_t max_steps = 600;
   /// 0: never evaluate.
   int64_t eval_every = 100;
   int64_t eval_batches = 10;
