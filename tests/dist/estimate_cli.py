@@ -127,7 +127,8 @@ L, H, C, T, V, B = 2, 4, 128, 128, 256, 8
 psi = V * C + T * C + L * (12 * C * C + 13 * C) + 2 * C
 full_layer = B * T * C * (34.0 + 5.0 * H * T / C) * 2 / 2.0
 gpt_act = int(L * 2.0 * B * T * C * 2 + full_layer + B * T * V * 2 * 2.0)
-args = ["--set", "model.n_layer=2", "--set", "distributed.param_dtype=bf16",
+args = ["--set", "model.n_layer=2", "--set", "model.block_size=128", "--set", "batch.global=32",
+        "--set", "batch.micro=8", "--set", "distributed.param_dtype=bf16",
         "--set", "model.activation_checkpointing=true", "--nproc-per-node", "2",
         "--nnodes", "2", "--set", "distributed.strategy=auto"]
 out = run(args + ["--set", "distributed.memory_budget_mb=4096"])

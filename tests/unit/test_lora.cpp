@@ -644,13 +644,32 @@ TEST(LoraTrainer, RunWritesTheAdapterAndInitFromContinuesFromIt) {
                ConfigError);
 }
 
+struct Losses : st::train::Callback {
+  std::vector<double> v;
+  void on_step_end(st::train::TrainerState& s, st::train::TrainerControl&) override { v.push_back(s.loss); }
+};
+
+// Continues job `c` (4 steps) from checkpoint `from` in `dir`: the last two
+// losses of the uninterrupted run `whole`, bit for bit.
+void expect_resumed_losses(st::config::Config c, const std::string& from, const std::string& dir,
+                           const Losses& whole) {
+  c.run.dir = dir;
+  c.checkpoint.resume = from;
+  auto resumed = std::make_shared<Losses>();
+  {
+    st::train::Trainer t(c, st::train::make_task(c, 1), st::comm::Communicator::create(st::comm::CommOptions()));
+    t.add_callback(resumed);
+    t.fit();
+  }
+  ASSERT_EQ(whole.v.size(), 4u);
+  ASSERT_EQ(resumed->v.size(), 2u);
+  EXPECT_EQ(resumed->v[0], whole.v[2]);
+  EXPECT_EQ(resumed->v[1], whole.v[3]);
+}
+
 // Sharded checkpoints of a QLoRA run (uint8 codes, int8 scales, adapters and
 // their optimizer state) resume bit-exactly.
 TEST(LoraTrainer, QuantizedRunResumesBitExactly) {
-  struct Losses : st::train::Callback {
-    std::vector<double> v;
-    void on_step_end(st::train::TrainerState& s, st::train::TrainerControl&) override { v.push_back(s.loss); }
-  };
   st::testing::TempDir tmp("lora_resume");
   auto c = lora_job(tmp / "run");
   c.lora.quantize(LoraQuantize::Nf4).double_quant(true);
@@ -662,17 +681,7 @@ TEST(LoraTrainer, QuantizedRunResumesBitExactly) {
     t.add_callback(whole);
     t.fit();
   }
-  auto r = c;
-  r.run.dir = tmp / "resumed";
-  r.checkpoint.resume = st::checkpoint::checkpoint_dir(c.run.dir, 2);
-  auto resumed = std::make_shared<Losses>();
-  st::train::Trainer t(r, st::train::make_task(r, 1), st::comm::Communicator::create(st::comm::CommOptions()));
-  t.add_callback(resumed);
-  t.fit();
-  ASSERT_EQ(whole->v.size(), 4u);
-  ASSERT_EQ(resumed->v.size(), 2u);
-  EXPECT_EQ(resumed->v[0], whole->v[2]);
-  EXPECT_EQ(resumed->v[1], whole->v[3]);
+  expect_resumed_losses(c, st::checkpoint::checkpoint_dir(c.run.dir, 2), tmp / "resumed", *whole);
 }
 
 // A base file for lora_job(): a GPT of the job's shape from its own seed.
@@ -705,10 +714,6 @@ TEST(LoraTrainer, CheckpointsReferenceTheBaseUnlessAsked) {
   c.trainer.max_steps = 4;
   c.checkpoint.every_n_steps = 2;
   c.model.init_from = write_base(c, tmp / "base.safetensors", 99);
-  struct Losses : st::train::Callback {
-    std::vector<double> v;
-    void on_step_end(st::train::TrainerState& s, st::train::TrainerControl&) override { v.push_back(s.loss); }
-  };
   auto whole = std::make_shared<Losses>();
   torch::Tensor final_logits;
   const auto idx = torch::randint(0, 256, {2, 16}, torch::kLong);
@@ -734,19 +739,10 @@ TEST(LoraTrainer, CheckpointsReferenceTheBaseUnlessAsked) {
   }
 
   // Resumed from the referenced checkpoint: the same losses, bit for bit.
+  expect_resumed_losses(c, step2, tmp / "resumed", *whole);
   auto r = c;
   r.run.dir = tmp / "resumed";
   r.checkpoint.resume = step2;
-  auto resumed = std::make_shared<Losses>();
-  {
-    st::train::Trainer t(r, st::train::make_task(r, 1), st::comm::Communicator::create(st::comm::CommOptions()));
-    t.add_callback(resumed);
-    t.fit();
-  }
-  ASSERT_EQ(whole->v.size(), 4u);
-  ASSERT_EQ(resumed->v.size(), 2u);
-  EXPECT_EQ(resumed->v[0], whole->v[2]);
-  EXPECT_EQ(resumed->v[1], whole->v[3]);
 
   // The final checkpoint as `generate` loads it gives the trained model's logits.
   {
