@@ -10,6 +10,8 @@
 #include <cstring>
 #include <memory>
 
+#include "shardtrain/core/error.h"
+
 namespace shardtrain::detail {
 
 namespace {
@@ -70,7 +72,7 @@ int open_regular_for_append(const std::string& path, std::string* why) {
   return open_checked(path, O_WRONLY | O_APPEND | O_CREAT, why);
 }
 
-bool append_whole(int fd, const std::string& data, std::string* why, bool* restored) {
+void append_whole(int fd, const std::string& data, const std::string& path, const char* unit) {
   struct stat st {};
   const off_t before = ::fstat(fd, &st) == 0 ? st.st_size : -1;
   size_t done = 0;
@@ -78,13 +80,14 @@ bool append_whole(int fd, const std::string& data, std::string* why, bool* resto
     const ssize_t w = ::write(fd, data.data() + done, data.size() - done);
     if (w < 0 && errno == EINTR) continue;
     if (w <= 0) {
-      *why = w < 0 ? std::strerror(errno) : "nothing was written";
-      *restored = before >= 0 && ::ftruncate(fd, before) == 0;
-      return false;
+      const std::string why = w < 0 ? std::strerror(errno) : "nothing was written";
+      const bool restored = before >= 0 && ::ftruncate(fd, before) == 0;
+      ST_CHECK(false, IoError, "cannot append to ", path, ": ", why,
+               restored ? str_cat("; the partial ", unit, " was removed") : std::string(),
+               ". Hint: free disk space under run.dir; checkpoints already written are intact");
     }
     done += static_cast<size_t>(w);
   }
-  return true;
 }
 
 bool read_regular_file(const std::string& path, long long max_bytes, std::string* out,

@@ -22,11 +22,11 @@ int open_regular_for_reading(const std::string& path, std::string* why);
 /// FIFO or device named as a log is refused instead of waited on.
 int open_regular_for_append(const std::string& path, std::string* why);
 
-/// Appends all of `data` to `fd` (opened O_APPEND) or nothing: should a
-/// write come short (a full disk), the file is cut back to its old size.
-/// False with `*why` set on failure, and `*restored` saying whether the
-/// cut succeeded.
-bool append_whole(int fd, const std::string& data, std::string* why, bool* restored);
+/// Appends all of `data` to `fd` (opened O_APPEND, the file at `path`) or
+/// nothing: should a write come short (a full disk), the file is cut back to
+/// its old size and an IoError names `path` and says whether the partial
+/// `unit` ("line", "record") was removed. The run logs' one way to append.
+void append_whole(int fd, const std::string& data, const std::string& path, const char* unit);
 
 /// The whole of a regular file of at most `max_bytes` bytes; false with
 /// `*why` set when it cannot be read.

@@ -210,11 +210,7 @@ void MetricsWriter::append_line(const std::string& json) {
   // One line, one write() to a file opened O_APPEND. Should it come short
   // (a full disk), the file is cut back to where it was before the error
   // is raised, so readers never see half a line.
-  std::string err;
-  bool restored = false;
-  ST_CHECK(::shardtrain::detail::append_whole(fd_, json + '\n', &err, &restored), IoError,
-           "cannot append to ", path_, ": ", err, restored ? "; the partial line was removed" : "",
-           ". Hint: free disk space under run.dir; checkpoints already written are intact");
+  ::shardtrain::detail::append_whole(fd_, json + '\n', path_, "line");
 }
 
 void MetricsWriter::on_step_end(TrainerState& state, TrainerControl&) {

@@ -5,7 +5,6 @@
 //   `length` bytes of data, uint32 masked CRC32C of the data,
 // whose data is an Event protocol buffer (proto/tensorboard_event.proto).
 // The first record carries only file_version "brain.Event:2".
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -105,11 +104,7 @@ void TensorBoardWriter::on_train_begin(TrainerState& state, TrainerControl&) {
 }
 
 void TensorBoardWriter::append(const std::string& records) {
-  std::string err;
-  bool restored = false;
-  ST_CHECK(::shardtrain::detail::append_whole(fd_, records, &err, &restored), IoError,
-           "cannot append to ", path_, ": ", err, restored ? "; the partial record was removed" : "",
-           ". Hint: free disk space under run.dir; checkpoints already written are intact");
+  ::shardtrain::detail::append_whole(fd_, records, path_, "record");
 }
 
 void TensorBoardWriter::on_log(TrainerState& state, TrainerControl&, const Metrics& logs) {
