@@ -2,18 +2,16 @@
 // charts in one HTML page (see report.h).
 #include "shardtrain/train/report.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "checkpoint/detail.h"
 #include "core/file.h"
 #include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/core/error.h"
@@ -443,25 +441,13 @@ std::string render_report(const std::vector<std::string>& run_dirs) {
 
 void write_report(const std::vector<std::string>& run_dirs, const std::string& out) {
   const std::string html = render_report(run_dirs);
-  const std::string tmp = out + ".tmp-" + std::to_string(::getpid());
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    f.write(html.data(), static_cast<std::streamsize>(html.size()));
-    f.close();
-    if (!f) {
-      std::error_code ec;
-      fs::remove(tmp, ec);
-      ST_CHECK(false, IoError, "cannot write the report to '", out,
-               "'; check that its directory exists, is writable and the disk is not full");
-    }
-  }
-  std::error_code ec;
-  fs::rename(tmp, out, ec);
-  if (ec) {
-    const std::string why = ec.message();
-    fs::remove(tmp, ec);
-    ST_CHECK(false, IoError, "cannot move the report into place at '", out, "': ", why,
-             "; check the path and its permissions");
+  // Through the checkpoints' atomic write (a temporary name, fsync, rename;
+  // nothing left behind on failure), reported as what failed here.
+  try {
+    checkpoint::detail::write_file_atomically(out, html);
+  } catch (const Error& e) {
+    ST_CHECK(false, IoError, "cannot write the report to '", out, "': ",
+             ::shardtrain::detail::one_line_message(e));
   }
 }
 
