@@ -105,12 +105,16 @@ void drop_referenced_base(checkpoint::CheckpointReader& reader, const FrozenBase
            mine["bytes"].get<int64_t>(), " bytes, SHA-256 ", mine["sha256"].get<std::string>().substr(0, 16),
            "...). Hint: point model.init_from at the base the run started from; "
            "checkpoint.save_frozen_base: true writes checkpoints that carry their base");
-  const std::set<std::string> frozen(base.names.begin(), base.names.end());
-  targets.erase(std::remove_if(targets.begin(), targets.end(),
+  drop_frozen(base.names, targets);
+}
+
+void drop_frozen(const std::vector<std::string>& frozen, std::vector<strategy::ShardedTensor>& tensors) {
+  const std::set<std::string> names(frozen.begin(), frozen.end());
+  tensors.erase(std::remove_if(tensors.begin(), tensors.end(),
                                [&](const strategy::ShardedTensor& t) {
-                                 return t.is_parameter && frozen.count(t.name) > 0;
+                                 return t.is_parameter && names.count(t.name) > 0;
                                }),
-                targets.end());
+                tensors.end());
 }
 
 std::string adapter_dir(const std::string& run_dir) {

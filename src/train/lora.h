@@ -45,6 +45,10 @@ struct FrozenBase {
 /// when it is set (every rank reads the same file, so all agree).
 FrozenBase frozen_base(const torch::nn::Module& model, const config::Config& config);
 
+/// Removes the parameters named in `frozen` from `tensors` (what a checkpoint
+/// that references its base neither writes nor reads).
+void drop_frozen(const std::vector<std::string>& frozen, std::vector<strategy::ShardedTensor>& tensors);
+
 /// The key of the base's identity in a Trainer checkpoint's training state.
 inline constexpr const char* kBaseKey = "lora_base";
 

@@ -9,13 +9,11 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
-#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <mutex>
 #include <nlohmann/json.hpp>
-#include <set>
 
 #include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/checkpoint/optimizer_state.h"
@@ -55,14 +53,7 @@ void set_rng_state(const std::string& bytes) {
 std::string Trainer::save_checkpoint() {
   const std::string dir = ck::checkpoint_dir(config_.run.dir, state_.step);
   std::vector<strategy::ShardedTensor> tensors = strategy_->sharded_state_dict();
-  if (reference_base_) {  // the frozen base stays in model.init_from
-    const std::set<std::string> frozen(frozen_names_.begin(), frozen_names_.end());
-    tensors.erase(std::remove_if(tensors.begin(), tensors.end(),
-                                 [&](const strategy::ShardedTensor& t) {
-                                   return t.is_parameter && frozen.count(t.name) > 0;
-                                 }),
-                  tensors.end());
-  }
+  if (reference_base_) detail::drop_frozen(frozen_names_, tensors);  // the base stays in model.init_from
   for (auto& e : ck::optimizer_state(*optimizer_, strategy_->optimizer_parameters())) {
     tensors.push_back(std::move(e));
   }
