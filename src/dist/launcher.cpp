@@ -385,8 +385,9 @@ class Group {
   Group(const Group&) = delete;
   Group& operator=(const Group&) = delete;
 
-  /// Runs the ranks to the end. Returns 0, the first failure's code, or
-  /// 128 + signal when the launcher was told to stop.
+  /// Runs the ranks to the end. Returns 0, the first failure's code,
+  /// 128 + signal when the launcher was told to stop, or kSkippedExitCode
+  /// when no rank failed and one skipped.
   int run();
 
   /// The rank whose failure decided run()'s result, -1 for none.
@@ -418,6 +419,7 @@ class Group {
   std::optional<Failure> remote_;
   std::string suspects_;     // ranks whose heartbeat had stopped when one failed
   int failed_ = -1;          // index into ranks_
+  bool skipped_ = false;     // a rank exited kSkippedExitCode
   int signal_ = 0;           // SIGINT / SIGTERM received by the launcher
   bool stopping_ = false;
   bool killed_ = false;
@@ -590,7 +592,11 @@ void Group::reap() {
     r.code = WIFEXITED(status) ? WEXITSTATUS(status)
                                : WIFSIGNALED(status) ? 128 + WTERMSIG(status) : 1;
     // Exits after we began stopping the group are consequences, not causes.
-    if (r.code == 0 || stopping_) continue;
+    if (stopping_) continue;
+    // A rank that skipped its work ended as cleanly as one that did it: the
+    // others go on, and the group reports the skip only if nothing failed.
+    if (r.code == kSkippedExitCode) skipped_ = true;
+    if (r.code == 0 || r.code == kSkippedExitCode) continue;
     failed_ = static_cast<int>(i);
     // Now, before the others are stopped: a hung rank's heartbeat is the
     // only stale one, and it is why a healthy rank timed out.
@@ -737,7 +743,7 @@ int Group::run() {
     return ranks_[failed_].code;
   }
   if (signal_ != 0) return 128 + signal_;
-  return 0;
+  return skipped_ ? kSkippedExitCode : 0;
 }
 
 void Group::report_failure() const {

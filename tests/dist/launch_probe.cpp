@@ -8,6 +8,8 @@
 //   wait-signal             prints "ready pid P"; on SIGINT/SIGTERM prints "rank K
 //                           got signal S" and exits 0; exits 1 after 30 s
 //   fail-until-restart K    prints the restart count; exits 3 while it is < K
+//   exit-codes C0 C1 ...    rank K waits K x 0.3 s, prints "rank K exits CK" and
+//                           exits CK (ranks past the list exit 0)
 //   kill-self SIG           raises SIG
 // No shardtrain or torch dependencies on purpose: it must start fast.
 #include <signal.h>
@@ -94,6 +96,12 @@ int main(int argc, char** argv) {
     const int count = env_int("SHARDTRAIN_RESTART_COUNT");
     std::printf("restart count %d\n", count);
     return count < std::atoi(argv[2]) ? 3 : 0;
+  }
+  if (mode == "exit-codes") {
+    usleep(static_cast<useconds_t>(rank) * 300 * 1000);
+    const int code = rank + 2 < argc ? std::atoi(argv[rank + 2]) : 0;
+    std::printf("rank %d exits %d\n", rank, code);
+    return code;
   }
   if (mode == "kill-self" && argc == 3) {
     std::fflush(stdout);

@@ -39,7 +39,9 @@ struct LaunchOptions {
 /// otherwise the code of the first rank that failed (128 + signal for a rank
 /// killed by a signal), after stopping the rest and printing that rank's
 /// last lines to stderr, with any rank whose heartbeat had stopped named as
-/// the suspect.
+/// the suspect. A rank that exits kSkippedExitCode has not failed: the
+/// others are not stopped, and the launcher exits kSkippedExitCode when no
+/// rank failed.
 ///
 /// Node 0's launcher hosts the job's rendezvous store at
 /// master_addr:master_port, bound to that address only, for the whole job
@@ -79,6 +81,12 @@ int launch(const LaunchOptions& options);
 /// bad arguments): shardtrain's tools exit with it, and launch() does not
 /// restart a group whose rank exited with it.
 constexpr int kBadInputExitCode = 2;
+
+/// The exit code of a program that skipped its work (a test whose
+/// precondition does not hold here), as Automake and ctest's
+/// SKIP_RETURN_CODE take it: launch() neither stops the other ranks nor
+/// restarts the job for it, and passes it on when no rank failed.
+constexpr int kSkippedExitCode = 77;
 
 /// A TCP port that was free on this machine a moment ago.
 int find_free_port();
