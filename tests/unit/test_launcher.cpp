@@ -322,6 +322,28 @@ TEST(Launcher, BadInputIsNotRestarted) {
   EXPECT_EQ(count_of(other.err, "restarting all 2 ranks"), 1) << other.err;
 }
 
+// Exit 77 is a skip (a test whose precondition does not hold), which ctest's
+// SKIP_RETURN_CODE maps to "skipped": not a failure that stops the others or
+// restarts the job, and the launcher's result only when nothing failed.
+TEST(Launcher, ASkippingRankIsNotAFailure) {
+  const Result r = run({"launch", "--nproc-per-node", "3", "--max-restarts", "2", "--", kProbe,
+                        "exit-codes", "77", "0", "77"});
+  EXPECT_EQ(r.code, shardtrain::dist::kSkippedExitCode) << r.err;
+  for (const char* line : {"[rank 0] rank 0 exits 77\n", "[rank 1] rank 1 exits 0\n",
+                           "[rank 2] rank 2 exits 77\n"}) {
+    EXPECT_TRUE(contains(r.out, line)) << "a rank was stopped before it finished:\n" << r.out;
+  }
+  EXPECT_FALSE(contains(r.err, "failed")) << r.err;
+  EXPECT_FALSE(contains(r.err, "restarting")) << r.err;
+
+  // A failure anywhere wins over a skip, whichever comes first.
+  const Result failed = run({"launch", "--nproc-per-node", "2", "--", kProbe, "exit-codes", "77", "1"});
+  EXPECT_EQ(failed.code, 1) << failed.err;
+  EXPECT_TRUE(contains(failed.err, "rank 1 failed with exit code 1")) << failed.err;
+  const Result first = run({"launch", "--nproc-per-node", "2", "--", kProbe, "exit-codes", "1", "77"});
+  EXPECT_EQ(first.code, 1) << first.err;
+}
+
 class LauncherSignal : public testing::TestWithParam<int> {};
 
 TEST_P(LauncherSignal, ReachesEveryRank) {
