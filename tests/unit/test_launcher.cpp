@@ -84,8 +84,10 @@ class Cli {
 
   void signal(int sig) { ::kill(pid_, sig); }
 
-  /// Reads to EOF and reaps the launcher; kills it after `timeout_s`.
-  Result finish(double timeout_s = 15) {
+  /// Reads to EOF and reaps the launcher; kills it after `timeout_s`, a
+  /// guard against a hang, not a measure of speed (a loaded 2-core machine
+  /// can take seconds to start a few processes).
+  Result finish(double timeout_s = 60) {
     const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                              std::chrono::duration<double>(timeout_s));
     while (pump(deadline)) {
@@ -358,9 +360,10 @@ TEST_P(LauncherSignal, ReachesEveryRank) {
   for (int k = 0; k < 3; ++k) {
     const std::string got = "[rank " + std::to_string(k) + "] rank " + std::to_string(k) +
                             " got signal " + std::to_string(sig) + "\n";
+    // Printed only on the signal: a rank that waited for its own 30 s
+    // timeout prints "timed out" instead, however fast or slow the machine.
     EXPECT_TRUE(contains(r.out, got)) << r.out << r.err;
   }
-  EXPECT_LT(r.seconds, 25.0) << "the ranks waited for their own 30 s timeout";
 }
 
 INSTANTIATE_TEST_SUITE_P(IntAndTerm, LauncherSignal, testing::Values(SIGINT, SIGTERM));
@@ -382,7 +385,7 @@ TEST(Launcher, RanksDieWithAKilledLauncher) {
         out = o;
         return count_of(o, "ready pid") == 2;
       },
-      8));
+      30));
   std::vector<int> pids;
   for (const auto& line : lines_of(out)) {
     const size_t at = line.find("ready pid ");
@@ -392,7 +395,7 @@ TEST(Launcher, RanksDieWithAKilledLauncher) {
   cli.signal(SIGKILL);
   cli.finish();
   for (int pid : pids) {
-    const auto deadline = Clock::now() + std::chrono::seconds(5);
+    const auto deadline = Clock::now() + std::chrono::seconds(30);
     char state = process_state(pid);
     while (state != 0 && state != 'Z' && Clock::now() < deadline) {
       ::usleep(20 * 1000);
