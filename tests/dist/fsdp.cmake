@@ -5,9 +5,15 @@ add_executable(dist_fsdp_tests ${CMAKE_CURRENT_LIST_DIR}/test_fsdp.cpp ${CMAKE_C
 target_link_libraries(dist_fsdp_tests PRIVATE shardtrain GTest::gtest)
 target_include_directories(dist_fsdp_tests PRIVATE ${PROJECT_SOURCE_DIR}/src)
 shardtrain_use_pch(dist_fsdp_tests)
+# Tests that need world size 4 (or two ranks) are left out of the other
+# registrations rather than skipped there (a skip fails CI).
+set(fsdp_filter_world1 --gtest_filter=-Sharded.HybridShardTwoNodesOfTwo:Sharded.FullShardModelStateMemoryMatchesTheFormula:Sharded.RanksUsingDifferentUnitsIsAnErrorNotSilentlyWrong)
+set(fsdp_filter_world2 --gtest_filter=-Sharded.HybridShardTwoNodesOfTwo:Sharded.FullShardModelStateMemoryMatchesTheFormula)
+set(fsdp_filter_world3 ${fsdp_filter_world2})
 foreach(n 1 2 3 4)
   add_test(NAME dist.fsdp.world${n}
-           COMMAND ${SHARDTRAIN_CLI} launch --nproc-per-node ${n} -- $<TARGET_FILE:dist_fsdp_tests>)
+           COMMAND ${SHARDTRAIN_CLI} launch --nproc-per-node ${n} -- $<TARGET_FILE:dist_fsdp_tests>
+                   ${fsdp_filter_world${n}})
   set_tests_properties(dist.fsdp.world${n} PROPERTIES TIMEOUT 600 ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=120;OMP_NUM_THREADS=1")
 endforeach()
 add_test(NAME dist.fsdp.hybrid.two-nodes

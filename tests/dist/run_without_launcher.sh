@@ -42,6 +42,11 @@ case "$mode" in
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac
 
+# A failure anywhere wins over a skip (77), as in `shardtrain launch`.
 rc=0
-for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+for p in "${pids[@]}"; do
+  code=0
+  wait "$p" || code=$?
+  if [ "$code" != 0 ] && { [ "$rc" = 0 ] || [ "$rc" = 77 ]; }; then rc=$code; fi
+done
 exit $rc

@@ -1,5 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <cstdio>
+
+#include "shardtrain/dist/launcher.h"
 #include "world.h"
 
 namespace shardtrain::testing {
@@ -11,12 +14,24 @@ std::shared_ptr<comm::Communicator>& world_ptr() {
 
 }  // namespace shardtrain::testing
 
+// The exit code of one rank: 1 when a test failed, kSkippedExitCode (77)
+// when one skipped, else 0. RUN_ALL_TESTS() returns 0 for a skip, which
+// ctest would show as Passed for a test that never ran; the launcher passes
+// 77 on (a failure on any rank wins), and the ctest registrations map it to
+// "skipped" with SKIP_RETURN_CODE.
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   auto& world = shardtrain::testing::world_ptr();
   world = shardtrain::comm::Communicator::create(shardtrain::comm::CommOptions::from_env());
-  const int rc = RUN_ALL_TESTS();
+  int rc = RUN_ALL_TESTS();
+  const auto& run = *::testing::UnitTest::GetInstance();
+  if (run.test_to_run_count() == 0) {
+    // A --gtest_filter that matches nothing (a renamed test) would pass.
+    std::fprintf(stderr, "no test matches the filter; check the test's registration\n");
+    rc = 1;
+  }
   world->barrier();  // nobody tears down connections a peer still uses
   world.reset();
+  if (rc == 0 && run.skipped_test_count() > 0) return shardtrain::dist::kSkippedExitCode;
   return rc;
 }
