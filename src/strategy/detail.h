@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <istream>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -26,6 +27,12 @@ double clip_grad_norm(const std::vector<at::Tensor>& grads, double max_norm,
 
 /// The dtype `dtype` names, or `own` for DType::Auto.
 at::ScalarType scalar_type(DType dtype, at::ScalarType own);
+
+/// default_memory_budget_bytes() from `meminfo`, text in /proc/meminfo's
+/// format: its MemAvailable divided by local_world_size, in bytes.
+/// ConfigError without a MemAvailable line; InvalidArgument for
+/// local_world_size < 1.
+double memory_budget_bytes(std::istream& meminfo, int local_world_size);
 
 /// MiB (config units) to bytes.
 int64_t mib_to_bytes(double mib);

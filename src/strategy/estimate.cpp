@@ -11,6 +11,7 @@
 
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/gpt.h"
+#include "strategy/detail.h"
 
 namespace shardtrain::strategy {
 namespace {
@@ -118,9 +119,13 @@ StrategyEstimate choose_strategy(const EstimateInput& in, double budget_bytes) {
 }
 
 double default_memory_budget_bytes(int local_world_size) {
+  std::ifstream meminfo("/proc/meminfo");
+  return detail::memory_budget_bytes(meminfo, local_world_size);
+}
+
+double detail::memory_budget_bytes(std::istream& meminfo, int local_world_size) {
   ST_CHECK(local_world_size >= 1, InvalidArgument, "local_world_size must be >= 1, got ",
            local_world_size);
-  std::ifstream meminfo("/proc/meminfo");
   std::string line;
   while (std::getline(meminfo, line)) {
     std::istringstream fields(line);

@@ -1,11 +1,13 @@
 #include <gtest/gtest.h>
 
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/gpt.h"
 #include "shardtrain/strategy/estimate.h"
+#include "strategy/detail.h"
 
 using shardtrain::ConfigError;
 using shardtrain::InvalidArgument;
@@ -14,6 +16,7 @@ using shardtrain::strategy::default_memory_budget_bytes;
 using shardtrain::strategy::estimate_all;
 using shardtrain::strategy::EstimateInput;
 using shardtrain::strategy::StrategyEstimate;
+using shardtrain::strategy::detail::memory_budget_bytes;
 
 namespace {
 
@@ -195,12 +198,30 @@ TEST_F(ChooseStrategy, TinyBudgetIsAnErrorNamingTheSmallestTotal) {
   }
 }
 
+// Checked on fixed meminfo text: this machine's MemAvailable moves between
+// two reads (other processes allocate), so two reads cannot be compared.
 TEST(Estimate, DefaultBudgetIsAvailableMemoryPerLocalRank) {
-  const double one = default_memory_budget_bytes(1);
-  const double four = default_memory_budget_bytes(4);
-  EXPECT_GT(one, 0.0);
-  // MemAvailable moves between the two reads; a tenth of it is plenty of room.
-  EXPECT_NEAR(four * 4, one, one * 0.1);
+  const std::string meminfo =
+      "MemTotal:       16000000 kB\n"
+      "MemFree:         1000000 kB\n"
+      "MemAvailable:    8000000 kB\n"
+      "Buffers:          100000 kB\n";
+  for (int ranks : {1, 3, 4}) {
+    std::istringstream in(meminfo);
+    EXPECT_DOUBLE_EQ(memory_budget_bytes(in, ranks), 8000000.0 * 1024 / ranks) << ranks;
+  }
+  std::istringstream no_line("MemTotal:       16000000 kB\nMemFree:         1000000 kB\n");
+  try {
+    memory_budget_bytes(no_line, 1);
+    ADD_FAILURE() << "no ConfigError without a MemAvailable line";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("distributed.memory_budget_mb"), std::string::npos)
+        << e.what();
+  }
+  std::istringstream in(meminfo);
+  EXPECT_THROW(memory_budget_bytes(in, 0), InvalidArgument);
+  // This machine's own.
+  EXPECT_GT(default_memory_budget_bytes(1), 0.0);
 }
 
 // B=2, T=32, C=64, a=4, V=100, 2 bytes: a layer holds 2·32·64·(34 + 5·4·32/64) = 180224
