@@ -110,7 +110,8 @@ TEST(Options, EnvironmentIsRead) {
 }
 
 // Rank 0 of two hosts the store; rank 1 never comes. Rendezvous fails with a
-// TimeoutError soon after the timeout, never a hang.
+// TimeoutError soon after the timeout, never a hang: well under a minute
+// (room for a loaded machine), where the default timeout is 10.
 TEST(Rendezvous, MissingPeerTimesOut) {
   const auto start = std::chrono::steady_clock::now();
   const int port = dist::find_free_port();
@@ -121,7 +122,7 @@ TEST(Rendezvous, MissingPeerTimesOut) {
   } catch (const TimeoutError& e) {
     EXPECT_NE(std::string(e.what()).find("Hint"), std::string::npos) << e.what();
   }
-  EXPECT_LT(seconds_since(start), 15.0);
+  EXPECT_LT(seconds_since(start), 60.0);
 }
 
 // Rank 1 of two with nobody hosting the store at the master address.
@@ -131,7 +132,7 @@ TEST(Rendezvous, MissingMasterTimesOut) {
   EXPECT_THROW(Communicator::create(CommOptions().rank(1).world_size(2).master_port(port).timeout(
                    std::chrono::milliseconds(1500))),
                CommError);
-  EXPECT_LT(seconds_since(start), 15.0);
+  EXPECT_LT(seconds_since(start), 60.0);
 }
 
 // A file store: the same rendezvous over a shared file, missing peer included.

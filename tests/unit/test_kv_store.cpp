@@ -61,8 +61,10 @@ TEST(KvStore, WaitReturnsWhenTheKeyAppearsAndTimesOutOtherwise) {
   });
   const auto start = std::chrono::steady_clock::now();
   EXPECT_TRUE(a->wait({"late", "never-mind"}, 100ms) == false);
-  EXPECT_TRUE(a->wait({"late"}, 5s));
-  EXPECT_LT(std::chrono::steady_clock::now() - start, 4s);
+  // It returns when the key appears (after 0.3 s), long before its own
+  // timeout, with room for a loaded machine.
+  EXPECT_TRUE(a->wait({"late"}, 120s));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 60s);
   setter.join();
 }
 
@@ -74,8 +76,14 @@ TEST(KvStore, AgeIsMeasuredByTheHost) {
   std::this_thread::sleep_for(300ms);
   const int64_t age = a->age_ms("hb").value();
   EXPECT_GE(age, 250);
+  // A new value restarts the age: the host's age of it is at most the time
+  // between sending it and asking (not a fixed margin a slow machine exceeds).
+  const auto before = std::chrono::steady_clock::now();
   a->set("hb", "2");
-  EXPECT_LT(a->age_ms("hb").value(), age);
+  const int64_t fresh = a->age_ms("hb").value();
+  const auto asked = std::chrono::duration_cast<std::chrono::milliseconds>(
+      std::chrono::steady_clock::now() - before);
+  EXPECT_LE(fresh, asked.count() + 1);
 }
 
 TEST(KvStore, AWrongTokenIsRefusedAndTheStoreGoesOn) {
@@ -162,7 +170,7 @@ TEST(KvStore, TheHostGoingAwayFailsPeersPromptly) {
   std::atomic<bool> done{false};
   std::thread waiter([&] {
     try {
-      a->wait({"never"}, 20s);
+      a->wait({"never"}, 120s);
     } catch (const CommError&) {
     }
     done = true;
@@ -172,7 +180,8 @@ TEST(KvStore, TheHostGoingAwayFailsPeersPromptly) {
   h.reset();
   waiter.join();
   EXPECT_TRUE(done);
-  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  // Woken by the closed store, long before the wait's own 120 s.
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 60s);
   EXPECT_THROW(a->set("x", "y"), CommError);
 }
 
