@@ -35,6 +35,11 @@ void declare_run_model_data(std::vector<Key>& keys) {
       .key(ST_FIELD(vocab_size), at_least(1), "GPT: vocabulary size (256: bytes of a text file).")
       .key(ST_FIELD(activation_checkpointing),
            "GPT: recompute block activations in backward to save memory.")
+      .key(ST_FIELD(dropout), fraction("a number in [0, 1)"),
+           "GPT: dropout probability while training, as nanoGPT applies it: on the embeddings, "
+           "the attention weights and each residual branch. Masks come from each rank's generator "
+           "(seeded by `run.seed`), whose state checkpoints save and a resume at the same world "
+           "size restores.")
       .key(ST_FIELD(mlp_sizes),
            rule([](const std::vector<int64_t>& v) {
                   return v.size() >= 2 &&

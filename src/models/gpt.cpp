@@ -25,6 +25,11 @@ torch::nn::LayerNorm make_layer_norm(int64_t n_embd) {
       torch::nn::LayerNormOptions({n_embd}).eps(kLayerNormEps).elementwise_affine(true));
 }
 
+// Dropout in training mode only: evaluation and sampling see the whole model.
+torch::Tensor maybe_dropout(const torch::Tensor& x, double p, const torch::nn::Module& m) {
+  return p > 0.0 && m.is_training() ? torch::dropout(x, p, /*train=*/true) : x;
+}
+
 // GPT-2 / nanoGPT initialisation of one Linear: N(0, std) weight, zero bias.
 void init_linear(torch::nn::Linear& linear, double std) {
   torch::nn::init::normal_(linear->weight, 0.0, std);
@@ -47,6 +52,8 @@ void GPTConfig::validate() const {
            "; hint: choose model.n_embd as a multiple of model.n_head");
   ST_CHECK(block_size > 0, ConfigError, "model.block_size=", block_size,
            " must be positive; hint: set model.block_size to the context length in tokens");
+  ST_CHECK(dropout >= 0.0 && dropout < 1.0, ConfigError, "model.dropout=", dropout,
+           " must be in [0, 1); hint: 0 turns dropout off, nanoGPT fine-tunes with 0.1");
   ST_CHECK(vocab_size > 0, ConfigError, "model.vocab_size=", vocab_size,
            " must be positive; hint: use 256 for the byte tokenizer");
 }
@@ -67,7 +74,8 @@ int64_t GPTConfig::num_parameters() const {
 
 // ---- attention -----------------------------------------------------------------------
 
-CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& config) : n_head_(config.n_head) {
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& config)
+    : n_head_(config.n_head), dropout_(config.dropout) {
   config.validate();
   const int64_t c = config.n_embd;
   c_attn = register_module("c_attn", torch::nn::Linear(torch::nn::LinearOptions(c, 3 * c)));
@@ -96,22 +104,22 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   auto att = torch::matmul(q, k.transpose(-2, -1)) * scale;
   const auto future = torch::ones({t, t}, x.options().dtype(torch::kBool)).triu(/*diagonal=*/1);
   att = att.masked_fill(future, -std::numeric_limits<double>::infinity());
-  att = torch::softmax(att, /*dim=*/-1);
+  att = maybe_dropout(torch::softmax(att, /*dim=*/-1), dropout_, *this);
   auto y = torch::matmul(att, v);  // [B, nh, T, hs]
   y = y.transpose(1, 2).contiguous().view({batch, t, c});
-  return lora_forward(*c_proj, y);
+  return maybe_dropout(lora_forward(*c_proj, y), dropout_, *this);
 }
 
 // ---- MLP and block -------------------------------------------------------------------
 
-MLPBlockImpl::MLPBlockImpl(const GPTConfig& config) {
+MLPBlockImpl::MLPBlockImpl(const GPTConfig& config) : dropout_(config.dropout) {
   const int64_t c = config.n_embd;
   c_fc = register_module("c_fc", torch::nn::Linear(torch::nn::LinearOptions(c, 4 * c)));
   c_proj = register_module("c_proj", torch::nn::Linear(torch::nn::LinearOptions(4 * c, c)));
 }
 
 torch::Tensor MLPBlockImpl::forward(const torch::Tensor& x) {
-  return lora_forward(*c_proj, torch::gelu(lora_forward(*c_fc, x), "tanh"));
+  return maybe_dropout(lora_forward(*c_proj, torch::gelu(lora_forward(*c_fc, x), "tanh")), dropout_, *this);
 }
 
 BlockImpl::BlockImpl(const GPTConfig& config) {
@@ -164,7 +172,7 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
            "; hint: crop the context to the last block_size tokens");
 
   const auto pos = torch::arange(t, idx.options().dtype(torch::kLong));
-  auto x = wte(idx) + wpe(pos);  // [B, T, C] + [T, C]
+  auto x = maybe_dropout(wte(idx) + wpe(pos), config_.dropout, *this);  // [B, T, C] + [T, C]
   // Activation checkpointing keeps only each block's input and recomputes the
   // block during backward; pointless without a backward to come.
   const bool recompute =
@@ -195,6 +203,9 @@ torch::Tensor GPTImpl::generate(torch::Tensor idx, int64_t max_new_tokens, doubl
            " must be > 0; hint: use a small value such as 1e-3 for near-greedy sampling");
 
   torch::NoGradGuard no_grad;
+  // No dropout while sampling, whatever mode the caller left the model in.
+  const bool was_training = is_training();
+  eval();
   // Sampling happens on the CPU with a generator of its own: the same seed
   // gives the same tokens whatever the model's device and whatever else has
   // drawn from the global generator.
@@ -213,6 +224,7 @@ torch::Tensor GPTImpl::generate(torch::Tensor idx, int64_t max_new_tokens, doubl
     const auto next = torch::multinomial(probs, 1, /*replacement=*/false, gen);  // [B, 1]
     idx = torch::cat({idx, next.to(idx.device())}, 1);
   }
+  train(was_training);
   return idx;
 }
 

@@ -24,6 +24,7 @@ models::GPTConfig gpt_config(const config::ModelConfig& m) {
   g.block_size = m.block_size;
   g.vocab_size = m.vocab_size;
   g.activation_checkpointing = m.activation_checkpointing;
+  g.dropout = m.dropout;
   return g;
 }
 

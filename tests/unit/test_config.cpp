@@ -40,6 +40,7 @@ void expect_same(const Config& a, const Config& b) {
   EXPECT_EQ(a.model.block_size, b.model.block_size);
   EXPECT_EQ(a.model.vocab_size, b.model.vocab_size);
   EXPECT_EQ(a.model.activation_checkpointing, b.model.activation_checkpointing);
+  EXPECT_EQ(a.model.dropout, b.model.dropout);
   EXPECT_EQ(a.model.mlp_sizes, b.model.mlp_sizes);
   EXPECT_EQ(a.data.train, b.data.train);
   EXPECT_EQ(a.data.val_fraction, b.data.val_fraction);
@@ -168,6 +169,7 @@ Config every_key_set() {
   c.model.block_size = 17;
   c.model.vocab_size = 50257;
   c.model.activation_checkpointing = true;
+  c.model.dropout = 0.25;
   c.model.mlp_sizes = {5, 1, 9, 2};
   c.data.train = "null";  // a string YAML would read as null unless quoted
   c.data.val_fraction = 0.0;

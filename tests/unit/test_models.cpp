@@ -196,6 +196,36 @@ TEST(GPT, GenerateCropsTheContextToBlockSize) {
   EXPECT_TRUE(torch::equal(out.select(1, 20), expected));
 }
 
+// Dropout acts in training mode only, with masks from the global generator;
+// evaluation and sampling see the whole model, even from training mode.
+TEST(GPT, DropoutOnlyWhileTraining) {
+  GPTConfig c = tiny_config();
+  c.dropout = 0.5;
+  torch::manual_seed(6);
+  GPT with(c);
+  c.dropout = 0.0;
+  torch::manual_seed(6);
+  GPT without(c);
+  const auto idx = torch::randint(0, 11, {2, 8}, torch::kLong);
+
+  const auto y0 = without->forward(idx);
+  torch::manual_seed(1);
+  const auto y1 = with->forward(idx);
+  const auto y2 = with->forward(idx);
+  torch::manual_seed(1);
+  const auto y1_again = with->forward(idx);
+  EXPECT_FALSE(torch::allclose(y1, y0));
+  EXPECT_FALSE(torch::equal(y1, y2));      // new masks each call
+  EXPECT_TRUE(torch::equal(y1, y1_again));  // the same generator state, the same masks
+
+  const auto prompt = torch::tensor({{1, 2, 3}}, torch::kLong);
+  EXPECT_TRUE(torch::equal(with->generate(prompt, 6, 1.0, 0, 9), without->generate(prompt, 6, 1.0, 0, 9)));
+  EXPECT_TRUE(with->is_training());  // generate leaves the mode as it found it
+  with->eval();
+  without->eval();
+  EXPECT_TRUE(torch::equal(with->forward(idx), without->forward(idx)));
+}
+
 // ---- validation -------------------------------------------------------------------------
 
 TEST(GPTConfig, ValidateNamesTheKey) {
@@ -216,6 +246,8 @@ TEST(GPTConfig, ValidateNamesTheKey) {
   c = tiny_config(); c.n_embd = 18; c.n_head = 4; expect_error(c, "model.n_head=4");
   c = tiny_config(); c.block_size = 0; expect_error(c, "model.block_size");
   c = tiny_config(); c.vocab_size = 0; expect_error(c, "model.vocab_size");
+  c = tiny_config(); c.dropout = 1.0; expect_error(c, "model.dropout");
+  c = tiny_config(); c.dropout = -0.1; expect_error(c, "model.dropout");
 }
 
 // ---- MLP ----------------------------------------------------------------------------------

@@ -45,6 +45,8 @@ struct ModelConfig {
   int64_t block_size = 64;
   int64_t vocab_size = 256;
   bool activation_checkpointing = false;
+  /// Dropout probability while training (embeddings, attention, residuals).
+  double dropout = 0.0;
   // mlp: layer widths {in, hidden..., out}
   std::vector<int64_t> mlp_sizes = {64, 128, 64};
   /// A safetensors file to initialise the weights from; "": from the seed.

@@ -29,9 +29,13 @@ struct GPTConfig {
   /// Recompute each block's forward during backward (models/checkpoint.h)
   /// instead of keeping its activations; only while training with grad on.
   bool activation_checkpointing = false;
+  /// Dropout probability in training mode: on the embeddings, the attention
+  /// weights and each residual branch's output (as nanoGPT); 0: none.
+  double dropout = 0.0;
 
   /// Throws ConfigError naming the field when a value is impossible
-  /// (non-positive sizes, n_embd not divisible by n_head).
+  /// (non-positive sizes, n_embd not divisible by n_head, dropout outside
+  /// [0, 1)).
   void validate() const;
   /// Number of parameters of the model this config builds (tied weights once).
   int64_t num_parameters() const;
@@ -50,6 +54,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
 
  private:
   int64_t n_head_;
+  double dropout_;
 };
 TORCH_MODULE(CausalSelfAttention);
 
@@ -61,6 +66,9 @@ class MLPBlockImpl : public torch::nn::Module {
 
   torch::nn::Linear c_fc{nullptr};
   torch::nn::Linear c_proj{nullptr};
+
+ private:
+  double dropout_;
 };
 TORCH_MODULE(MLPBlock);
 
