@@ -36,8 +36,10 @@ std::shared_ptr<Communicator>& g_world = ::shardtrain::testing::world_ptr();
 int rank() { return g_world->rank(); }
 int world_size() { return g_world->size(); }
 
-// 16 -> 48 -> 48 -> 5: 3413 parameters, not divisible by 2 or 3.
+// 16 -> 48 -> 48 -> 5: 3413 parameters, not divisible by 2 or 3. Every
+// step reduces all of them once, in fp32.
 constexpr int64_t kIn = 16, kHidden = 48, kOut = 5;
+constexpr int64_t kParamBytes = 3413 * 4;
 torch::nn::Sequential make_mlp() {
   torch::manual_seed(42);
   return torch::nn::Sequential(torch::nn::Linear(kIn, kHidden), torch::nn::GELU(),
@@ -154,7 +156,10 @@ void run_parity(Opt which, const StrategyOptions& options, double max_norm, size
     auto ref_loss = torch::mse_loss(ref->forward(data.x[s]), data.y[s]);
     ref_loss.backward();
     double ref_norm = 0.0;
-    if (max_norm > 0) ref_norm = torch::nn::utils::clip_grad_norm_(ref->parameters(), max_norm);
+    if (max_norm > 0) {
+      ref_norm = torch::nn::utils::clip_grad_norm_(ref->parameters(), max_norm);
+      EXPECT_GT(ref_norm, 4 * max_norm) << step << ": the clip must fire hard";
+    }
     ref_opt->step();
 
     // DDP: this rank's rows.
@@ -164,6 +169,7 @@ void run_parity(Opt which, const StrategyOptions& options, double max_norm, size
     loss.backward();
     strategy->finish_gradient_sync();
     EXPECT_EQ(strategy->gradient_collectives() - before, static_cast<int64_t>(want_buckets));
+    EXPECT_EQ(strategy->comm_stats().reduced_bytes, kParamBytes) << step;
     if (max_norm > 0) {
       const double norm = strategy->clip_grad_norm(max_norm);
       EXPECT_NEAR(norm, ref_norm, kAtol + kRtol * ref_norm) << step;
@@ -201,8 +207,14 @@ TEST(DDP, ParitySgdMomentumOneBucket) {
   run_parity(Opt::SgdMomentum, StrategyOptions{}, /*max_norm=*/0.0, 1);
 }
 
+// Gradient norms here are 0.35 or more: a limit of 0.05 scales every step's
+// gradient by a seventh or less, so a clip computed but not applied fails.
 TEST(DDP, ParitySgdMomentumSmallBucketsClipped) {
-  run_parity(Opt::SgdMomentum, small_buckets(), /*max_norm=*/0.5, 4);
+  run_parity(Opt::SgdMomentum, small_buckets(), /*max_norm=*/0.05, 4);
+}
+
+TEST(DDP, ParityAdamWClipped) {
+  run_parity(Opt::AdamW, StrategyOptions{}, /*max_norm=*/0.05, 1);
 }
 
 TEST(DDP, ParityAdamWSmallBuckets) {
@@ -246,6 +258,7 @@ TEST(DDP, AccumulationEqualsLargeBatchAndReducesOncePerStep) {
     // communicator itself counts too.
     EXPECT_EQ(strategy->gradient_collectives() - collectives, buckets) << step;
     EXPECT_EQ(static_cast<int64_t>(g_world->sequence_number() - sequence), buckets) << step;
+    EXPECT_EQ(strategy->comm_stats().reduced_bytes, kParamBytes) << step;
     strategy->optimizer_step(*opt);
     expect_params_close(*model, *ref, step);
     if (::testing::Test::HasFailure()) return;
@@ -381,6 +394,52 @@ TEST(DDP, FindUnusedParametersReducesZerosAndPartialUse) {
     if (::testing::Test::HasFailure()) return;
   }
   EXPECT_TRUE(torch::equal(model->unused.detach(), unused_before));
+}
+
+// With find_unused_parameters and accumulation, a parameter only an earlier
+// micro-step used (`extra`, in micro-step 0 of 2) already holds its gradient
+// when the last micro-step finds it unused: that gradient is reduced like
+// any other, not replaced by zeros; `unused` still gets zeros.
+TEST(DDP, FindUnusedParametersKeepsAGradientFromAnEarlierMicroStep) {
+  constexpr int64_t kSteps = 3, kMicro = 2, kMicroRows = 6;  // 6 divides by 1, 2, 3
+  auto data = make_data(kSteps, kMicro * kMicroRows);
+  TwoBranch model, ref;  // same seed: same weights
+  perturb_unless_rank0(*model);
+  auto strategy = strategy::make_strategy(tiny_buckets(true));
+  strategy->setup(*model, g_world);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
+  const int64_t per = kMicroRows / world_size();
+  for (int64_t s = 0; s < kSteps; ++s) {
+    const std::string step = "step " + std::to_string(s);
+    const auto micro_x = [&](int64_t j) { return data.x[s].narrow(0, j * kMicroRows, kMicroRows); };
+    const auto micro_y = [&](int64_t j) { return data.y[s].narrow(0, j * kMicroRows, kMicroRows); };
+    ref_opt.zero_grad();
+    torch::Tensor ref_loss = torch::zeros({});
+    for (int64_t j = 0; j < kMicro; ++j) {
+      for (int r = 0; r < world_size(); ++r) {
+        ref_loss = ref_loss + torch::mse_loss(ref->forward(micro_x(j).narrow(0, r * per, per), j == 0),
+                                              micro_y(j).narrow(0, r * per, per));
+      }
+    }
+    (ref_loss / (world_size() * kMicro)).backward();
+
+    opt.zero_grad();
+    for (int64_t j = 0; j < kMicro; ++j) {
+      strategy->set_gradient_sync(j == kMicro - 1);
+      (torch::mse_loss(model->forward(my_rows(micro_x(j)), j == 0), my_rows(micro_y(j))) / kMicro).backward();
+    }
+    strategy->finish_gradient_sync();
+    ASSERT_TRUE(model->extra->weight.grad().defined()) << step;
+    EXPECT_GT(model->extra->weight.grad().abs().max().item<double>(), 0.0) << step;
+    EXPECT_TRUE(torch::equal(model->unused.grad(), torch::zeros({7}))) << step;
+    ref->unused.mutable_grad() = torch::zeros({7});
+    expect_grads_close(*model, *ref, step);
+    strategy->optimizer_step(opt);
+    ref_opt.step();
+    expect_params_close(*model, *ref, step);
+    if (::testing::Test::HasFailure()) return;
+  }
 }
 
 namespace {
