@@ -18,6 +18,7 @@
 #include "shardtrain/train/trainer.h"
 #include "shardtrain/data/tokens.h"
 #include "shardtrain/models/gpt.h"
+#include "temp_dir.h"
 
 using namespace shardtrain;
 namespace fs = std::filesystem;
@@ -28,8 +29,11 @@ std::shared_ptr<comm::Communicator> world_of_one() {
   return comm::Communicator::create(comm::CommOptions());
 }
 
+// Every run directory and file of this process lives under one directory,
+// removed with everything in it when the process ends.
 std::string temp_dir(const std::string& name) {
-  const fs::path dir = fs::path(::testing::TempDir()) / ("shardtrain_" + name + "_" + std::to_string(getpid()));
+  static const shardtrain::testing::TempDir root("shardtrain_trainer_test");
+  const fs::path dir = fs::path(root.path()) / name;
   fs::remove_all(dir);
   return dir.string();
 }
