@@ -2,7 +2,9 @@
 // the launcher. Definitions follow nccl-tests: algbw = bytes / time; busbw
 // scales algbw by the fraction of the buffer each rank must move, so it is
 // comparable with link bandwidth: 2(n-1)/n for all_reduce, (n-1)/n for
-// reduce_scatter and all_gather, 1 for broadcast.
+// reduce_scatter and all_gather, 1 for broadcast. After timing, one more
+// call with rank-dependent values is checked, so a wrong collective fails
+// the run instead of printing fast figures.
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -122,6 +124,33 @@ int bench_comm_main(int argc, char** argv) {
     run_once();
     times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
+  // The figures only count if the collective is right: once more with
+  // rank-dependent values, checked against what it must compute.
+  const double r = comm->rank() + 1;
+  const double sum = n * (n + 1) / 2.0;
+  full.fill_(r);
+  shard.fill_(r);
+  run_once();
+  at::Tensor want;
+  at::Tensor got = full;
+  if (args.op == "all_reduce") {
+    want = at::full({numel}, sum, dtype);
+  } else if (args.op == "reduce_scatter") {
+    want = at::full({mine.count}, sum, dtype);
+    got = shard;
+  } else if (args.op == "all_gather") {
+    want = at::empty({numel}, dtype);
+    for (int k = 0; k < n; ++k) {
+      const comm::ShardRange part = comm::shard_range(numel, n, k);
+      want.narrow(0, part.offset, part.count).fill_(k + 1);
+    }
+  } else {
+    want = at::ones({numel}, dtype);  // rank 0's
+  }
+  ST_CHECK(at::equal(got, want), CommError, args.op, " of ", bytes, " bytes on ", n,
+           " ranks gave a wrong result on rank ", comm->rank(),
+           "; the figures of this run are void. Hint: run the collectives tests (ctest -R dist.collectives)");
+
   // The slowest rank defines each iteration's time.
   auto t = at::from_blob(times.data(), {static_cast<int64_t>(times.size())}, at::kDouble).clone();
   comm->all_reduce(t, comm::AllReduceOptions().op(comm::ReduceOp::Max));
