@@ -10,7 +10,7 @@
 set -euo pipefail
 cli=$(readlink -f "$1") src=$2
 cd "$src"
-[ "$(id -u)" = 0 ] && command -v ip >/dev/null || { echo "needs root and iproute2"; exit 77; }
+[ "$(id -u)" = 0 ] && command -v ip >/dev/null || { echo "SKIP: needs root and iproute2 (CI runs as root; make deps installs iproute2)"; exit 77; }
 unset SHARDTRAIN_SOCKET_IFNAME GLOO_SOCKET_IFNAME
 tag=st$$
 net=10.$((200 + $$ % 50)).$(($$ % 250)).
