@@ -2,7 +2,7 @@
 //
 // Each rank fills its buffers from (rank, index) so every rank can compute
 // the expected result locally, and checks it after the collective. Sizes 0,
-// 1, 7, one not divisible by the world size, and about 4 M elements are in
+// 1, 7, one not divisible by the world size, and about 3 M elements are in
 // every matrix.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -31,7 +31,7 @@ bool is_float(at::ScalarType t) { return at::isFloatingType(t); }
 
 std::vector<int64_t> sizes() {
   const int64_t n = world().size();
-  return {0, 1, 7, 5 * n + 1, (int64_t{4} << 20) + 3};
+  return {0, 1, 7, 5 * n + 1, (int64_t{3} << 20) + 3};  // 12-24 MB: several 1 MB segments
 }
 
 // Rank r's contribution: small integers, exact in every dtype and in sums.
