@@ -30,7 +30,8 @@ const char kUsage[] =
     "\n"
     "exit code: 0 when every rank succeeded; otherwise the failed rank's code (128+N\n"
     "if it was killed by signal N, 127 if PROGRAM was not found); 128+N when the\n"
-    "launcher itself got SIGINT/SIGTERM; 2 for bad options.\n";
+    "launcher itself got SIGINT/SIGTERM; 2 for bad options; 77 when no rank failed\n"
+    "and one exited 77 (skipped, as ctest's SKIP_RETURN_CODE takes it).\n";
 
 }  // namespace
 
