@@ -19,7 +19,7 @@ BENCH_PACKAGES := python3-torch
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all deps bench-deps configure build test train bench-comm bench-train bench-sharding bench-multinode bench-precision bench-checkpoint bench-lora install clean
+.PHONY: all deps bench-deps configure build test mutants train bench-comm bench-train bench-sharding bench-multinode bench-precision bench-checkpoint bench-lora install clean
 
 all: build
 
@@ -58,6 +58,13 @@ ifdef SHARDTRAIN_CI
 else
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)
 endif
+
+# The mutation check (docs/testing.md): each deliberate bug of tools/mutants/
+# is planted in a copy of the tree under $(BUILD_DIR)/mutants and must be
+# caught by the tests its patch names. Minutes per mutant, so not part of
+# `test`; MUTANTS=name,... runs a subset.
+mutants: build
+	BUILD_DIR=$(BUILD_DIR) JOBS=$(JOBS) bash tools/mutants/run.sh
 
 # The default job: configs/default.yaml on this machine's cores (one rank per
 # core); it prints a text sample and the run directory at the end.
