@@ -418,7 +418,12 @@ TEST(Sharded, UserWrapPredicate) {
   EXPECT_EQ(units[2].first, "l3");
 }
 
-TEST(Sharded, PrefetchVariantsUnderEveryGatherLimitMatch) {
+namespace {
+
+// Every backward prefetch mode, with and without forward prefetch, under
+// limit_all_gathers 1, 2 and 3.
+std::vector<Case> prefetch_cases() {
+  std::vector<Case> out;
   for (const int limit : {1, 2, 3}) {
     for (const char* p : {"backward_pre", "backward_post", "none"}) {
       for (bool fwd : {false, true}) {
@@ -426,10 +431,17 @@ TEST(Sharded, PrefetchVariantsUnderEveryGatherLimitMatch) {
         c.prefetch = p;
         c.forward_prefetch = fwd;
         c.limit_all_gathers = limit;
-        run_parity(c);
+        out.push_back(c);
       }
     }
   }
+  return out;
+}
+
+}  // namespace
+
+TEST(Sharded, PrefetchVariantsUnderEveryGatherLimitMatch) {
+  for (const auto& c : prefetch_cases()) run_parity(c);
 }
 
 TEST(Sharded, HybridShardTwoNodesOfTwo) {
@@ -643,27 +655,18 @@ TEST(Sharded, BadOptionsAreConfigErrors) {
 // waited for) at once, under every prefetch mode; a prefetch waits for the
 // gathers before it, so even a limit of 1 prefetches.
 TEST(Sharded, PrefetchStaysWithinTheGatherLimit) {
-  for (const int limit : {1, 2, 3}) {
-    for (const char* p : {"backward_pre", "backward_post", "none"}) {
-      for (bool fwd : {false, true}) {
-        Case c;
-        c.prefetch = p;
-        c.forward_prefetch = fwd;
-        c.limit_all_gathers = limit;
-        auto model = make_net(false);
-        auto strategy = strategy::make_strategy(options_for(c));
-        strategy->setup(*model, g_world);
-        auto& sharded = dynamic_cast<ShardedStrategy&>(*strategy);
-        for (int s = 0; s < 3; ++s) {
-          model->forward(torch::randn({4, kIn})).sum().backward();
-          strategy->finish_gradient_sync();
-        }
-        const bool expect_prefetch = std::string(p) != "none" || fwd;
-        EXPECT_EQ(sharded.prefetches() > 0, expect_prefetch) << c.label();
-        EXPECT_GE(sharded.max_gathers_in_flight(), 1) << c.label();
-        EXPECT_LE(sharded.max_gathers_in_flight(), limit) << c.label();
-      }
+  for (const auto& c : prefetch_cases()) {
+    auto model = make_net(false);
+    auto strategy = strategy::make_strategy(options_for(c));
+    strategy->setup(*model, g_world);
+    auto& sharded = dynamic_cast<ShardedStrategy&>(*strategy);
+    for (int s = 0; s < 3; ++s) {
+      model->forward(torch::randn({4, kIn})).sum().backward();
+      strategy->finish_gradient_sync();
     }
+    EXPECT_EQ(sharded.prefetches() > 0, c.prefetch != "none" || c.forward_prefetch) << c.label();
+    EXPECT_GE(sharded.max_gathers_in_flight(), 1) << c.label();
+    EXPECT_LE(sharded.max_gathers_in_flight(), c.limit_all_gathers) << c.label();
   }
 }
 
