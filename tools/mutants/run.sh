@@ -146,26 +146,25 @@ for p in "${selected[@]}"; do
     fi
   done
   current=$p
-  count=0
-  if ! patch -d "$src" -p1 --forward --no-backup-if-mismatch -r - < "$p" > "$log" 2>&1; then
+  # The test list is the unmutated build's: counted before anything is rebuilt.
+  count=$(cd "$bld" && ctest -N -R "$tests" | sed -n 's/^Total Tests: //p')
+  : > "$log"
+  if [[ ${count:-0} == 0 ]]; then
+    result="error: no test matches"
+  elif ! patch -d "$src" -p1 --forward --no-backup-if-mismatch -r - < "$p" >> "$log" 2>&1; then
     result="error: does not apply"
   elif ! ninja -C "$bld" -j "$jobs" >> "$log" 2>&1; then
     result="error: does not build"
+  elif (cd "$bld" && ctest -R "$tests" --timeout "$timeout" -j "$jobs" --output-on-failure) >> "$log" 2>&1; then
+    result="survived"
   else
-    count=$(cd "$bld" && ctest -N -R "$tests" | sed -n 's/^Total Tests: //p')
-    if [[ ${count:-0} == 0 ]]; then
-      result="error: no test matches"
-    elif (cd "$bld" && ctest -R "$tests" --timeout "$timeout" -j "$jobs" --output-on-failure) >> "$log" 2>&1; then
-      result="survived"
+    caught=$(failed_tests "$log")
+    n=$(grep -c . <<< "$caught" || true)
+    if (( n == 0 )); then
+      result="error: no test failed, but some did not run"
     else
-      caught=$(failed_tests "$log")
-      n=$(grep -c . <<< "$caught" || true)
-      if (( n == 0 )); then
-        result="error: no test failed, but some did not run"
-      else
-        result="killed: $(head -n 2 <<< "$caught" | paste -sd ' ')"
-        (( n <= 2 )) || result+=" +$((n - 2)) more"
-      fi
+      result="killed: $(head -n 2 <<< "$caught" | paste -sd ' ')"
+      (( n <= 2 )) || result+=" +$((n - 2)) more"
     fi
   fi
   restore
