@@ -25,6 +25,11 @@ updated parameters), with the same parameter groups and hyper-parameters;
 gradients are still all-reduced by DDP, as above. Without it (the default,
 what bench/train.sh runs) the optimizer is a plain AdamW on every rank.
 
+With --bf16 the forward pass and the loss run under
+torch.autocast("cpu", dtype=torch.bfloat16) (bf16 matmuls, fp32 weights,
+gradients and optimizer: PyTorch's counterpart of shardtrain's
+precision=bf16-mixed); backward runs outside autocast, as PyTorch recommends.
+
 Data: data/corpus.txt read as bytes (vocab 256); micro-batches are random
 windows of block_size + 1 bytes from the first (1 - val_fraction) of the file,
 a different stream per rank.
@@ -37,6 +42,24 @@ not measured; step_time_s is the median over the rest and tokens_per_s =
 global_batch * block_size / step_time_s. peak_rss_mb is ru_maxrss of each rank
 at the end, max over ranks. Rank 0 prints one JSON line and appends it to
 --json when given.
+
+--profile-step N (1-based, as shardtrain's step numbers) profiles optimizer
+step N with torch.autograd.profiler.profile() (record_shapes off) and writes,
+on every rank, --profile-out with "rank<R>" put in place of "{rank}" (or
+-rank<R> appended before .json when there is no "{rank}"):
+
+    {"impl":"pytorch","step":N,"rank":R,"step_us":..,
+     "scopes":[{"name":"forward"|"backward"|"clip"|"optimizer","total_us":..}],
+     "ops":[{"name":"aten::addmm","scope":"forward"|..|"other","self_us":..,"calls":..}]}
+
+the format shardtrain's trainer.profile_step writes. The step is wrapped in
+record_function("forward") (model and loss, per micro-batch), "backward",
+"clip" and "optimizer" (step and zero_grad); an op's scope is the nearest of
+these on its cpu_parent chain ("other": none, e.g. the data fetch), self_us
+its exclusive CPU time (FunctionEvent.self_cpu_time_total) summed over its
+calls in that scope. DDP waits for its gradient all-reduce inside backward, so
+there is no "sync" scope. step_us is the step's wall time under the profiler
+(which slows it): profile a separate run, not a timed one.
 
 Teardown (barrier, destroy_process_group, interpreter exit) runs after the
 result is written and is given --teardown-timeout seconds: Gloo's teardown
@@ -170,7 +193,15 @@ def main():
                    help="seconds teardown may take after the result is written (world size > 1)")
     p.add_argument("--zero1", action="store_true",
                    help="wrap AdamW in ZeroRedundancyOptimizer (needs world size > 1)")
+    p.add_argument("--bf16", action="store_true",
+                   help="forward and loss under torch.autocast('cpu', dtype=torch.bfloat16)")
+    p.add_argument("--profile-step", type=int, default=0,
+                   help="profile this optimizer step (1-based; 0: off) into --profile-out")
+    p.add_argument("--profile-out", default="",
+                   help="profile JSON path; '{rank}' is replaced by the rank")
     a = p.parse_args()
+    if a.profile_step and not (1 <= a.profile_step <= a.steps and a.profile_out):
+        sys.exit("torch_gpt_ddp.py: --profile-step needs 1 <= N <= --steps and --profile-out")
     if a.steps <= a.warmup or a.warmup < 0:
         sys.exit("torch_gpt_ddp.py: need 0 <= --warmup < --steps")
 
@@ -225,27 +256,40 @@ def main():
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
     net = ddp if ddp is not None else model
 
+    def autocast():
+        return torch.autocast("cpu", dtype=torch.bfloat16) if a.bf16 else _null()
+
     times, losses = [], []
     for step in range(a.steps):
-        t0 = time.perf_counter()
-        loss_sum = 0.0
-        for j in range(accumulate):
-            x, y = batch()
-            sync = j == accumulate - 1
-            ctx = net.no_sync() if (ddp is not None and not sync) else _null()
-            with ctx:
-                logits = net(x)
-                loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
-                (loss / accumulate).backward()
-            loss_sum += loss.item()
-        if a.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm)
-        lr = lr_at(step, a)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        dt = time.perf_counter() - t0
+        profiling = step + 1 == a.profile_step
+        prof = torch.autograd.profiler.profile(record_shapes=False) if profiling else _null()
+        scope = torch.autograd.profiler.record_function if profiling else _null_scope
+        with prof:
+            t0 = time.perf_counter()
+            loss_sum = 0.0
+            for j in range(accumulate):
+                x, y = batch()
+                sync = j == accumulate - 1
+                ctx = net.no_sync() if (ddp is not None and not sync) else _null()
+                with ctx:
+                    with scope("forward"), autocast():
+                        logits = net(x)
+                        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
+                    with scope("backward"):
+                        (loss / accumulate).backward()
+                loss_sum += loss.item()
+            if a.max_grad_norm > 0:
+                with scope("clip"):
+                    torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm)
+            lr = lr_at(step, a)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            with scope("optimizer"):
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+            dt = time.perf_counter() - t0
+        if profiling:
+            write_profile(prof, a, rank, step + 1, dt)
         stat = torch.tensor([dt, loss_sum / accumulate], dtype=torch.float64)
         if world > 1:
             slow = stat[:1].clone()
@@ -272,6 +316,10 @@ def main():
         "step_time_s": step_time, "step_time_mean_s": statistics.mean(measured),
         "tokens_per_s": tokens_per_step / step_time,
         "peak_rss_mb": rss.item(), "first_loss": losses[0], "last_loss": losses[-1],
+        "precision": "bf16-autocast" if a.bf16 else "fp32",
+        "blas_core": blas_core(), "blas_threads": blas_threads(),
+        "env": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS",
+                                           "OMP_NUM_THREADS", "OMP_WAIT_POLICY") if k in os.environ},
     }
     if rank == 0:
         line = json.dumps(result)
@@ -283,6 +331,67 @@ def main():
         faulthandler.dump_traceback_later(a.teardown_timeout, exit=True)  # see the docstring
         dist.barrier()
         dist.destroy_process_group()
+
+
+SCOPES = ("forward", "backward", "clip", "optimizer")
+
+
+def write_profile(prof, a, rank, step, step_s):
+    """Writes the profiled step in shardtrain's profile-rank<R>.json format
+    (see the docstring)."""
+    scopes, ops = {}, {}
+    for ev in prof.function_events:
+        if ev.name in SCOPES:
+            scopes[ev.name] = scopes.get(ev.name, 0.0) + ev.cpu_time_total
+            continue
+        parent, where = ev.cpu_parent, "other"
+        while parent is not None:
+            if parent.name in SCOPES:
+                where = parent.name
+                break
+            parent = parent.cpu_parent
+        o = ops.setdefault((ev.name, where), {"name": ev.name, "scope": where, "self_us": 0.0, "calls": 0})
+        o["self_us"] += ev.self_cpu_time_total
+        o["calls"] += 1
+    out = {"impl": "pytorch", "step": step, "rank": rank, "step_us": step_s * 1e6,
+           "scopes": [{"name": n, "total_us": scopes[n]} for n in SCOPES if n in scopes],
+           "ops": sorted(ops.values(), key=lambda o: -o["self_us"])}
+    path = a.profile_out
+    if "{rank}" in path:
+        path = path.replace("{rank}", f"rank{rank}")
+    else:
+        path = (path[:-5] if path.endswith(".json") else path) + f"-rank{rank}.json"
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"torch_gpt_ddp.py: rank {rank}: profile of step {step} in {path}", flush=True)
+
+
+def _openblas():
+    """The process's OpenBLAS (LibTorch's BLAS), or None when it is another BLAS."""
+    import ctypes
+    for name in ("libblas.so.3", "libopenblas.so.0"):
+        try:
+            lib = ctypes.CDLL(name)
+            lib.openblas_get_corename.restype = ctypes.c_char_p
+            return lib
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def blas_core():
+    """The OpenBLAS kernel set in use ("SkylakeX", "Haswell", ...); "" when not OpenBLAS."""
+    lib = _openblas()
+    return lib.openblas_get_corename().decode() if lib else ""
+
+
+def blas_threads():
+    lib = _openblas()
+    return lib.openblas_get_num_threads() if lib else None
+
+
+def _null_scope(name):
+    return _null()
 
 
 class _null:
