@@ -20,21 +20,25 @@ Categories (CATEGORIES below, in this order), which add up to step_us:
                      included; the sum of its ops' self time when the scope is
                      missing)
   comm wait          the "sync" scope's total minus the self time of the ops
-                     inside it (those count by name, below); PyTorch DDP waits
-                     inside backward, so it has none separately: its wait is
-                     in "not in any op"
+                     inside it (those count by name, below), plus the self
+                     time of collective calls (c10d::*, gloo:*) anywhere
+                     outside optimizer and clip; PyTorch DDP waits for its
+                     all-reduce inside backward, in no op, so its wait is in
+                     "not in any op" and only its calls are here
   GEMM, attention softmax+mask, LayerNorm, GELU, copies/casts/alloc, other ops
                      the exclusive (self) time of the ops outside optimizer and
                      clip, by name (OP_CATEGORIES)
   not in any op      step_us minus all of the above: the framework's own time
                      (Python, the autograd engine, DDP's reducer, the
                      profiler's wrappers such as "autograd::engine::
-                     evaluate_function: ..." whose self time is dispatch, not
-                     work) and, for PyTorch DDP, the all-reduce wait
+                     evaluate_function: ...", "AddmmBackward0" or
+                     "DistributedDataParallel.forward", whose self time is
+                     dispatch, not work) and, for PyTorch DDP, the all-reduce wait
 Missing scopes and unknown op names are tolerated (unknown ops: other ops).
 """
 import argparse
 import json
+import re
 import sys
 
 CATEGORIES = ("GEMM", "attention softmax+mask", "LayerNorm", "GELU", "copies/casts/alloc",
@@ -58,9 +62,13 @@ OP_CATEGORIES = {
 
 # Profiler events that wrap other ops rather than being ops: their self time
 # is dispatch and bookkeeping, counted in "not in any op".
-WRAPPER_PREFIXES = ("autograd::engine::", "Optimizer.", "DistributedDataParallel.", "## ",
-                    "ProfilerStep", "forward", "backward", "sync", "clip", "optimizer",
-                    "record_param_comms")
+WRAPPER_PREFIXES = ("autograd::engine::", "torch::autograd::", "Optimizer.", "DistributedDataParallel.",
+                    "torch.distributed.ddp.", "## ", "ProfilerStep", "forward", "backward", "sync",
+                    "clip", "optimizer", "record_param_comms")
+WRAPPER_RE = re.compile(r"Backward\d*$")  # autograd nodes: AddmmBackward0, ...
+# Collective calls (enqueueing the work; Gloo runs it on its own threads):
+# counted with the communication wait.
+COMM_PREFIXES = ("c10d::", "gloo:", "nccl:")
 
 
 def op_category(name):
@@ -74,7 +82,7 @@ def op_category(name):
 
 
 def is_wrapper(name):
-    return name.startswith(WRAPPER_PREFIXES)
+    return name.startswith(WRAPPER_PREFIXES) or bool(WRAPPER_RE.search(name))
 
 
 def breakdown(prof):
@@ -93,11 +101,14 @@ def breakdown(prof):
             continue
         if scope == "sync":
             in_scope["sync"] += self_us
-        us[op_category(op["name"])] += self_us
+        if op["name"].startswith(COMM_PREFIXES):
+            us["comm wait"] += self_us
+        else:
+            us[op_category(op["name"])] += self_us
     for s in ("optimizer", "clip"):
         us[s] = scopes.get(s, in_scope[s])
     if "sync" in scopes:
-        us["comm wait"] = max(0.0, scopes["sync"] - in_scope["sync"])
+        us["comm wait"] += max(0.0, scopes["sync"] - in_scope["sync"])
     step_us = float(prof["step_us"])
     us["not in any op"] = step_us - sum(v for k, v in us.items() if k != "not in any op")
     return {k: v / 1000.0 for k, v in us.items()}

@@ -188,6 +188,7 @@ def main():
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--label", default="", help="copied into the JSON line")
+    p.add_argument("--mode", default="", help="copied into the JSON line (bench/train.sh's mode name)")
     p.add_argument("--json", default="", help="append the result line to this file (rank 0)")
     p.add_argument("--teardown-timeout", type=float, default=60.0,
                    help="seconds teardown may take after the result is written (world size > 1)")
@@ -307,10 +308,10 @@ def main():
     step_time = statistics.median(measured)
     tokens_per_step = a.global_batch * a.block_size
     result = {
-        "impl": "pytorch", "label": a.label, "torch": torch.__version__,
+        "impl": "pytorch", "label": a.label, "mode": a.mode, "torch": torch.__version__,
         "strategy": ("zero1" if a.zero1 else "ddp") if world > 1 else "single", "world_size": world,
         "threads_per_rank": threads, "n_layer": a.n_layer, "n_head": a.n_head, "n_embd": a.n_embd,
-        "block_size": a.block_size, "num_parameters": n_params,
+        "block_size": a.block_size, "vocab_size": a.vocab_size, "num_parameters": n_params,
         "global_batch": a.global_batch, "micro": a.micro, "accumulate": accumulate,
         "steps": a.steps, "measured_steps": len(measured),
         "step_time_s": step_time, "step_time_mean_s": statistics.mean(measured),

@@ -1,31 +1,49 @@
 #!/usr/bin/env bash
 # Training throughput benchmark: `shardtrain train` against the same GPT in
-# PyTorch (bench/torch_gpt_ddp.py), side by side on this machine, for two model
-# sizes and two modes each (one process with 2 threads; DDP with 2 ranks of 1
-# thread). Writes the table into BENCHMARKS.md between <!-- train:begin --> and
-# <!-- train:end -->.
+# PyTorch (bench/torch_gpt_ddp.py), side by side on this machine, in every
+# mode issue 14 asks about, plus each run's fraction of the machine's one-core
+# GEMM peak (bench/gemm_peak.cpp) and a per-category profile of one step of
+# each gpt-25m mode. Writes the tables into BENCHMARKS.md between
+# <!-- train:begin --> and <!-- train:end -->.
 #
 #   make bench-train       (builds, installs python3-torch, then runs this)
 #   bash bench/train.sh    (when the build and python3-torch are already there)
 #
+# Modes (ranks x threads per rank is 2x1, or 1x1 for single):
+#   gpt-25m  single fp32, DDP fp32, ZeRO-1 fp32, FULL_SHARD fp32, DDP bf16-mixed
+#   default  single fp32, DDP fp32
+# PyTorch peers: DDP, DDP + ZeroRedundancyOptimizer, DDP under bf16 autocast;
+# FULL_SHARD is compared with shardtrain's own DDP row (PyTorch DDP shown).
+# bf16 rows run only when the CPU has native bf16 (avx512_bf16 or amx_bf16).
+#
 # Environment: BUILD_DIR (default build), OUT_DIR (default $BUILD_DIR/bench-train),
-# MODELS (space-separated subset of "default gpt-25m") to narrow a run by hand;
-# the defaults are what BENCHMARKS.md reports. About 4 minutes on 2 cores.
+# MODELS (subset of "default gpt-25m"), PROFILE (1: profile runs, the default;
+# 0: none), QUICK=1 (a few steps per run: a smoke test of the script, figures
+# not fit for BENCHMARKS.md; the section then says QUICK). About 9 minutes on
+# 2 idle cores; run it when nothing else runs (check `cat /proc/loadavg`).
+#
+# Peers run at their best known settings: OPENBLAS_NUM_THREADS=1 per rank and
+# OPENBLAS_CORETYPE set to the OpenBLAS kernel set shardtrain's run of the
+# same mode reports ("blas_core" in its metrics.jsonl; when absent, SKYLAKEX
+# where the CPU has AVX-512 F/CD/BW/DQ/VL, else OpenBLAS's own choice).
+# shardtrain runs with the environment as given: it picks its kernels itself.
 #
 # OMP_WAIT_POLICY defaults to PASSIVE here, for both programs (they share
 # LibTorch's libgomp). With libgomp's default (spin, then sleep) a 2-thread
 # process on a 2-core machine that others also load spends most of its time in
-# OpenMP barriers waiting for a descheduled thread: on the shared build machine
-# a default-model step took ~8 s instead of ~0.3 s, in shardtrain and PyTorch
-# alike. Set OMP_WAIT_POLICY=ACTIVE (or to an empty value: libgomp's default)
-# to measure that behaviour instead; the table records the setting.
+# OpenMP barriers waiting for a descheduled thread. Set OMP_WAIT_POLICY=ACTIVE
+# (or to an empty value: libgomp's default) to measure that behaviour instead;
+# the table records the setting.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 BUILD_DIR=${BUILD_DIR:-build}
 OUT_DIR=${OUT_DIR:-$BUILD_DIR/bench-train}
 MODELS=${MODELS:-"default gpt-25m"}
+PROFILE=${PROFILE:-1}
+QUICK=${QUICK:-0}
 TORCH_PY=/usr/bin/python3          # Debian's python3-torch; the python3 on PATH may lack torch
+RENDER=(python3 bench/render_train.py)
 RUN_TIMEOUT=600                    # seconds per run; a hung rank fails the run instead of stalling it
 
 if [ -z "${OMP_WAIT_POLICY+set}" ]; then export OMP_WAIT_POLICY=PASSIVE; fi
@@ -42,81 +60,199 @@ TORCH_VERSION=$("$TORCH_PY" -c 'import torch, torch.distributed as d; assert d.i
 [ -f data/corpus.txt ] || die "data/corpus.txt is missing"
 
 # Per model: n_layer n_head n_embd block_size global micro steps warmup.
-# Batches and step counts are sized for a 2-core machine: a step takes a few
-# seconds, each run well under a minute. The first `warmup` steps are not
-# measured; the figure is the median step time of the rest.
+# Sized for a 2-core machine: a gpt-25m step takes about 2 s at 2 ranks, a
+# run well under a minute. The first `warmup` steps are not measured (the
+# first few run slow while the heap and OpenBLAS's buffers grow); the figure
+# is the median step time of the rest. bench/checkpoint.sh reads the gpt-25m
+# line: keep its shape.
 model_spec() {
   case $1 in
     default) echo "4 4 128 128 32 8 30 10" ;;
-    gpt-25m) echo "8 8 512 256 8 2 8 3" ;;
+    gpt-25m) echo "8 8 512 256 8 2 10 3" ;;
     *) die "unknown model '$1' (known: default gpt-25m)" ;;
   esac
 }
+# Modes per model: name ranks strategy precision peer-flags ("-": plain DDP;
+# "=ddp": no peer run, compare with PyTorch's ddp row of the model).
+model_modes() {
+  case $1 in
+    default) printf '%s\n' "single 1 single fp32 -" "ddp 2 ddp fp32 -" ;;
+    gpt-25m) printf '%s\n' "single 1 single fp32 -" "ddp 2 ddp fp32 -" "zero1 2 zero1 fp32 --zero1" \
+                           "fsdp 2 fsdp fp32 =ddp" "bf16-ddp 2 ddp bf16-mixed --bf16" ;;
+  esac
+}
+PROFILE_STEPS=4 PROFILE_STEP=3   # profile runs: step 3 of 4 (the last one may save a checkpoint)
+if [ "$QUICK" = 1 ]; then
+  PROFILE_STEPS=3 PROFILE_STEP=2
+  model_spec() {
+    case $1 in
+      default) echo "4 4 128 128 32 8 5 2" ;;
+      gpt-25m) echo "8 8 512 256 8 2 3 1" ;;
+      *) die "unknown model '$1' (known: default gpt-25m)" ;;
+    esac
+  }
+fi
 
 mkdir -p "$OUT_DIR"
 RESULTS=$OUT_DIR/results.jsonl
 : > "$RESULTS"
 
+# ---- the machine ---------------------------------------------------------------
 COMMAND="make bench-train   # runs: bash bench/train.sh"
+[ "$QUICK" = 1 ] && COMMAND="QUICK=1 bash bench/train.sh"
 DATE=$(date -u '+%Y-%m-%d %H:%M UTC')
-NPROC=$(nproc)
-CPU=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n1)
-CPU=${CPU:-unknown}
-echo "date:    $DATE"
-echo "nproc:   $NPROC  ($CPU)"
-echo "command: $COMMAND"
-echo "torch:   $TORCH_VERSION ($TORCH_PY)"
-echo "results: $RESULTS"
-echo "omp:     OMP_WAIT_POLICY=$OMP_POLICY_TEXT"
-LOAD_START=$(cut -d' ' -f1 /proc/loadavg)
-echo "load:    $LOAD_START (1-min load average before the run; others share this machine)"
+LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
+"${RENDER[@]}" machine --json "$RESULTS" --date "$DATE" --command "$COMMAND" --torch "$TORCH_VERSION" \
+  --omp-wait-policy "$OMP_POLICY_TEXT" --load "$LOAD_START" --quick "$QUICK" \
+  --env-coretype "${OPENBLAS_CORETYPE-(unset)}"
+has_flag() { grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -qx "$1"; }
+NATIVE_BF16=0
+if has_flag avx512_bf16 || has_flag amx_bf16; then NATIVE_BF16=1; fi
+# OpenBLAS kernels for the peers (and gemm_peak) when shardtrain's metrics do
+# not say: SKYLAKEX on an AVX-512 CPU, else OpenBLAS's own choice. An
+# OPENBLAS_CORETYPE in the environment is not used for them (the build
+# machines' environment sets Haswell); shardtrain gets the environment as is.
+DEFAULT_CORETYPE=
+if has_flag avx512f && has_flag avx512cd && has_flag avx512bw && has_flag avx512dq && has_flag avx512vl; then
+  DEFAULT_CORETYPE=SKYLAKEX
+fi
+echo "results: $RESULTS; peers' default OPENBLAS_CORETYPE: ${DEFAULT_CORETYPE:-(OpenBLAS picks)}"
 START=$SECONDS
 
 run() {  # echo the command, then run it with a time limit; any failure stops the script
-  printf '+'; printf ' %q' "$@"; echo
-  timeout "$RUN_TIMEOUT" "$@"
+  { printf '+'; printf ' %q' "$@"; echo; } >&2
+  timeout "$RUN_TIMEOUT" "$@" < /dev/null
+}
+# The environment a peer (or gemm_peak) runs with: one BLAS thread, the given kernels.
+peer_env() {  # peer_env CORETYPE -> env arguments, one a line
+  if [ -n "$1" ]; then printf '%s\n' env OPENBLAS_NUM_THREADS=1 OPENBLAS_CORETYPE="$1"
+  else printf '%s\n' env -u OPENBLAS_CORETYPE OPENBLAS_NUM_THREADS=1; fi
 }
 
-n_runs=0
+# ---- GEMM peak: one copy alone, then two at once (as two ranks run) ------------
+# Run after the first training run, with the OpenBLAS kernels that run used.
+# Built here, not by CMake, as bench/checkpoint_bench.cpp is: against Debian's
+# LibTorch with the flags CMake gives the examples.
+GEMM=$BUILD_DIR/bench_gemm_peak
+if [ ! -x "$GEMM" ] || [ bench/gemm_peak.cpp -nt "$GEMM" ]; then
+  build_cmd=(g++ -O2 -std=gnu++17 -D_GLIBCXX_USE_CXX11_ABI=1 -isystem /usr/include/torch/csrc/api/include
+             bench/gemm_peak.cpp -o "$GEMM" -Wl,--no-as-needed -ltorch -ltorch_cpu -Wl,--as-needed -lc10 -pthread)
+  echo "+ ${build_cmd[*]}"
+  "${build_cmd[@]}"
+fi
+GEMM_ARGS=(--reps 5 --seconds 0.3)
+[ "$QUICK" = 1 ] && GEMM_ARGS=(--reps 2 --seconds 0.1)
+GEMM_DONE=0
+gemm_peak() {  # gemm_peak CORETYPE: once per benchmark, with the kernels the training runs use
+  [ "$GEMM_DONE" = 0 ] || return 0
+  GEMM_DONE=1
+  local e
+  mapfile -t e < <(peer_env "$1")
+  run "${e[@]}" "$GEMM" "${GEMM_ARGS[@]}" > "$OUT_DIR/gemm-1.json"
+  "${e[@]}" "$GEMM" "${GEMM_ARGS[@]}" > "$OUT_DIR/gemm-2a.json" &
+  local pid_a=$!
+  "${e[@]}" "$GEMM" "${GEMM_ARGS[@]}" > "$OUT_DIR/gemm-2b.json" &
+  local pid_b=$!
+  wait "$pid_a" && wait "$pid_b" || die "a concurrent gemm_peak copy failed"
+  "${RENDER[@]}" peak --json "$RESULTS" --env "${e[*]:1}" "$OUT_DIR/gemm-1.json"
+  "${RENDER[@]}" peak --json "$RESULTS" --env "${e[*]:1}" "$OUT_DIR/gemm-2a.json" "$OUT_DIR/gemm-2b.json"
+}
+
+# ---- training runs --------------------------------------------------------------
+CAN_PROFILE=0
+if [ "$PROFILE" = 1 ]; then
+  if "$SHARDTRAIN" config --set trainer.profile_step=1 > /dev/null 2>&1; then
+    CAN_PROFILE=1
+  else
+    echo "bench/train.sh: this shardtrain has no trainer.profile_step; profiling PyTorch only" >&2
+  fi
+fi
+
+shardtrain_run() {  # shardtrain_run DIR RANKS STRATEGY PRECISION STEPS [--set ...]
+  local dir=$1 np=$2 strat=$3 prec=$4 steps=$5
+  shift 5
+  rm -rf "$dir"
+  run "$SHARDTRAIN" train configs/default.yaml \
+    --set run.dir="$dir" \
+    --set model.n_layer="$L" --set model.n_head="$H" --set model.n_embd="$E" --set model.block_size="$T" \
+    --set batch.global="$G" --set batch.micro="$M" --set batch.accumulate=null \
+    --set trainer.max_steps="$steps" --set trainer.eval_every=0 --set trainer.sample_tokens=0 \
+    --set trainer.progress=plain --set precision="$prec" \
+    --set distributed.strategy="$strat" --set distributed.threads_per_rank=1 \
+    --nproc-per-node "$np" "$@"
+  rm -rf "$dir/model.safetensors" "$dir/checkpoints"   # up to a few hundred MB each for gpt-25m
+}
+peer_run() {  # peer_run CORETYPE RANKS ARGS...
+  local core=$1 np=$2
+  shift 2
+  local e
+  mapfile -t e < <(peer_env "$core")
+  local py=("$TORCH_PY" bench/torch_gpt_ddp.py --n-layer "$L" --n-head "$H" --n-embd "$E"
+            --block-size "$T" --global-batch "$G" --micro "$M" --threads 1 "$@")
+  if [ "$np" -eq 1 ]; then
+    run "${e[@]}" "${py[@]}"
+  else
+    run "${e[@]}" "$SHARDTRAIN" launch --nproc-per-node "$np" -- "${py[@]}"
+  fi
+}
+
+n_rows=0
 for model in $MODELS; do
   read -r L H E T G M S W <<< "$(model_spec "$model")"
-  # mode: ranks threads-per-rank strategy
-  for mode in "1 2 single" "2 1 ddp"; do
-    read -r NP TH STRAT <<< "$mode"
-    dir=$OUT_DIR/$model-$STRAT
-    rm -rf "$dir"
-    run "$SHARDTRAIN" train configs/default.yaml \
-      --set run.dir="$dir" \
-      --set model.n_layer="$L" --set model.n_head="$H" --set model.n_embd="$E" --set model.block_size="$T" \
-      --set batch.global="$G" --set batch.micro="$M" --set batch.accumulate=null \
-      --set trainer.max_steps="$S" --set trainer.eval_every=0 --set trainer.sample_tokens=0 \
-      --set trainer.progress=plain \
-      --set distributed.strategy="$STRAT" --set distributed.threads_per_rank="$TH" \
-      --nproc-per-node "$NP"
-    run "$TORCH_PY" bench/render_train.py summarize --metrics "$dir/metrics.jsonl" \
-      --label "$model" --warmup "$W" --threads "$TH" --global-batch "$G" --micro "$M" \
-      --block-size "$T" --json "$RESULTS"
-    rm -rf "$dir/model.safetensors" "$dir/checkpoints"   # up to a few hundred MB each for gpt-25m; only metrics.jsonl is needed
-
-    py=("$TORCH_PY" bench/torch_gpt_ddp.py --label "$model"
-        --n-layer "$L" --n-head "$H" --n-embd "$E" --block-size "$T"
-        --global-batch "$G" --micro "$M" --steps "$S" --warmup "$W" --threads "$TH" --json "$RESULTS")
-    if [ "$NP" -eq 1 ]; then
-      run "${py[@]}"
-    else
-      run "$SHARDTRAIN" launch --nproc-per-node "$NP" -- "${py[@]}"
+  mapfile -t modes < <(model_modes "$model")
+  for mode in "${modes[@]}"; do
+    read -r MODE NP STRAT PREC PEER <<< "$mode"
+    if [ "$PREC" != fp32 ] && [ "$NATIVE_BF16" = 0 ]; then
+      "${RENDER[@]}" skipped --json "$RESULTS" --label "$model" --mode "$MODE" \
+        --reason "skipped: no native bf16 (no avx512_bf16 or amx_bf16; bf16 GEMM runs at a few GFLOP/s)"
+      continue
     fi
-    n_runs=$((n_runs + 2))
+    dir=$OUT_DIR/$model-$MODE
+    shardtrain_run "$dir" "$NP" "$STRAT" "$PREC" "$S"
+    run "${RENDER[@]}" summarize --metrics "$dir/metrics.jsonl" --label "$model" --mode "$MODE" \
+      --warmup "$W" --threads 1 --global-batch "$G" --micro "$M" --block-size "$T" \
+      --n-layer "$L" --n-embd "$E" --json "$RESULTS"
+    CORE=$("${RENDER[@]}" coretype --metrics "$dir/metrics.jsonl" --default "$DEFAULT_CORETYPE")
+    echo "peer OPENBLAS_CORETYPE for $model $MODE: ${CORE:-(OpenBLAS picks)}"
+    gemm_peak "$CORE"
+    peer_flags=()
+    [ "$PEER" != - ] && [ "${PEER:0:1}" != = ] && peer_flags=("$PEER")
+    if [ "${PEER:0:1}" != = ]; then
+      peer_run "$CORE" "$NP" --label "$model" --mode "$MODE" --steps "$S" --warmup "$W" --json "$RESULTS" \
+        ${peer_flags[@]+"${peer_flags[@]}"}
+      n_rows=$((n_rows + 1))
+    fi
+    n_rows=$((n_rows + 1))
+
+    # One step of each gpt-25m mode under the profiler, in separate short
+    # runs: the profiler slows a step, so a timed run is never profiled.
+    if [ "$PROFILE" = 1 ] && [ "$model" = gpt-25m ]; then
+      pdir=$OUT_DIR/$model-$MODE-profile
+      files=()
+      if [ "$CAN_PROFILE" = 1 ]; then
+        shardtrain_run "$pdir" "$NP" "$STRAT" "$PREC" "$PROFILE_STEPS" --set trainer.profile_step="$PROFILE_STEP"
+        if [ -f "$pdir/profile-rank0.json" ]; then files+=("$pdir/profile-rank0.json");
+        else echo "bench/train.sh: $pdir/profile-rank0.json is missing" >&2; fi
+      fi
+      if [ "${PEER:0:1}" != = ]; then
+        mkdir -p "$pdir"
+        peer_run "$CORE" "$NP" --label "$model" --steps "$PROFILE_STEPS" --warmup $((PROFILE_STEPS - 1)) \
+          --profile-step "$PROFILE_STEP" --profile-out "$pdir/torch-profile-{rank}.json" \
+          ${peer_flags[@]+"${peer_flags[@]}"}
+        files+=("$pdir/torch-profile-rank0.json")
+      fi
+      [ ${#files[@]} -eq 0 ] || run python3 bench/profile_breakdown.py "${files[@]}" \
+        --json "$RESULTS" --label "$model" --mode "$MODE"
+    fi
   done
 done
 
-# Every run above appends exactly one line; fewer means a rank failed quietly.
-got=$(wc -l < "$RESULTS")
-[ "$got" -eq "$n_runs" ] || die "$RESULTS has $got lines, expected $n_runs"
+# Every timed run above appends exactly one line; fewer means a rank failed quietly.
+got=$(grep -c '"step_time_s"' "$RESULTS" || true)
+[ "$got" -eq "$n_rows" ] || die "$RESULTS has $got throughput lines, expected $n_rows"
 
 ELAPSED=$((SECONDS - START))
-LOAD_END=$(cut -d' ' -f1 /proc/loadavg)
+LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
 echo "measured in $ELAPSED s; load average $LOAD_START before, $LOAD_END after"
-run "$TORCH_PY" bench/render_train.py render --results "$RESULTS" --out BENCHMARKS.md \
-  --date "$DATE" --nproc "$NPROC" --cpu "$CPU" --torch "$TORCH_VERSION" --command "$COMMAND" \
-  --omp-wait-policy "$OMP_POLICY_TEXT" --context "measured in $ELAPSED s; 1-min load average $LOAD_START before, $LOAD_END after"
+"${RENDER[@]}" finish --json "$RESULTS" --elapsed "$ELAPSED" --load "$LOAD_END"
+run "${RENDER[@]}" render --results "$RESULTS" --out BENCHMARKS.md
