@@ -74,8 +74,10 @@ train: build
 bench-comm: build bench-deps
 	bash bench/comm.sh
 
+# About 9 minutes on 2 idle cores; QUICK=1 is a smoke test of the script
+# (its figures are not for BENCHMARKS.md), MODELS=gpt-25m narrows it.
 bench-train: build bench-deps
-	bash bench/train.sh
+	BUILD_DIR=$(BUILD_DIR) bash bench/train.sh
 
 bench-sharding: build bench-deps
 	bash bench/sharding.sh

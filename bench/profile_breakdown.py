@@ -34,6 +34,8 @@ Categories (CATEGORIES below, in this order), which add up to step_us:
                      evaluate_function: ...", "AddmmBackward0" or
                      "DistributedDataParallel.forward", whose self time is
                      dispatch, not work) and, for PyTorch DDP, the all-reduce wait
+Ops in scope "background" (run on another thread, e.g. communication,
+overlapping the step) are shown in a row of their own, outside the sum.
 Missing scopes and unknown op names are tolerated (unknown ops: other ops).
 """
 import argparse
@@ -43,6 +45,10 @@ import sys
 
 CATEGORIES = ("GEMM", "attention softmax+mask", "LayerNorm", "GELU", "copies/casts/alloc",
               "other ops", "optimizer", "clip", "comm wait", "not in any op")
+
+# Ops a profile puts in scope "background" ran on other threads (a
+# communication thread) alongside the step: shown, not added to the step.
+BACKGROUND = "background threads (overlapped, not in the sum)"
 
 # Exact op names (namespace stripped) per category.
 OP_CATEGORIES = {
@@ -92,8 +98,12 @@ def breakdown(prof):
         scopes[s["name"]] = scopes.get(s["name"], 0.0) + float(s.get("total_us", 0.0))
     us = dict.fromkeys(CATEGORIES, 0.0)
     in_scope = {"optimizer": 0.0, "clip": 0.0, "sync": 0.0}
+    background = 0.0
     for op in prof.get("ops", []):
         scope, self_us = op.get("scope", "other"), float(op.get("self_us", 0.0))
+        if scope == "background":
+            background += self_us
+            continue
         if scope in ("optimizer", "clip"):
             in_scope[scope] += self_us
             continue
@@ -111,7 +121,10 @@ def breakdown(prof):
         us["comm wait"] += max(0.0, scopes["sync"] - in_scope["sync"])
     step_us = float(prof["step_us"])
     us["not in any op"] = step_us - sum(v for k, v in us.items() if k != "not in any op")
-    return {k: v / 1000.0 for k, v in us.items()}
+    out = {k: v / 1000.0 for k, v in us.items()}
+    if background:
+        out[BACKGROUND] = background / 1000.0
+    return out
 
 
 def main():
@@ -135,7 +148,7 @@ def main():
         b = breakdown(prof)
         print(f"{path}: {prof['impl']} step {prof.get('step', '?')} rank {prof.get('rank', '?')}: "
               f"{prof['step_us'] / 1000.0:.1f} ms")
-        for k in CATEGORIES:
+        for k in b:
             print(f"  {k:24s} {b[k]:9.1f} ms")
         by_impl.setdefault(prof["impl"], []).append((prof, b))
 
@@ -145,7 +158,8 @@ def main():
             row = {"kind": "profile", "impl": impl, "label": a.label, "mode": a.mode,
                    "step": runs[0][0].get("step"), "ranks": sorted(p.get("rank", 0) for p, _ in runs),
                    "step_ms": sum(p["step_us"] for p, _ in runs) / n / 1000.0,
-                   "categories": [[k, sum(b[k] for _, b in runs) / n] for k in CATEGORIES]}
+                   "categories": [[k, sum(b.get(k, 0.0) for _, b in runs) / n]
+                                  for k in CATEGORIES + ((BACKGROUND,) if any(BACKGROUND in b for _, b in runs) else ())]}
             with open(a.json, "a") as f:
                 f.write(json.dumps(row) + "\n")
 

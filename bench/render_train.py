@@ -257,8 +257,8 @@ def render(rows, a):
         "Peers run at their best known settings: "
         + (", ".join(f"`{e}`" for e in pt_env) if pt_env else "?")
         + " (OPENBLAS_CORETYPE = the kernel set shardtrain's run of the same mode reported, or "
-        "SKYLAKEX on an AVX-512 CPU when it did not say; OpenBLAS 0.3.21 does not recognise every "
-        "CPU and otherwise falls back to AVX2 kernels). "
+        "SKYLAKEX on an AVX-512 CPU when it did not say: both programs multiply with the same "
+        "kernels; an OPENBLAS_CORETYPE in the environment is not passed to the peers). "
         f"OMP_WAIT_POLICY={m.get('omp_wait_policy', '?')} for both. Each row is one run of each; a "
         "step is timed from the first micro-batch to zero_grad on every rank and the slowest rank "
         "counts; the figure is the median over the measured steps. tokens/s = global batch × block "
