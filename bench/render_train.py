@@ -229,7 +229,7 @@ def render(rows, a):
                + (", ".join(c or "not OpenBLAS" for c in st_cores) if st_cores else "not reported by this build")
                + "; PyTorch's ranks " + (", ".join(c or "not OpenBLAS" for c in pt_cores) if pt_cores else "?")
                + "; gemm_peak " + (", ".join(sorted({p.get("blas_core") or "not OpenBLAS" for p in peaks.values()})) or "?")
-               + f"; OPENBLAS_CORETYPE in the environment shardtrain ran with: "
+               + f"; OPENBLAS_CORETYPE in the calling environment: "
                + f"{m.get('env_openblas_coretype', '?')}.")
     if peaks:
         parts = []
@@ -258,7 +258,7 @@ def render(rows, a):
         + (", ".join(f"`{e}`" for e in pt_env) if pt_env else "?")
         + " (OPENBLAS_CORETYPE = the kernel set shardtrain's run of the same mode reported, or "
         "SKYLAKEX on an AVX-512 CPU when it did not say: both programs multiply with the same "
-        "kernels; an OPENBLAS_CORETYPE in the environment is not passed to the peers). "
+        "kernels). "
         f"OMP_WAIT_POLICY={m.get('omp_wait_policy', '?')} for both. Each row is one run of each; a "
         "step is timed from the first micro-batch to zero_grad on every rank and the slowest rank "
         "counts; the figure is the median over the measured steps. tokens/s = global batch × block "

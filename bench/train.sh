@@ -17,7 +17,8 @@
 # bf16 rows run only when the CPU has native bf16 (avx512_bf16 or amx_bf16).
 #
 # Environment: BUILD_DIR (default build), OUT_DIR (default $BUILD_DIR/bench-train),
-# MODELS (subset of "default gpt-25m"), PROFILE (1: profile runs, the default;
+# MODELS (subset of "default gpt-25m"), MODES (subset of "single ddp zero1
+# fsdp bf16-ddp"; FULL_SHARD's row needs ddp's beside it), PROFILE (1: profile runs, the default;
 # 0: none), QUICK=1 (a few steps per run: a smoke test of the script, figures
 # not fit for BENCHMARKS.md; the section then says QUICK). About 9 minutes on
 # 2 idle cores; run it when nothing else runs (check `cat /proc/loadavg`).
@@ -26,7 +27,7 @@
 # OPENBLAS_CORETYPE set to the OpenBLAS kernel set shardtrain's run of the
 # same mode reports ("blas_core" in its metrics.jsonl; when absent, SKYLAKEX
 # where the CPU has AVX-512 F/CD/BW/DQ/VL, else OpenBLAS's own choice).
-# shardtrain runs with the environment as given: it picks its kernels itself.
+# shardtrain picks its kernels itself (see KEEP_CORETYPE below).
 #
 # OMP_WAIT_POLICY defaults to PASSIVE here, for both programs (they share
 # LibTorch's libgomp). With libgomp's default (spin, then sleep) a 2-thread
@@ -46,6 +47,15 @@ TORCH_PY=/usr/bin/python3          # Debian's python3-torch; the python3 on PATH
 RENDER=(python3 bench/render_train.py)
 RUN_TIMEOUT=600                    # seconds per run; a hung rank fails the run instead of stalling it
 
+# An OPENBLAS_CORETYPE in the environment (the build machines' sets Haswell,
+# AVX2 kernels at half the AVX-512 speed) is removed for every run, so that
+# shardtrain and OpenBLAS pick the kernels; KEEP_CORETYPE=1 keeps it for
+# shardtrain. The section records what the environment had.
+ENV_CORETYPE=${OPENBLAS_CORETYPE-(unset)}
+if [ "${KEEP_CORETYPE:-0}" != 1 ]; then
+  unset OPENBLAS_CORETYPE
+  [ "$ENV_CORETYPE" = "(unset)" ] || ENV_CORETYPE="$ENV_CORETYPE, removed for the runs"
+fi
 if [ -z "${OMP_WAIT_POLICY+set}" ]; then export OMP_WAIT_POLICY=PASSIVE; fi
 if [ -z "$OMP_WAIT_POLICY" ]; then unset OMP_WAIT_POLICY; fi
 OMP_POLICY_TEXT=${OMP_WAIT_POLICY:-unset (libgomp default)}
@@ -104,14 +114,12 @@ DATE=$(date -u '+%Y-%m-%d %H:%M UTC')
 LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
 "${RENDER[@]}" machine --json "$RESULTS" --date "$DATE" --command "$COMMAND" --torch "$TORCH_VERSION" \
   --omp-wait-policy "$OMP_POLICY_TEXT" --load "$LOAD_START" --quick "$QUICK" \
-  --env-coretype "${OPENBLAS_CORETYPE-(unset)}"
+  --env-coretype "$ENV_CORETYPE"
 has_flag() { grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -qx "$1"; }
 NATIVE_BF16=0
 if has_flag avx512_bf16 || has_flag amx_bf16; then NATIVE_BF16=1; fi
 # OpenBLAS kernels for the peers (and gemm_peak) when shardtrain's metrics do
-# not say: SKYLAKEX on an AVX-512 CPU, else OpenBLAS's own choice. An
-# OPENBLAS_CORETYPE in the environment is not used for them (the build
-# machines' environment sets Haswell); shardtrain gets the environment as is.
+# not say: SKYLAKEX on an AVX-512 CPU, else OpenBLAS's own choice.
 DEFAULT_CORETYPE=
 if has_flag avx512f && has_flag avx512cd && has_flag avx512bw && has_flag avx512dq && has_flag avx512vl; then
   DEFAULT_CORETYPE=SKYLAKEX
@@ -202,6 +210,7 @@ for model in $MODELS; do
   mapfile -t modes < <(model_modes "$model")
   for mode in "${modes[@]}"; do
     read -r MODE NP STRAT PREC PEER <<< "$mode"
+    if [ -n "${MODES:-}" ] && [[ " $MODES " != *" $MODE "* ]]; then continue; fi
     if [ "$PREC" != fp32 ] && [ "$NATIVE_BF16" = 0 ]; then
       "${RENDER[@]}" skipped --json "$RESULTS" --label "$model" --mode "$MODE" \
         --reason "skipped: no native bf16 (no avx512_bf16 or amx_bf16; bf16 GEMM runs at a few GFLOP/s)"
