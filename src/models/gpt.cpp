@@ -2,11 +2,15 @@
 #include "shardtrain/models/gpt.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
+#include <string>
+#include <utility>
 
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/checkpoint.h"
@@ -28,6 +32,29 @@ torch::nn::LayerNorm make_layer_norm(int64_t n_embd) {
 // Dropout in training mode only: evaluation and sampling see the whole model.
 torch::Tensor maybe_dropout(const torch::Tensor& x, double p, const torch::nn::Module& m) {
   return p > 0.0 && m.is_training() ? torch::dropout(x, p, /*train=*/true) : x;
+}
+
+// The additive causal mask [T, T]: 0 on and below the diagonal, -inf above.
+// One mask per dtype and device (per thread), as large as the largest T
+// asked for; smaller T get its top-left corner.
+torch::Tensor causal_mask(int64_t t, torch::ScalarType dtype, const torch::Device& device) {
+  thread_local std::map<std::pair<torch::ScalarType, std::string>, torch::Tensor> masks;
+  auto& mask = masks[{dtype, device.str()}];
+  if (!mask.defined() || mask.size(0) < t) {
+    torch::NoGradGuard no_grad;
+    mask = torch::full({t, t}, -std::numeric_limits<double>::infinity(),
+                       torch::TensorOptions().dtype(dtype).device(device))
+               .triu(/*diagonal=*/1);
+  }
+  return mask.size(0) == t ? mask : mask.slice(0, 0, t).slice(1, 0, t);
+}
+
+// The dtype the attention scores are computed in: autocast's when it is on
+// for x's device (so autocast does not cast the mask on every call), else x's.
+torch::ScalarType mask_dtype(const torch::Tensor& x) {
+  if (x.is_cpu() && at::autocast::is_cpu_enabled()) return at::autocast::get_autocast_cpu_dtype();
+  if (x.is_cuda() && at::autocast::is_enabled()) return at::autocast::get_autocast_gpu_dtype();
+  return x.scalar_type();
 }
 
 // GPT-2 / nanoGPT initialisation of one Linear: N(0, std) weight, zero bias.
@@ -97,13 +124,17 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   const auto k = heads(qkv[1]);
   const auto v = heads(qkv[2]);
 
-  // The causal mask is built per call (cheap next to the matmuls) rather than
-  // kept as a buffer: no bool buffer for a strategy to broadcast, nothing in
-  // the state dict, and it follows x to whatever device it is on.
+  // Scores = q k^T / sqrt(hs) + causal mask, in one batched GEMM: baddbmm
+  // starts from the additive mask (0, or -inf above the diagonal) and adds
+  // alpha * q k^T to it, instead of a GEMM, a scaling pass and a masking
+  // pass (and their backward passes). The mask is no buffer: nothing for a
+  // strategy to broadcast or a checkpoint to hold.
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_size));
-  auto att = torch::matmul(q, k.transpose(-2, -1)) * scale;
-  const auto future = torch::ones({t, t}, x.options().dtype(torch::kBool)).triu(/*diagonal=*/1);
-  att = att.masked_fill(future, -std::numeric_limits<double>::infinity());
+  const int64_t bh = batch * n_head_;
+  const auto mask = causal_mask(t, mask_dtype(x), x.device()).expand({bh, t, t});
+  auto att = torch::baddbmm(mask, q.reshape({bh, t, head_size}), k.reshape({bh, t, head_size}).transpose(1, 2),
+                            /*beta=*/1.0, /*alpha=*/scale)
+                 .view({batch, n_head_, t, t});
   att = maybe_dropout(torch::softmax(att, /*dim=*/-1), dropout_, *this);
   auto y = torch::matmul(att, v);  // [B, nh, T, hs]
   y = y.transpose(1, 2).contiguous().view({batch, t, c});

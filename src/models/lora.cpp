@@ -211,11 +211,14 @@ LoraSummary apply_lora(torch::nn::Module& model, const LoraOptions& options) {
 }
 
 at::Tensor lora_forward(torch::nn::LinearImpl& layer, const at::Tensor& x) {
+  // at::linear, not LibTorch's Linear::forward: for [B, T, in] inputs the
+  // latter runs a GEMM and then adds the bias in a pass of its own, where
+  // at::linear folds the bias into the GEMM (addmm), as PyTorch does.
   const LoraStateImpl* s = state_of(layer);
-  if (s == nullptr) return layer.forward(x);
+  if (s == nullptr) return at::linear(x, layer.weight, layer.bias);
   at::Tensor y;
   if (s->quantize == LoraQuantize::None) {
-    y = torch::nn::functional::linear(x, layer.weight, layer.bias);
+    y = at::linear(x, layer.weight, layer.bias);
   } else {
     y = DequantLinear::apply(x, s->qweight, s->scales(), static_cast<int64_t>(s->quantize), s->out,
                              s->in);

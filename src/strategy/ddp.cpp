@@ -10,6 +10,11 @@
 // finish:        fill in unused parameters (or name them in an error), launch
 //                what is left, wait bucket by bucket and copy back to grad().
 //
+// Where a bucket's dtype is the parameters' (the default: fp32 reduced in
+// fp32), each grad() is an alias of its place in the bucket, so the hook's
+// copy and the copy back are skipped; a gradient replaced by the user falls
+// back to the copies.
+//
 // Buckets are launched strictly in index order, so every rank issues the same
 // collectives in the same order even when hooks fire in a different order.
 #include <torch/csrc/autograd/function.h>
@@ -77,6 +82,19 @@ class Reducer {
         bucket_of_[i] = buckets_.size();
         offset += p.numel();
       }
+      // Each gradient lives in its bucket when the dtypes agree: backward
+      // accumulates straight into it and the reduced result needs no copy
+      // back. A storage alias (set_), not a view: zero_grad() detaches it.
+      if (b.flat.scalar_type() == first.scalar_type()) {
+        at::NoGradGuard no_grad;
+        for (size_t i : members) {
+          at::Tensor& g = params_[i].mutable_grad();
+          at::Tensor alias = at::empty({0}, b.flat.options());
+          alias.set_(b.flat.storage(), views_[i].storage_offset(), views_[i].sizes(), views_[i].strides());
+          if (g.defined()) alias.copy_(g);
+          g = alias;
+        }
+      }
       b.params = members;
       b.bytes = numel * static_cast<int64_t>(first.element_size());
       bucket_params_.push_back(static_cast<int>(members.size()));
@@ -133,6 +151,7 @@ class Reducer {
       for (size_t b = 0; b < buckets_.size(); ++b) {
         works_[b].wait();
         for (size_t i : buckets_[b].params) {
+          if (in_bucket(i)) continue;
           at::Tensor& g = params_[i].mutable_grad();
           if (g.defined()) {
             g.copy_(views_[i]);
@@ -161,7 +180,14 @@ class Reducer {
   const std::vector<at::Tensor>& params() const { return params_; }
 
  private:
+  // Whether parameter i's gradient is (still) its bucket's memory.
+  bool in_bucket(size_t i) const {
+    const at::Tensor& g = params_[i].grad();
+    return g.defined() && g.data_ptr() == views_[i].data_ptr();
+  }
+
   void fill_view(size_t i) {
+    if (in_bucket(i)) return;
     at::NoGradGuard no_grad;
     const at::Tensor& g = params_[i].grad();
     if (g.defined()) {
