@@ -26,8 +26,8 @@
 # Peers run at their best known settings: OPENBLAS_NUM_THREADS=1 per rank and
 # OPENBLAS_CORETYPE set to the OpenBLAS kernel set shardtrain's run of the
 # same mode reports ("blas_core" in its metrics.jsonl; when absent, SKYLAKEX
-# where the CPU has AVX-512 F/CD/BW/DQ/VL, else OpenBLAS's own choice).
-# shardtrain picks its kernels itself (see KEEP_CORETYPE below).
+# where the CPU has AVX-512 F/CD/BW/DQ/VL, else OpenBLAS's own choice), so
+# both run the same GEMM kernels (see KEEP_CORETYPE below).
 #
 # OMP_WAIT_POLICY defaults to PASSIVE here, for both programs (they share
 # LibTorch's libgomp). With libgomp's default (spin, then sleep) a 2-thread
@@ -49,8 +49,8 @@ RUN_TIMEOUT=600                    # seconds per run; a hung rank fails the run 
 
 # An OPENBLAS_CORETYPE in the environment (the build machines' sets Haswell,
 # AVX2 kernels at half the AVX-512 speed) is removed for every run, so that
-# shardtrain and OpenBLAS pick the kernels; KEEP_CORETYPE=1 keeps it for
-# shardtrain. The section records what the environment had.
+# OpenBLAS picks the kernels for this CPU; KEEP_CORETYPE=1 keeps it (and the
+# peers then follow shardtrain's). The section records what the environment had.
 ENV_CORETYPE=${OPENBLAS_CORETYPE-(unset)}
 if [ "${KEEP_CORETYPE:-0}" != 1 ]; then
   unset OPENBLAS_CORETYPE

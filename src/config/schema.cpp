@@ -107,7 +107,11 @@ void declare_optimization(std::vector<Key>& keys) {
            "multi-rank `shardtrain train`) whose output is a terminal, the launcher draws one bar for "
            "every rank (`auto` and `bar`); `plain`: a line per step; `none`: nothing.")
       .key(ST_FIELD(sample_tokens), at_least(0),
-           "Tokens sampled at the end of `shardtrain train`; 0: none.");
+           "Tokens sampled at the end of `shardtrain train`; 0: none.")
+      .key(ST_FIELD(profile_step), at_least(0),
+           "Profile this step (1-based) with LibTorch's profiler on every rank: each op's own "
+           "time, by phase (forward, backward, gradient sync, clip, optimizer), in "
+           "`run.dir/profile-rank<R>.json`; 0: never. See docs/performance.md.");
 
   section(keys, "trainer.early_stopping",
           [](auto& c) -> auto& { return c.trainer.early_stopping; })

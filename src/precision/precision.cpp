@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <fstream>
+#include <sstream>
 #include <iterator>
 #include <utility>
 
@@ -220,8 +222,38 @@ class FP16MixedPrecision : public Precision {
 
 }  // namespace
 
+bool cpu_has_native_bf16() {
+  static const bool native = [] {
+    std::ifstream cpuinfo("/proc/cpuinfo");
+    std::string line;
+    while (std::getline(cpuinfo, line)) {
+      if (line.rfind("flags", 0) != 0) continue;
+      std::istringstream flags(line.substr(line.find(':') + 1));
+      std::string flag;
+      while (flags >> flag) {
+        if (flag == "avx512_bf16" || flag == "amx_bf16") return true;
+      }
+      return false;  // every core lists the same flags
+    }
+    return false;
+  }();
+  return native;
+}
+
+ResolvedPrecision resolve_precision(PrecisionKind kind, bool cuda_available) {
+  if (kind != PrecisionKind::Auto) return {kind, ""};
+  if (cuda_available) return {PrecisionKind::Bf16Mixed, "auto: a CUDA device"};
+  if (cpu_has_native_bf16()) {
+    return {PrecisionKind::Bf16Mixed, "auto: this CPU computes bf16 natively (avx512_bf16/amx_bf16)"};
+  }
+  return {PrecisionKind::Fp32,
+          "auto: this CPU has no native bf16 (avx512_bf16/amx_bf16), where bf16 GEMMs run far "
+          "slower than fp32"};
+}
+
 std::unique_ptr<Precision> Precision::create(PrecisionKind kind, const LossScalerOptions& scaler,
                                              bool cuda_available) {
+  kind = resolve_precision(kind, cuda_available).kind;
   if (kind != PrecisionKind::Fp16Mixed) return std::make_unique<UnscaledPrecision>(kind, cuda_available);
   ST_CHECK(cuda_available, ConfigError,
            "precision 'fp16-mixed' needs a CUDA device: LibTorch cannot compute float16 on CPU "

@@ -1,28 +1,34 @@
 // Trainer::fit, the loop every strategy runs under.
 #include "shardtrain/train/trainer.h"
 
-#include <dlfcn.h>
+#include <malloc.h>
 #include <sys/resource.h>
 #include <torch/torch.h>
+#include <ATen/autocast_mode.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cmath>
 #include <filesystem>
+#include <optional>
 #include <thread>
 
 #include "checkpoint/detail.h"
 #include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/checkpoint/safetensors.h"
 #include "shardtrain/comm/communicator.h"
+#include "shardtrain/core/blas.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/dist/env.h"
 #include "shardtrain/precision/precision.h"
+#include "shardtrain/strategy/estimate.h"
 #include "shardtrain/strategy/strategy.h"
 #include "shardtrain/train/callbacks.h"
 #include "shardtrain/train/plan.h"
 #include "shardtrain/train/schedule.h"
+#include "train/fused_adamw.h"
 #include "train/lora.h"
+#include "train/profile.h"
 #include "train/signal_guard.h"
 
 namespace shardtrain::train {
@@ -41,15 +47,38 @@ int threads_for_rank(int64_t requested, int local_world_size) {
   return std::max(1, static_cast<int>(cores) / std::max(1, local_world_size));
 }
 
-// Debian's LibTorch sees a generic BLAS, so at::set_num_threads does not
-// reach OpenBLAS, whose own pool (sized to the machine, spinning while idle)
-// would compete with the other ranks. Sets it too when OpenBLAS is the BLAS.
-void set_blas_threads(int threads) {
-  using SetThreads = void (*)(int);
-  if (auto set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
-    set(threads);
-  }
+// A training step allocates and frees the same activation-sized blocks
+// (MBs each) over and over. With glibc's defaults the heap's free top is
+// trimmed back to the system and large blocks are mapped and unmapped, so
+// their pages fault in again every step: in a VM that cost a third of a
+// one-thread GPT step. Blocks up to 32 MB come from the heap and freed memory
+// stays there for reuse (up to 1 GB above the top). Flat parameter storage
+// is mapped by the strategies themselves and still returns when freed.
+void keep_freed_memory() {
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
 }
+
+// Autocast keeps the low-precision copy of each weight it casts until the
+// outermost autocast scope ends: each micro-step would cast every weight
+// again. One level of nesting held over the accumulation window keeps those
+// copies for the window's later micro-steps (the weights cannot change
+// inside it) and drops them before the optimizer step. Autocast itself stays
+// off outside the micro-steps' forward.
+class WindowCastCache {
+ public:
+  explicit WindowCastCache(bool mixed) : active_(mixed) {
+    if (active_) at::autocast::increment_nesting();
+  }
+  ~WindowCastCache() {
+    if (active_ && at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  }
+  WindowCastCache(const WindowCastCache&) = delete;
+  WindowCastCache& operator=(const WindowCastCache&) = delete;
+
+ private:
+  bool active_;
+};
 
 // Peak resident memory of this process so far, in MB.
 double peak_rss_mb() {
@@ -88,7 +117,7 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(
   if (o.name == OptimizerKind::Sgd) {
     return std::make_unique<torch::optim::SGD>(groups, torch::optim::SGDOptions(o.lr));
   }
-  return std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(o.lr));
+  return std::make_unique<detail::FusedAdamW>(groups, torch::optim::AdamWOptions(o.lr));
 }
 
 }  // namespace
@@ -100,10 +129,21 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
   batch_ = config_.resolve_batch(comm_->size());
   const dist::ClusterEnv env = dist::ClusterEnv::detect();
   restarts_ = env.restart_count;
-  const int threads = threads_for_rank(config_.distributed.threads_per_rank(), env.local_world_size);
-  at::set_num_threads(threads);
-  set_blas_threads(threads);
+  threads_ = threads_for_rank(config_.distributed.threads_per_rank(), env.local_world_size);
+  at::set_num_threads(threads_);
+  set_blas_threads(threads_);
+  blas_core_ = blas_core();
+  if (comm_->rank() == 0) {
+    const std::string warning = blas_coretype_warning();
+    if (!warning.empty()) std::fprintf(stderr, "warning: %s\n", warning.c_str());
+  }
 
+  // `auto` is decided once, here: everything below (memory plans, the
+  // strategy's dtypes, checkpoints, the run's config.yaml) sees what runs.
+  const precision::ResolvedPrecision resolved =
+      precision::resolve_precision(config_.precision, torch::cuda::is_available());
+  config_.precision = resolved.kind;
+  precision_reason_ = resolved.reason;
   precision_ = precision::Precision::create(config_.precision, config_.loss_scaler,
                                             torch::cuda::is_available());
   // Fine-tuning: weights from a safetensors file (Hugging Face GPT-2 names;
@@ -116,6 +156,7 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
   // LoRA: freeze the (loaded) base and attach the adapters before anything
   // plans over the parameters.
   detail::prepare_lora(*task_.model, config_);
+  keep_freed_memory();  // after QLoRA's quantization, which returns the fp32 base first
   {
     detail::FrozenBase base = detail::frozen_base(*task_.model, config_);
     frozen_names_ = std::move(base.names);
@@ -149,6 +190,11 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
 }
 
 Trainer::~Trainer() = default;
+
+std::string Trainer::precision_description() const {
+  const std::string name = enum_name(config_.precision);
+  return precision_reason_.empty() ? name : name + " (" + precision_reason_ + ")";
+}
 
 void Trainer::add_callback(std::shared_ptr<Callback> callback) {
   callbacks_.push_back(std::move(callback));
@@ -186,6 +232,15 @@ void Trainer::run_step() {
   const int64_t accumulate = batch_.accumulate;
   control_.should_save = control_.should_evaluate = control_.should_log = false;
   for_each_callback([&](Callback& c) { c.on_step_begin(state_, control_); });
+  // trainer.profile_step: this step under LibTorch's profiler, by phase.
+  std::optional<detail::StepProfiler> profiler;
+  if (config_.trainer.profile_step == step + 1) {
+    // Enough heap for a step's tensors of a mid-sized model (a 25M GPT needed
+    // about 1.1 GB), within a quarter of this rank's share of the memory.
+    const dist::ClusterEnv env = dist::ClusterEnv::detect();
+    profiler.emplace(static_cast<int64_t>(
+        std::min(2.0 * (1 << 30), strategy::default_memory_budget_bytes(env.local_world_size) / 4)));
+  }
   const auto start = Clock::now();
 
   // The whole window's micro-batches first: the loss is normalised by the
@@ -193,14 +248,18 @@ void Trainer::run_step() {
   // padded or uneven micro-batches give the gradient of one big batch.
   std::vector<data::Batch> window;
   window.reserve(static_cast<size_t>(accumulate));
-  int64_t local_targets = 0;
-  for (int64_t j = 0; j < accumulate; ++j) {
-    window.push_back(task_.train_batch(step, j, batch_.micro, comm_->rank(), comm_->size()));
-    local_targets += task_.count_targets(window.back());
+  int64_t total_targets = 0;
+  {
+    ST_PROFILE_PHASE("data");
+    int64_t local_targets = 0;
+    for (int64_t j = 0; j < accumulate; ++j) {
+      window.push_back(task_.train_batch(step, j, batch_.micro, comm_->rank(), comm_->size()));
+      local_targets += task_.count_targets(window.back());
+    }
+    auto targets = torch::tensor({local_targets}, torch::kLong);
+    comm_->all_reduce(targets);
+    total_targets = targets.item<int64_t>();
   }
-  auto targets = torch::tensor({local_targets}, torch::kLong);
-  comm_->all_reduce(targets);
-  const int64_t total_targets = targets.item<int64_t>();
   ST_CHECK(total_targets > 0, Error, "step ", step + 1,
            " has no targets on any rank (every target is the ignore index)");
   // The strategy averages gradients over ranks, hence the world size here:
@@ -210,34 +269,58 @@ void Trainer::run_step() {
   // Forward and backward over the window; only the last micro-step's
   // backward communicates.
   double loss_sum = 0.0;
-  for (int64_t j = 0; j < accumulate; ++j) {
-    state_.micro_step = j;
-    strategy_->set_gradient_sync(j == accumulate - 1);
-    at::Tensor loss;
-    {
-      const auto autocast = precision_->autocast();
-      loss = task_.loss_sum(window[static_cast<size_t>(j)]);
+  {
+    using precision::PrecisionKind;
+    const bool mixed = config_.precision == PrecisionKind::Bf16Mixed ||
+                       config_.precision == PrecisionKind::Fp16Mixed;
+    const WindowCastCache cast_cache(mixed && accumulate > 1);
+    for (int64_t j = 0; j < accumulate; ++j) {
+      state_.micro_step = j;
+      strategy_->set_gradient_sync(j == accumulate - 1);
+      at::Tensor loss;
+      {
+        ST_PROFILE_PHASE("forward");
+        const auto autocast = precision_->autocast();
+        loss = task_.loss_sum(window[static_cast<size_t>(j)]);
+      }
+      {
+        ST_PROFILE_PHASE("backward");
+        precision_->scale_loss(loss * normaliser).backward();
+        loss_sum += loss.item<double>();
+      }
+      if (j < accumulate - 1) for_each_callback([&](Callback& c) { c.on_substep_end(state_, control_); });
     }
-    precision_->scale_loss(loss * normaliser).backward();
-    loss_sum += loss.item<double>();
-    if (j < accumulate - 1) for_each_callback([&](Callback& c) { c.on_substep_end(state_, control_); });
+  }  // the window's cast copies go here, before gradient sync and the optimizer step
+  {
+    ST_PROFILE_PHASE("sync");
+    strategy_->finish_gradient_sync();
   }
-  strategy_->finish_gradient_sync();
 
   // Overflowed fp16 steps are skipped by every rank alike; otherwise clip by
   // the global norm and step.
-  const std::vector<at::Tensor> grads = strategy_->gradients();
-  const bool skipped = precision_->unscale_and_check(grads, *comm_);
-  state_.grad_norm = skipped ? std::numeric_limits<double>::quiet_NaN()
-                             : strategy_->clip_grad_norm(config_.trainer.max_grad_norm);
+  bool skipped = false;
+  {
+    ST_PROFILE_PHASE("clip");
+    const std::vector<at::Tensor> grads = strategy_->gradients();
+    skipped = precision_->unscale_and_check(grads, *comm_);
+    state_.grad_norm = skipped ? std::numeric_limits<double>::quiet_NaN()
+                               : strategy_->clip_grad_norm(config_.trainer.max_grad_norm);
+  }
   for_each_callback([&](Callback& c) { c.on_pre_optimizer_step(state_, control_); });
   set_learning_rate(scheduled_lr(config_, step));
-  if (!skipped) strategy_->optimizer_step(*optimizer_);
-  optimizer_->zero_grad();
-  precision_->update(skipped);
+  {
+    ST_PROFILE_PHASE("optimizer");
+    if (!skipped) strategy_->optimizer_step(*optimizer_);
+    optimizer_->zero_grad();
+    precision_->update(skipped);
+  }
   for_each_callback([&](Callback& c) { c.on_optimizer_step(state_, control_); });
   const double step_time = std::chrono::duration<double>(Clock::now() - start).count();
   state_.step = step + 1;
+  if (profiler) {
+    profiler->write((fs::path(config_.run.dir) / ("profile-rank" + std::to_string(comm_->rank()) + ".json")).string(),
+                    state_.step, comm_->rank(), step_time * 1e6);
+  }
 
   // One all-gather gives every rank the loss, memory and time of all ranks.
   auto local = torch::tensor({loss_sum, peak_rss_mb(), step_time}, torch::kDouble);
@@ -275,6 +358,8 @@ void Trainer::run_step() {
   m.set("loss_scale", precision_->loss_scale());
   m.set("skipped", static_cast<int64_t>(skipped ? 1 : 0));
   m.set("restarts", static_cast<int64_t>(restarts_));
+  m.set("blas_core", blas_core_);
+  m.set("blas_threads", static_cast<int64_t>(threads_));
   for (const auto& [key, value] : task_.static_metrics.entries()) m.set(key, value);
   state_.metrics = std::move(m);
 

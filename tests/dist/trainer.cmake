@@ -31,6 +31,12 @@ add_test(NAME cli.train_every_precision
          COMMAND ${CMAKE_CURRENT_LIST_DIR}/train_precisions.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
 set_tests_properties(cli.train_every_precision PROPERTIES TIMEOUT 600 ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=120")
 
+# The BLAS kernels and threads `shardtrain train` picks by itself, and the
+# step profile of trainer.profile_step.
+add_test(NAME cli.train_speed_settings
+         COMMAND ${CMAKE_CURRENT_LIST_DIR}/train_speed_settings.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
+set_tests_properties(cli.train_speed_settings PROPERTIES TIMEOUT 300 ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=60")
+
 # Two network-namespace hosts x 2 ranks, no interface variable: ddp and
 # hybrid_shard match the single process (needs root, as CI runs).
 add_test(NAME cli.train_two_hosts

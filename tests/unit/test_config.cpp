@@ -64,6 +64,7 @@ void expect_same(const Config& a, const Config& b) {
   EXPECT_EQ(a.trainer.max_grad_norm, b.trainer.max_grad_norm);
   EXPECT_EQ(a.trainer.progress, b.trainer.progress);
   EXPECT_EQ(a.trainer.sample_tokens, b.trainer.sample_tokens);
+  EXPECT_EQ(a.trainer.profile_step, b.trainer.profile_step);
   EXPECT_EQ(a.trainer.early_stopping.enabled, b.trainer.early_stopping.enabled);
   EXPECT_EQ(a.trainer.early_stopping.monitor, b.trainer.early_stopping.monitor);
   EXPECT_EQ(a.trainer.early_stopping.patience, b.trainer.early_stopping.patience);
@@ -191,6 +192,7 @@ Config every_key_set() {
   c.trainer.max_grad_norm = 0.0;
   c.trainer.progress = ProgressMode::None;
   c.trainer.sample_tokens = 0;
+  c.trainer.profile_step = 3;
   c.trainer.early_stopping.monitor = "train_loss";
   c.trainer.early_stopping.patience = 11;
   c.trainer.early_stopping.min_delta = 1e-3;

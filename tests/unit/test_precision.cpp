@@ -550,3 +550,26 @@ TEST(Bf16True, PrepareModelCastsEveryFloatingTensor) {
   Precision::create("bf16-mixed")->prepare_model(*lin);
   EXPECT_EQ(lin->weight.scalar_type(), at::kFloat);
 }
+
+// ---- precision: auto ----------------------------------------------------------------
+
+TEST(PrecisionAuto, Bf16MixedOnlyWhereBf16IsNative) {
+  const ResolvedPrecision cpu = resolve_precision(PrecisionKind::Auto, /*cuda_available=*/false);
+  EXPECT_EQ(cpu.kind, cpu_has_native_bf16() ? PrecisionKind::Bf16Mixed : PrecisionKind::Fp32);
+  EXPECT_EQ(cpu.reason.rfind("auto: ", 0), 0u) << cpu.reason;
+  EXPECT_NE(cpu.reason.find("bf16"), std::string::npos) << cpu.reason;
+  const ResolvedPrecision gpu = resolve_precision(PrecisionKind::Auto, /*cuda_available=*/true);
+  EXPECT_EQ(gpu.kind, PrecisionKind::Bf16Mixed);
+  EXPECT_FALSE(gpu.reason.empty());
+  // The plugin built from `auto` is the resolved one.
+  EXPECT_EQ(Precision::create("auto")->name(), enum_name(cpu.kind));
+}
+
+TEST(PrecisionAuto, OtherKindsStayAsGiven) {
+  for (PrecisionKind kind : {PrecisionKind::Fp32, PrecisionKind::Bf16Mixed, PrecisionKind::Fp16Mixed,
+                             PrecisionKind::Bf16True}) {
+    const ResolvedPrecision r = resolve_precision(kind, /*cuda_available=*/false);
+    EXPECT_EQ(r.kind, kind);
+    EXPECT_TRUE(r.reason.empty());
+  }
+}

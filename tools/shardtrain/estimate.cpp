@@ -17,6 +17,7 @@
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/gpt.h"
 #include "shardtrain/models/mlp.h"
+#include "shardtrain/precision/precision.h"
 #include "shardtrain/strategy/estimate.h"
 #include "shardtrain/strategy/strategy.h"
 #include "shardtrain/strategy/wrap.h"
@@ -155,7 +156,11 @@ int estimate_main(int argc, char** argv) {
     }
   }
   const EstimateArgs args = parse(argc, argv);
-  const config::Config config = config::Config::load(args.config, args.overrides);
+  config::Config config = config::Config::load(args.config, args.overrides);
+  // As the trainer will: `auto` becomes what this machine would run.
+  const precision::ResolvedPrecision resolved =
+      precision::resolve_precision(config.precision, torch::cuda::is_available());
+  config.precision = resolved.kind;
   const config::DistributedConfig& dc = config.distributed;
 
   // ---- world ----
@@ -233,6 +238,7 @@ int estimate_main(int argc, char** argv) {
               config.model.type == train::ModelType::Gpt && config.model.activation_checkpointing
                   ? ", activation checkpointing on"
                   : "");
+  if (!resolved.reason.empty()) std::printf("precision %s: %s\n", enum_name(config.precision), resolved.reason.c_str());
   if (config.precision == precision::PrecisionKind::Bf16True) {
     std::printf("note: bf16-true keeps weights, gradients and Adam state in bf16; its model state "
                 "is about half the fp32 column\n");

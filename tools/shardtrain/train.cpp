@@ -20,6 +20,7 @@
 #include "shardtrain/core/error.h"
 #include "shardtrain/data/tokens.h"
 #include "shardtrain/dist/env.h"
+#include "shardtrain/core/blas.h"
 #include "shardtrain/dist/launcher.h"
 #include "shardtrain/models/gpt.h"
 #include "shardtrain/train/report.h"
@@ -180,10 +181,13 @@ int train_main(int argc, char** argv) {
   train::Trainer trainer(config, train::make_task(config, comm->size()), comm);
   if (comm->rank() == 0) {
     const auto plan = trainer.batch();
-    std::printf("%s | %d rank(s) x %d thread(s) | strategy %s | batch %lld = %lld micro x %lld accumulate x %d ranks\n",
+    const std::string core = blas_core();
+    std::printf("%s | %d rank(s) x %d thread(s) | %s | strategy %s | batch %lld = %lld micro x %lld accumulate x %d ranks\n",
                 env.describe().c_str(), comm->size(), at::get_num_threads(),
+                core.empty() ? "BLAS: not OpenBLAS" : ("OpenBLAS " + core + " kernels").c_str(),
                 enum_name(config.distributed.strategy()), (long long)plan.global, (long long)plan.micro,
                 (long long)plan.accumulate, comm->size());
+    std::printf("precision: %s\n", trainer.precision_description().c_str());
     if (comm->size() > 1) std::printf("network: %s\n", comm->endpoint().c_str());
     std::fflush(stdout);
   }

@@ -127,6 +127,8 @@ struct TrainerConfig {
   double max_grad_norm = 1.0;
   train::ProgressMode progress = train::ProgressMode::Auto;
   int64_t sample_tokens = 200;
+  /// Profile this optimizer step (1-based) on every rank; 0: never.
+  int64_t profile_step = 0;
   EarlyStoppingConfig early_stopping;
 };
 

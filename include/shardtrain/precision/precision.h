@@ -23,6 +23,9 @@
 //               machine without CUDA it is a ConfigError.
 //   bf16-true   parameters, gradients, activations and optimizer state all in
 //               bfloat16; no master weights.
+//   auto        bf16-mixed where bf16 is native (a CUDA device, or a CPU with
+//               avx512_bf16 or amx_bf16), else fp32: resolve_precision()
+//               decides once, before anything is built.
 #pragma once
 
 #include <cstdint>
@@ -46,9 +49,23 @@ class Communicator;
 namespace shardtrain::precision {
 
 /// How forward and backward compute (the table at the top of this file).
-enum class PrecisionKind { Fp32, Bf16Mixed, Fp16Mixed, Bf16True };
+enum class PrecisionKind { Fp32, Bf16Mixed, Fp16Mixed, Bf16True, Auto };
 ST_ENUM_NAMES(PrecisionKind, {PrecisionKind::Fp32, "fp32"}, {PrecisionKind::Bf16Mixed, "bf16-mixed"},
-              {PrecisionKind::Fp16Mixed, "fp16-mixed"}, {PrecisionKind::Bf16True, "bf16-true"});
+              {PrecisionKind::Fp16Mixed, "fp16-mixed"}, {PrecisionKind::Bf16True, "bf16-true"},
+              {PrecisionKind::Auto, "auto"});
+
+/// Whether this CPU computes bf16 natively (avx512_bf16 or amx_bf16 in
+/// /proc/cpuinfo). Without it LibTorch emulates bf16 GEMMs, about 20x slower
+/// than fp32 ones.
+bool cpu_has_native_bf16();
+
+/// A precision as it will run, and why: `auto` becomes bf16-mixed or fp32;
+/// any other kind stays as given, with an empty reason.
+struct ResolvedPrecision {
+  PrecisionKind kind = PrecisionKind::Fp32;
+  std::string reason;  // for `auto`: what decided, e.g. "auto: this CPU has avx512_bf16"
+};
+ResolvedPrecision resolve_precision(PrecisionKind kind, bool cuda_available);
 
 /// Dynamic loss scaling, with DeepSpeed's semantics and defaults. This struct
 /// is also the `loss_scaler` section of the YAML config (docs/config.md).
@@ -121,12 +138,13 @@ class Precision {
  public:
   virtual ~Precision() = default;
 
-  /// The plugin for `kind`. ConfigError for fp16-mixed when `cuda_available`
-  /// is false (with a hint to use bf16-mixed).
+  /// The plugin for `kind` (`auto` resolved by resolve_precision). ConfigError
+  /// for fp16-mixed when `cuda_available` is false (with a hint to use
+  /// bf16-mixed).
   static std::unique_ptr<Precision> create(PrecisionKind kind, const LossScalerOptions& scaler = {},
                                            bool cuda_available = false);
-  /// The same by name ("fp32", "bf16-mixed", "fp16-mixed" or "bf16-true");
-  /// ConfigError naming the four for any other name.
+  /// The same by name ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true" or
+  /// "auto"); ConfigError naming them for any other name.
   static std::unique_ptr<Precision> create(const std::string& name,
                                            const LossScalerOptions& scaler = {},
                                            bool cuda_available = false);

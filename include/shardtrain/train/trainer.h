@@ -93,6 +93,9 @@ class Trainer {
   precision::Precision& precision() { return *precision_; }
   torch::optim::Optimizer& optimizer() { return *optimizer_; }
   const config::BatchPlan& batch() const { return batch_; }
+  /// The precision that runs, with why when the config said `auto`, e.g.
+  /// "bf16-mixed (auto: this CPU computes bf16 natively ...)".
+  std::string precision_description() const;
 
  private:
   void run_step();
@@ -126,6 +129,9 @@ class Trainer {
   std::chrono::steady_clock::time_point last_save_ = std::chrono::steady_clock::now();
   // Times the launcher restarted this job (SHARDTRAIN_RESTART_COUNT).
   int restarts_ = 0;
+  int threads_ = 1;        // intra-op and BLAS threads of this rank
+  std::string blas_core_;  // OpenBLAS's kernel set, "" for another BLAS
+  std::string precision_reason_;  // why `auto` chose what it did; "" otherwise
   // LoRA: the frozen parameters' names, model.init_from's identity as JSON
   // (path, bytes, SHA-256; "" without it), and whether checkpoints reference
   // that file instead of copying the base.
