@@ -91,7 +91,7 @@ model_modes() {
                            "fsdp 2 fsdp fp32 =ddp" "bf16-ddp 2 ddp bf16-mixed --bf16" ;;
   esac
 }
-PROFILE_STEPS=4 PROFILE_STEP=3   # profile runs: step 3 of 4 (the last one may save a checkpoint)
+PROFILE_STEPS=7 PROFILE_STEP=6   # profile runs: step 6 of 7 (warm: the first steps still grow the heap; the last saves a checkpoint)
 if [ "$QUICK" = 1 ]; then
   PROFILE_STEPS=3 PROFILE_STEP=2
   model_spec() {
