@@ -63,7 +63,7 @@ bool cpu_has_native_bf16();
 /// any other kind stays as given, with an empty reason.
 struct ResolvedPrecision {
   PrecisionKind kind = PrecisionKind::Fp32;
-  std::string reason;  // for `auto`: what decided, e.g. "auto: this CPU has avx512_bf16"
+  std::string reason;  // for `auto`: what decided, e.g. "auto: a CUDA device"
 };
 ResolvedPrecision resolve_precision(PrecisionKind kind, bool cuda_available);
 
