@@ -6,6 +6,10 @@
 #include <ATen/ATen.h>
 
 #include <atomic>
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
 
 #include "shardtrain/core/error.h"
 
@@ -21,19 +25,49 @@ struct MappedBlock {
   size_t bytes;
 };
 
+// Released mappings kept for the next buffer of the same size: a gathered
+// unit is released and gathered again every micro-step, and a fresh mapping
+// costs the kernel a page fault and a zeroed page per 4 KB each time. At most
+// kPooledPerSize per size, so the memory held back stays within a few units.
+constexpr size_t kPooledPerSize = 2;
+std::mutex g_pool_mu;
+std::unordered_map<size_t, std::vector<void*>> g_pool;
+
 void unmap_block(void* ctx) {
   auto* block = static_cast<MappedBlock*>(ctx);
-  munmap(block->data, block->bytes);
   g_live_bytes -= static_cast<int64_t>(block->bytes);
+  {
+    std::lock_guard<std::mutex> lock(g_pool_mu);
+    auto& kept = g_pool[block->bytes];
+    if (kept.size() < kPooledPerSize) {
+      kept.push_back(block->data);
+      delete block;
+      return;
+    }
+  }
+  munmap(block->data, block->bytes);
   delete block;
+}
+
+void* pooled_block(size_t bytes) {
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  const auto it = g_pool.find(bytes);
+  if (it == g_pool.end() || it->second.empty()) return nullptr;
+  void* data = it->second.back();
+  it->second.pop_back();
+  return data;
 }
 
 class FlatAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t bytes) const override {
     if (bytes == 0) return {nullptr, nullptr, &c10::detail::deleteNothing, c10::Device(c10::kCPU)};
-    void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
-                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    void* data = pooled_block(bytes);
+    if (data != nullptr) {
+      std::memset(data, 0, bytes);  // as fresh as a new mapping
+    } else {
+      data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    }
     ST_CHECK(data != MAP_FAILED, Error, "out of memory: cannot map ", bytes,
              " bytes for a flat parameter or gradient buffer; use a sharding mode that keeps "
              "less (distributed.sharding: full_shard), more ranks, or a smaller model");

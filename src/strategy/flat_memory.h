@@ -1,7 +1,10 @@
 // Flat buffers of the sharded strategies: 1-D tensors whose storage comes
 // straight from mmap, so that releasing a gathered unit returns its memory to
 // the system whatever malloc's thresholds, and whose storage can be released
-// and grown again in place while views of it stay valid.
+// and grown again in place while views of it stay valid. Up to two released
+// mappings of each size are kept and reused by the next buffer of that size
+// (a unit is released and gathered again every micro-step, and a fresh
+// mapping faults in and zeroes every page); the rest go back to the system.
 #pragma once
 
 #include <ATen/core/Tensor.h>
