@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <mutex>
@@ -25,48 +26,90 @@ struct MappedBlock {
   size_t bytes;
 };
 
-// Released mappings kept for the next buffer of the same size: a gathered
-// unit is released and gathered again every micro-step, and a fresh mapping
-// costs the kernel a page fault and a zeroed page per 4 KB each time. At most
-// kPooledPerSize per size, so the memory held back stays within a few units.
-constexpr size_t kPooledPerSize = 2;
-std::mutex g_pool_mu;
-std::unordered_map<size_t, std::vector<void*>> g_pool;
+// Released mappings are kept and handed to the next buffer of the same size:
+// a unit is released and gathered again every micro-step, and a fresh mapping
+// costs the kernel a page fault and a zeroed page per 4 KB each time. The
+// pool never lets live plus kept bytes exceed the most ever live at once (the
+// high-water mark), so it adds nothing to the peak: a new mapping first
+// returns kept blocks of other sizes to the system.
+struct Pool {
+  std::mutex mu;
+  std::unordered_map<size_t, std::vector<void*>> blocks;
+  size_t kept_bytes = 0;
+  size_t live_bytes = 0;
+  size_t high_water = 0;
+};
+Pool& pool() {
+  static Pool* p = new Pool;  // never destroyed: buffers may outlive static destruction
+  return *p;
+}
 
 void unmap_block(void* ctx) {
   auto* block = static_cast<MappedBlock*>(ctx);
   g_live_bytes -= static_cast<int64_t>(block->bytes);
+  bool kept = false;
   {
-    std::lock_guard<std::mutex> lock(g_pool_mu);
-    auto& kept = g_pool[block->bytes];
-    if (kept.size() < kPooledPerSize) {
-      kept.push_back(block->data);
-      delete block;
-      return;
+    Pool& p = pool();
+    std::lock_guard<std::mutex> lock(p.mu);
+    p.live_bytes -= block->bytes;
+    if (p.live_bytes + p.kept_bytes + block->bytes <= p.high_water) {
+      p.blocks[block->bytes].push_back(block->data);
+      p.kept_bytes += block->bytes;
+      kept = true;
     }
   }
-  munmap(block->data, block->bytes);
+  if (!kept) munmap(block->data, block->bytes);
   delete block;
 }
 
-void* pooled_block(size_t bytes) {
-  std::lock_guard<std::mutex> lock(g_pool_mu);
-  const auto it = g_pool.find(bytes);
-  if (it == g_pool.end() || it->second.empty()) return nullptr;
-  void* data = it->second.back();
-  it->second.pop_back();
+// A kept block of exactly `bytes`, or nullptr after returning enough kept
+// blocks to the system that a new mapping stays within the high-water mark.
+void* take_block(size_t bytes) {
+  std::vector<std::pair<void*, size_t>> victims;
+  void* data = nullptr;
+  {
+    Pool& p = pool();
+    std::lock_guard<std::mutex> lock(p.mu);
+    auto it = p.blocks.find(bytes);
+    if (it != p.blocks.end() && !it->second.empty()) {
+      data = it->second.back();
+      it->second.pop_back();
+      p.kept_bytes -= bytes;
+    } else {
+      for (auto b = p.blocks.begin(); b != p.blocks.end() && p.kept_bytes > 0 &&
+                                       p.live_bytes + p.kept_bytes + bytes > p.high_water;) {
+        while (!b->second.empty() && p.live_bytes + p.kept_bytes + bytes > p.high_water) {
+          victims.emplace_back(b->second.back(), b->first);
+          b->second.pop_back();
+          p.kept_bytes -= b->first;
+        }
+        b = b->second.empty() ? p.blocks.erase(b) : std::next(b);
+      }
+    }
+    p.live_bytes += bytes;
+    p.high_water = std::max(p.high_water, p.live_bytes);
+  }
+  for (const auto& [ptr, size] : victims) munmap(ptr, size);
   return data;
+}
+
+void give_back_block(size_t bytes) {  // a failed mapping is not live
+  Pool& p = pool();
+  std::lock_guard<std::mutex> lock(p.mu);
+  p.live_bytes -= bytes;
 }
 
 class FlatAllocator final : public c10::Allocator {
  public:
+  explicit FlatAllocator(bool zeroed) : zeroed_(zeroed) {}
   c10::DataPtr allocate(size_t bytes) const override {
     if (bytes == 0) return {nullptr, nullptr, &c10::detail::deleteNothing, c10::Device(c10::kCPU)};
-    void* data = pooled_block(bytes);
+    void* data = take_block(bytes);
     if (data != nullptr) {
-      std::memset(data, 0, bytes);  // as fresh as a new mapping
+      if (zeroed_) std::memset(data, 0, bytes);  // as fresh as a new mapping
     } else {
       data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+      if (data == MAP_FAILED) give_back_block(bytes);
     }
     ST_CHECK(data != MAP_FAILED, Error, "out of memory: cannot map ", bytes,
              " bytes for a flat parameter or gradient buffer; use a sharding mode that keeps "
@@ -78,11 +121,14 @@ class FlatAllocator final : public c10::Allocator {
     return {data, new MappedBlock{data, bytes}, &unmap_block, c10::Device(c10::kCPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+
+ private:
+  bool zeroed_;
 };
 
-FlatAllocator& flat_allocator() {
-  static FlatAllocator allocator;
-  return allocator;
+FlatAllocator& flat_allocator(FlatFill fill) {
+  static FlatAllocator zeroed(true), any(false);
+  return fill == FlatFill::Zeros ? zeroed : any;
 }
 
 }  // namespace
@@ -91,9 +137,24 @@ FlatMemoryStats flat_memory_stats() { return {g_live_bytes.load(), g_peak_bytes.
 
 void reset_flat_memory_peak() { g_peak_bytes = g_live_bytes.load(); }
 
-at::Tensor flat_empty(int64_t numel, at::ScalarType dtype) {
+void trim_flat_memory() {
+  std::vector<std::pair<void*, size_t>> blocks;
+  {
+    Pool& p = pool();
+    std::lock_guard<std::mutex> lock(p.mu);
+    for (auto& [size, kept] : p.blocks) {
+      for (void* b : kept) blocks.emplace_back(b, size);
+    }
+    p.blocks.clear();
+    p.kept_bytes = 0;
+    p.high_water = 0;  // pooling starts again from the next buffer made
+  }
+  for (const auto& [ptr, size] : blocks) munmap(ptr, size);
+}
+
+at::Tensor flat_empty(int64_t numel, at::ScalarType dtype, FlatFill fill) {
   const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
-  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, &flat_allocator(),
+  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, &flat_allocator(fill),
                        /*resizable=*/true);
   return at::empty({0}, at::TensorOptions().dtype(dtype)).set_(storage, 0, {numel}, {1});
 }

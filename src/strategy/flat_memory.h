@@ -1,10 +1,11 @@
 // Flat buffers of the sharded strategies: 1-D tensors whose storage comes
 // straight from mmap, so that releasing a gathered unit returns its memory to
 // the system whatever malloc's thresholds, and whose storage can be released
-// and grown again in place while views of it stay valid. Up to two released
-// mappings of each size are kept and reused by the next buffer of that size
-// (a unit is released and gathered again every micro-step, and a fresh
-// mapping faults in and zeroes every page); the rest go back to the system.
+// and grown again in place while views of it stay valid. Released mappings
+// are kept and reused by the next buffer of the same size (a unit is released
+// and gathered again every micro-step, and a fresh mapping faults in and
+// zeroes every page), as long as live plus kept bytes stay within the most
+// ever live at once; the rest go back to the system.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -22,13 +23,22 @@ FlatMemoryStats flat_memory_stats();
 /// Sets peak_bytes to live_bytes (to measure the peak of a later phase).
 void reset_flat_memory_peak();
 
-/// A zero-filled 1-D tensor of `numel` elements in mmap'd storage.
-at::Tensor flat_empty(int64_t numel, at::ScalarType dtype);
+/// What a buffer holds when its storage is made or grown again.
+enum class FlatFill {
+  Zeros,      ///< zeros (gradient sums)
+  Undefined,  ///< anything: every element is written before it is read (gathered parameters)
+};
+
+/// A 1-D tensor of `numel` elements in mmap'd storage.
+at::Tensor flat_empty(int64_t numel, at::ScalarType dtype, FlatFill fill);
+
+/// Returns the kept released mappings to the system (a strategy that ends).
+void trim_flat_memory();
 
 /// Returns the storage of `flat` to the system; its views keep their shape.
 void release_storage(const at::Tensor& flat);
 
-/// Gives `flat` storage for all its elements again (zero-filled).
+/// Gives `flat` storage for all its elements again, filled as flat_empty said.
 void regrow_storage(const at::Tensor& flat);
 
 /// Whether `flat` currently has storage for all its elements.

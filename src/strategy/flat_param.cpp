@@ -59,12 +59,25 @@ at::Tensor FlatParam::shard_slice(size_t i, bool whole) const {
 }
 
 void FlatParam::adopt_grad(size_t i) {
-  if (!grad_full.defined()) grad_full = flat_empty(layout.padded, compute_dtype);
+  if (!grad_full.defined()) {
+    // Each parameter's part is written when it is adopted: no pass of zeros first.
+    grad_full = flat_empty(layout.padded, compute_dtype, FlatFill::Undefined);
+    grad_full.narrow(0, layout.numel, layout.padded - layout.numel).zero_();
+    grad_unwritten.assign(params.size(), true);
+  }
   const FlatMember& p = params[i];
   at::Tensor& g = p.var.mutable_grad();
   at::Tensor view = alias_of(grad_full, p.slot.offset, p.shape);
-  if (g.defined() && g.data_ptr() == view.data_ptr()) return;
-  if (g.defined()) view.add_(g);
+  if (grad_unwritten[i]) {
+    if (g.defined()) {
+      view.copy_(g);
+    } else {
+      view.zero_();
+    }
+    grad_unwritten[i] = false;
+  } else if (g.defined() && g.data_ptr() != view.data_ptr()) {
+    view.add_(g);
+  }
   g = view;
 }
 

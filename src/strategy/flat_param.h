@@ -74,6 +74,7 @@ struct FlatParam {
   at::Tensor shard;       // master dtype, [shard_numel]; a view of full when they coincide
   at::Tensor gather_src;  // what all_gather sends: shard, or its compute-dtype copy
   at::Tensor grad_full;   // compute dtype, [padded]; the parameters' .grad are views of it
+  std::vector<bool> grad_unwritten;  // per parameter: its part of a new grad_full is not yet written
   at::Tensor grad_shard;  // master dtype, [shard_numel]: the optimizer's gradients
   bool grad_shard_is_view = false;
   std::vector<at::Tensor> opt_params;  // per parameter: its slice of shard
@@ -82,8 +83,9 @@ struct FlatParam {
   /// Parameter i's elements in this rank's shard: in its own shape when the
   /// shard is the whole buffer (`whole`), else 1-D.
   at::Tensor shard_slice(size_t i, bool whole) const;
-  /// Allocates grad_full (zeros) if absent and makes every parameter's .grad
-  /// a view of it, adding what a parameter's .grad held before.
+  /// Allocates grad_full if absent and makes every parameter's .grad a view
+  /// of it: the view takes what the .grad held (zeros for none) when it is
+  /// new, and adds it when the view already held a sum.
   void adopt_grads();
   void adopt_grad(size_t i);
 };

@@ -123,6 +123,11 @@ ShardedStrategy::~ShardedStrategy() {
       for (auto& p : flats_[f].params) p.var.set_data(at::empty({0}, p.var.options()));
     }
   }
+  // The kept mappings go back with the buffers (a later strategy may need other sizes).
+  gatherer_.reset();
+  reducer_.reset();
+  flats_.clear();
+  trim_flat_memory();
 }
 
 void ShardedStrategy::need_setup(const char* what) const {
@@ -232,7 +237,7 @@ void ShardedStrategy::build_flat(size_t u, std::vector<FlatMember> params, bool 
   // The master values, padded with zeros.
   at::Tensor master = at::zeros({l.padded}, at::TensorOptions().dtype(dtype));
   for (const auto& p : params) master.narrow(0, p.slot.offset, p.slot.numel).copy_(p.var.detach().reshape(-1));
-  fl.full = flat_empty(l.padded, fl.compute_dtype);
+  fl.full = flat_empty(l.padded, fl.compute_dtype, FlatFill::Undefined);
   fl.full.copy_(master);
   const bool shard_in_full = !mode_.shard_params && fl.compute_dtype == dtype;
   fl.shard = shard_in_full ? fl.full.narrow(0, l.shard_offset, l.shard_numel)
@@ -308,8 +313,12 @@ at::Tensor ShardedStrategy::post_forward(size_t u, const at::Tensor& output) {
       with(self, [&](ShardedStrategy& s) { s.pre_backward(u); });
     });
   }
-  // During backward (a recomputation) the unit's own backward is next.
-  if (phase_ != Phase::Backward && (mode_.reshard_after_forward || !backward_follows)) gatherer_->reshard(u);
+  // During backward (a recomputation) the unit's own backward is next. So
+  // is the backward of the unit whose forward ran last: it stays gathered.
+  const bool last = backward_follows && gatherer_->last_in_order(u);
+  if (phase_ != Phase::Backward && (mode_.reshard_after_forward || !backward_follows) && !last) {
+    gatherer_->reshard(u);
+  }
   return output;
 }
 
@@ -360,8 +369,10 @@ void ShardedStrategy::pre_backward(size_t u) {
   begin_backward();
   release_finished_units(u);
   gatherer_->gather_now(u);
+  // Gradients kept whole across micro-steps accumulate in place; a new
+  // buffer takes each gradient by copy when it is ready (param_ready).
   for (size_t f : units_[u].flats) {
-    if (flats_[f].trainable) flats_[f].adopt_grads();
+    if (flats_[f].trainable && flats_[f].grad_full.defined()) flats_[f].adopt_grads();
   }
   if (options_.backward_prefetch() == BackwardPrefetch::BackwardPre) {
     gatherer_->prefetch(gatherer_->next_in_order(u, -1));

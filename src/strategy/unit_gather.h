@@ -81,6 +81,10 @@ class UnitGatherer {
   bool order_frozen() const { return frozen_; }
   /// The unit after (+1) or before (-1) `u` in the recorded order, or -1.
   long next_in_order(size_t u, int direction) const;
+  /// Whether `u` is the last unit of the recorded (frozen) order.
+  bool last_in_order(size_t u) const {
+    return frozen_ && position_[u] >= 0 && position_[u] + 1 == static_cast<long>(order_.size());
+  }
 
   int64_t prefetches() const { return prefetches_; }
   int max_in_flight() const { return max_in_flight_; }

@@ -182,7 +182,9 @@ double global_sum(double local) {
 // accumulated sharded (full_shard, shard_grad_op with accumulation:
 // sharded); frozen flats never. Gathers fill whole flats in the compute
 // dtype, frozen ones too: full_shard gathers the Linear units in forward and
-// again in backward of every micro-step, shard_grad_op once per micro-step,
+// again in backward of every micro-step (but l3, the last in forward order,
+// stays gathered for its backward once the order is known, after step 0),
+// shard_grad_op once per micro-step,
 // zero1 every flat after the optimizer step (at world size 2 and more),
 // no_shard nothing; the root unit stays gathered
 // until the optimizer step changes it. Setup leaves every unit gathered, so
@@ -218,7 +220,7 @@ StepComm expected_comm(const Case& c, int n, int64_t step) {
   if (c.name == "zero1") {  // alone, its shard is the whole model
     gathered = step == 0 || n == 1 ? 0 : root + units;
   } else if (c.sharding == "full_shard" || hybrid) {
-    gathered = step == 0 ? (2 * acc - 1) * units : root + 2 * acc * units;
+    gathered = step == 0 ? (2 * acc - 1) * units : root + 2 * acc * units - acc * padded(245);
   } else if (c.sharding == "shard_grad_op") {
     gathered = step == 0 ? (acc - 1) * units : root + acc * units;
   }
