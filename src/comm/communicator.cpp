@@ -23,6 +23,7 @@
 #include <thread>
 
 #include "comm/detail.h"
+#include "comm/shm.h"
 #include "comm/interface.h"
 #include "comm/kv_store.h"
 #include "comm/store.h"
@@ -203,6 +204,8 @@ class Group {
   std::string broken;
   // The world group's liveness signal in the store (heartbeat_key).
   std::unique_ptr<Heartbeat> heartbeat;
+  // Collectives through shared memory when every rank is on this host.
+  std::unique_ptr<ShmChannel> shm;
   // Declared last: destroyed first, so queued ops finish while the rest lives.
   std::unique_ptr<Worker> p2p_worker;
   std::unique_ptr<Worker> worker;
@@ -250,6 +253,7 @@ class Group {
     oc.deadline = Clock::now() + (op_timeout.count() > 0 ? op_timeout : timeout);
     oc.segment_bytes = segment_bytes;
     oc.scratch = &scratch;
+    oc.shm = shm.get();
     return oc;
   }
 };
@@ -513,6 +517,7 @@ std::shared_ptr<Communicator> Communicator::create(const CommOptions& options) {
         group->kv, detail::heartbeat_key(group->round, group->rank));
     group->ctx = detail::connect(*group->store, group->store_prefix, group->device, group->rank,
                                  group->size, group->timeout, group->name);
+    group->shm = detail::ShmChannel::open(group->op_context("shared-memory setup", 0, group->timeout));
     group->worker = std::make_unique<detail::Worker>();
   }
   return std::shared_ptr<Communicator>(new Communicator(std::move(group)));
@@ -527,7 +532,9 @@ const std::string& Communicator::name() const { return group_->name; }
 const std::vector<int>& Communicator::global_ranks() const { return group_->global_ranks; }
 std::string Communicator::endpoint() const {
   const auto& e = group_->endpoint;
-  return e.address.empty() ? std::string() : str_cat(e.iface, " ", e.address, " (", e.why, ")");
+  if (e.address.empty()) return {};
+  return str_cat(e.iface, " ", e.address, " (", e.why, ")",
+                 group_->shm ? "; collectives among the ranks of this host through shared memory" : "");
 }
 double Communicator::busy_seconds() const { return static_cast<double>(group_->busy_ns.load()) * 1e-9; }
 
@@ -591,6 +598,11 @@ Work Communicator::all_reduce(const at::Tensor& tensor, const AllReduceOptions& 
     if (oc.size == 1) return;  // x op nothing = x, and avg over one rank divides by 1
     const ShardRange mine = shard_range(n, oc.size, oc.rank);
     char* mine_ptr = buf + mine.offset * detail::element_size(dtype);
+    if (oc.shm != nullptr) {
+      oc.shm->reduce_scatter(oc, buf, mine_ptr, n, dtype, op);
+      oc.shm->all_gather(oc, buf, n, dtype);
+      return;
+    }
     detail::ring_reduce_scatter(oc, buf, mine_ptr, n, dtype, op);
     detail::OpContext gather = oc;
     gather.phase = 1;
@@ -617,7 +629,11 @@ Work Communicator::reduce_scatter(const at::Tensor& input, const at::Tensor& out
       if (n > 0) std::memcpy(detail::bytes(output), detail::bytes(input), n * detail::element_size(dtype));
       return;
     }
-    detail::ring_reduce_scatter(oc, detail::bytes(input), detail::bytes(output), n, dtype, op);
+    if (oc.shm != nullptr) {
+      oc.shm->reduce_scatter(oc, detail::bytes(input), detail::bytes(output), n, dtype, op);
+    } else {
+      detail::ring_reduce_scatter(oc, detail::bytes(input), detail::bytes(output), n, dtype, op);
+    }
   });
 }
 
@@ -637,7 +653,11 @@ Work Communicator::all_gather(const at::Tensor& input, const at::Tensor& output,
     char* own = detail::bytes(output) + mine.offset * es;
     if (mine.count > 0 && own != detail::bytes(input))
       std::memcpy(own, detail::bytes(input), mine.count * es);
-    if (oc.size > 1) detail::ring_all_gather(oc, detail::bytes(output), output.numel(), dtype);
+    if (oc.shm != nullptr) {
+      oc.shm->all_gather(oc, detail::bytes(output), output.numel(), dtype);
+    } else if (oc.size > 1) {
+      detail::ring_all_gather(oc, detail::bytes(output), output.numel(), dtype);
+    }
   });
 }
 
@@ -748,6 +768,7 @@ std::shared_ptr<Communicator> Communicator::new_group(std::vector<int> ranks) {
     group->store_prefix = str_cat(parent.store_prefix, "/group", id);
     group->ctx = detail::connect(*group->store, group->store_prefix, group->device, group->rank,
                                  group->size, group->timeout, group->name);
+    group->shm = detail::ShmChannel::open(group->op_context("shared-memory setup", 0, group->timeout));
     group->worker = std::make_unique<detail::Worker>();
   }
   return std::shared_ptr<Communicator>(new Communicator(std::move(group)));

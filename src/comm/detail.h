@@ -19,6 +19,8 @@ class UnboundBuffer;
 
 namespace shardtrain::comm::detail {
 
+class ShmChannel;
+
 /// Element types the algorithms move and reduce.
 enum class DType { Float32, Float64, BFloat16, Float16, Int32, Int64 };
 const char* to_string(DType dtype);
@@ -66,6 +68,8 @@ struct OpContext {
   Clock::time_point deadline;
   int64_t segment_bytes = int64_t{1} << 20;
   ScratchArena* scratch = nullptr;
+  // The group's shared-memory path when all its ranks are on this host (shm.h).
+  ShmChannel* shm = nullptr;
 
   /// Phase of a multi-phase op (all_reduce: 0 reduce-scatter, 1 all-gather).
   uint32_t phase = 0;

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <thread>
 
 #include "shardtrain/comm/communicator.h"
@@ -294,6 +295,22 @@ TEST(Errors, BadArgumentsAreTypedErrors) {
   EXPECT_THROW(world().reduce_scatter(t, wrong), InvalidArgument);
   EXPECT_THROW(world().broadcast(t, BroadcastOptions().root(world().size())), InvalidArgument);
   EXPECT_THROW(world().new_group({world().size()}), InvalidArgument);
+}
+
+// Ranks of one host exchange through shared memory, in every group, unless
+// SHARDTRAIN_SHM=0 (the TCP path then carries everything); the group's
+// endpoint text, which `shardtrain train` prints at start-up, says which.
+TEST(Transport, RanksOfOneHostShareMemoryUnlessTurnedOff) {
+  const char* off = std::getenv("SHARDTRAIN_SHM");
+  const bool expect = world().size() > 1 && !(off != nullptr && std::string(off) == "0");
+  const auto shares = [](const Communicator& c) {
+    return c.endpoint().find("through shared memory") != std::string::npos;
+  };
+  EXPECT_EQ(shares(world()), expect) << world().endpoint();
+  if (world().size() > 2) {
+    auto pair = world().new_group({0, 1});
+    if (pair) EXPECT_EQ(shares(*pair), expect) << pair->endpoint();
+  }
 }
 
 // A peer that is alive but never joins the collective: the op fails with a

@@ -4,7 +4,8 @@
 #   - the start-up line and metrics name OpenBLAS's kernel set, and a
 #     OPENBLAS_CORETYPE that holds OpenBLAS below an AVX-512 CPU is warned about;
 #   - each rank's BLAS threads equal distributed.threads_per_rank;
-#   - trainer.profile_step writes each rank's profile of that step, ops by phase.
+#   - trainer.profile_step writes each rank's profile of that step, ops by phase;
+#   - two ranks of one host exchange through shared memory, and say so.
 set -euo pipefail
 cli=$1 src=$2
 cd "$src"
@@ -41,6 +42,8 @@ else
   grep -q "BLAS: not OpenBLAS" <<<"$out" || fail "the start-up line does not say the BLAS is not OpenBLAS"
 fi
 ! grep -q "holds OpenBLAS to" <<<"$out" || fail "warned about OPENBLAS_CORETYPE while it was unset"
+grep -q "network: .*; collectives among the ranks of this host through shared memory" <<<"$out" ||
+  fail "two ranks of one host do not say they use shared memory"
 [ "$(field "$run/a/metrics.jsonl" blas_threads)" = 1 ] || fail "blas_threads is not threads_per_rank (1)"
 
 # A forced kernel set is used, and warned about where it is below the CPU.

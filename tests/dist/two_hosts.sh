@@ -62,6 +62,9 @@ for strategy in ddp hybrid; do
   [ "$rc" = 0 ] || { cat "$work/$strategy".*.log; fail "$strategy across two hosts exited $rc"; }
   grep -q "network: ${HOST_DEV[0]} $master (routes to $master)" "$work/$strategy.0.log" || {
     cat "$work/$strategy.0.log"; fail "$strategy: rank 0 did not report the veth interface it chose"; }
+  # The world spans two hosts (network namespaces): its collectives cross the link.
+  if grep "network:" "$work/$strategy.0.log" | grep -q "shared memory"; then
+    cat "$work/$strategy.0.log"; fail "$strategy: a world across two hosts claims shared memory"; fi
   got=$(losses "$run/metrics.jsonl")
   python3 - "$reference" "$got" "$strategy" <<'PY' || fail "$strategy: losses differ from the single-process run"
 import sys

@@ -1,0 +1,266 @@
+#include "comm/shm.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+
+#include "shardtrain/core/error.h"
+
+namespace shardtrain::comm::detail {
+
+namespace {
+
+constexpr size_t kLine = 64;         // one sequence word per cache line
+constexpr size_t kHeaderBytes = 4096;
+
+uint64_t fnv1a(const std::string& s, uint64_t h = 1469598103934665603ull) {
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+// What ranks that can share memory have in common: the same kernel boot and
+// the same namespaces (network namespaces are how tests make separate hosts,
+// and those must talk over their network). Empty when unknown.
+std::string host_identity() {
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::string id((std::istreambuf_iterator<char>(boot)), std::istreambuf_iterator<char>());
+  if (id.empty()) return {};
+  for (const char* ns : {"/proc/self/ns/net", "/proc/self/ns/ipc", "/proc/self/ns/pid", "/proc/self/ns/mnt"}) {
+    struct stat st {};
+    if (stat(ns, &st) != 0) return {};
+    id += ":" + std::to_string(st.st_dev) + "/" + std::to_string(st.st_ino);
+  }
+  return id;
+}
+
+size_t stage_bytes_from_env(int size) {
+  const char* v = std::getenv("SHARDTRAIN_SHM_STAGE_BYTES");
+  if (v == nullptr || *v == '\0') return ShmChannel::kStageBytes;
+  char* end = nullptr;
+  const long long bytes = std::strtoll(v, &end, 10);
+  const long long least = 64LL * size;  // a cache line per rank's slice, at least
+  ST_CHECK(end != v && *end == '\0' && bytes >= least, ConfigError, "SHARDTRAIN_SHM_STAGE_BYTES='", v,
+           "' is not a byte count of at least ", least, " (64 per rank)");
+  return static_cast<size_t>(bytes);
+}
+
+bool disabled_by_env() {
+  const char* v = std::getenv("SHARDTRAIN_SHM");
+  return v != nullptr && std::string(v) == "0";
+}
+
+// Whether the process is gone (or a zombie waiting to be reaped).
+bool exited(int64_t pid) {
+  if (kill(static_cast<pid_t>(pid), 0) != 0) return errno == ESRCH;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return false;
+  const size_t close = line.rfind(')');
+  return close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'Z';
+}
+
+// The TCP path's all-gather of one int64 per rank per field (setup only).
+std::vector<int64_t> exchange(const OpContext& oc, const std::vector<int64_t>& mine) {
+  const int64_t k = static_cast<int64_t>(mine.size());
+  std::vector<int64_t> all(static_cast<size_t>(k * oc.size));
+  std::copy(mine.begin(), mine.end(), all.begin() + oc.rank * k);
+  ring_all_gather(oc, all.data(), k * oc.size, DType::Int64);
+  return all;
+}
+
+std::atomic<uint64_t> g_segments{0};
+
+}  // namespace
+
+std::unique_ptr<ShmChannel> ShmChannel::open(const OpContext& setup) {
+  OpContext oc = setup;
+  oc.phase = 7;  // slots of its own: never those of a numbered op
+  const int n = oc.size;
+  const std::string host = host_identity();
+  const bool usable = n > 1 && !disabled_by_env() && !host.empty();
+  // A rank that cannot take part offers a key no other rank has.
+  const int64_t key = usable ? static_cast<int64_t>(fnv1a(host)) : -1 - oc.rank;
+  const int64_t nonce = oc.rank == 0 ? static_cast<int64_t>(++g_segments) : 0;
+  const auto stage = static_cast<int64_t>(stage_bytes_from_env(n));
+  constexpr int kFields = 4;
+  std::vector<int64_t> all = exchange(oc, {key, static_cast<int64_t>(getpid()), nonce, stage});
+  std::vector<int64_t> pids(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    if (all[kFields * r] != all[0]) return nullptr;  // another host, or shared memory off somewhere
+    pids[r] = all[kFields * r + 1];
+  }
+  const std::string name = "/shardtrain-" + std::to_string(pids[0]) + "-" + std::to_string(all[2]);
+  const auto stage_bytes = static_cast<size_t>(all[3]);  // rank 0's, so every rank agrees
+  const size_t bytes = kHeaderBytes + static_cast<size_t>(n) * stage_bytes;
+
+  // Rank 0 makes the segment; the others open it once it exists; rank 0
+  // removes the name once every rank has tried, so nothing outlives the job.
+  char* base = nullptr;
+  const auto map = [&](int flags) {
+    const int fd = shm_open(name.c_str(), flags, 0600);
+    if (fd < 0) return false;
+    bool ok = (flags & O_CREAT) == 0 || ftruncate(fd, static_cast<off_t>(bytes)) == 0;
+    if (ok) {
+      void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      ok = p != MAP_FAILED;
+      if (ok) base = static_cast<char*>(p);
+    }
+    close(fd);
+    return ok;
+  };
+  int64_t made = oc.rank == 0 ? map(O_CREAT | O_EXCL | O_RDWR) : 1;
+  made = exchange(oc, {made})[0];
+  int64_t mapped = made != 0 && (oc.rank == 0 || map(O_RDWR)) ? 1 : 0;
+  const std::vector<int64_t> maps = exchange(oc, {mapped});
+  if (oc.rank == 0 && made != 0) shm_unlink(name.c_str());
+  const bool everyone = std::all_of(maps.begin(), maps.end(), [](int64_t m) { return m != 0; });
+  if (!everyone) {
+    if (base != nullptr) munmap(base, bytes);
+    return nullptr;
+  }
+  return std::unique_ptr<ShmChannel>(new ShmChannel(base, bytes, stage_bytes, oc.rank, n, std::move(pids)));
+}
+
+ShmChannel::ShmChannel(char* base, size_t bytes, size_t stage_bytes, int rank, int size,
+                       std::vector<int64_t> pids)
+    : base_(base), bytes_(bytes), stage_bytes_(stage_bytes), rank_(rank), size_(size), pids_(std::move(pids)) {}
+
+// A peer waiting on this rank learns at once that it will not come, as it
+// would from a closed connection.
+ShmChannel::~ShmChannel() {
+  closed(rank_).store(1, std::memory_order_release);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word(rank_)), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+  munmap(base_, bytes_);
+}
+
+std::atomic<uint32_t>& ShmChannel::word(int r) const {
+  return *reinterpret_cast<std::atomic<uint32_t>*>(base_ + static_cast<size_t>(r) * kLine);
+}
+
+std::atomic<uint32_t>& ShmChannel::closed(int r) const {
+  return *reinterpret_cast<std::atomic<uint32_t>*>(base_ + static_cast<size_t>(r) * kLine + sizeof(uint32_t));
+}
+
+char* ShmChannel::stage(int r) const { return base_ + kHeaderBytes + static_cast<size_t>(r) * stage_bytes_; }
+
+void ShmChannel::publish() {
+  word(rank_).store(++phase_, std::memory_order_release);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word(rank_)), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+// Until every peer has published this rank's phase: their data is in their
+// areas, or they have finished reading this rank's.
+void ShmChannel::wait_all(const OpContext& oc) const {
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_) continue;
+    std::atomic<uint32_t>& w = word(p);
+    auto next_check = Clock::now() + std::chrono::milliseconds(100);
+    for (int spin = 0;; ++spin) {
+      const uint32_t seen = w.load(std::memory_order_acquire);
+      if (static_cast<int32_t>(seen - phase_) >= 0) break;
+      if (closed(p).load(std::memory_order_acquire) != 0) {
+        throw CommError(oc.describe(p) +
+                        ": the peer closed its side of the group. Hint: the peer probably exited "
+                        "or failed; see its own output for why.");
+      }
+      if (spin < 200) continue;
+      const auto now = Clock::now();
+      if (now >= oc.deadline) {
+        throw TimeoutError(oc.describe(p) +
+                           ": timed out waiting for the peer in shared memory. Hint: the peer may "
+                           "have hung or issued collectives in another order; raise "
+                           "SHARDTRAIN_TIMEOUT_S if steps are legitimately this slow.");
+      }
+      if (now >= next_check) {
+        if (exited(pids_[p])) {
+          throw CommError(oc.describe(p) + ": the peer process (pid " + std::to_string(pids_[p]) +
+                          ") exited. Hint: the peer probably exited; see its own output for why.");
+        }
+        next_check = now + std::chrono::milliseconds(100);
+      }
+      // Bounded, so the deadline and the peer's life are checked again.
+      const timespec nap{0, 20 * 1000 * 1000};
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&w), FUTEX_WAIT, seen, &nap, nullptr, 0);
+    }
+  }
+}
+
+namespace {
+
+// Elements [lo, lo + cap) of a range of `count`: how many exist.
+int64_t piece(int64_t count, int64_t lo, int64_t cap) { return std::clamp<int64_t>(count - lo, 0, cap); }
+
+int64_t most_per_rank(int64_t numel, int n) { return (numel + n - 1) / n; }
+
+}  // namespace
+
+void ShmChannel::all_gather(const OpContext& oc, void* buf, int64_t numel, DType dtype) {
+  const size_t es = element_size(dtype);
+  char* out = static_cast<char*>(buf);
+  const int64_t per = static_cast<int64_t>(stage_bytes_ / es);
+  const int64_t most = most_per_rank(numel, size_);
+  for (int64_t lo = 0; lo < most; lo += per) {
+    wait_all(oc);  // peers have read what this rank staged before
+    const ShardRange mine = shard_range(numel, size_, rank_);
+    std::memcpy(stage(rank_), out + (mine.offset + lo) * es, piece(mine.count, lo, per) * es);
+    publish();
+    wait_all(oc);
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      const ShardRange theirs = shard_range(numel, size_, p);
+      std::memcpy(out + (theirs.offset + lo) * es, stage(p), piece(theirs.count, lo, per) * es);
+    }
+    publish();
+  }
+}
+
+void ShmChannel::reduce_scatter(const OpContext& oc, const void* in, void* out, int64_t numel,
+                                DType dtype, ReduceOp op) {
+  const size_t es = element_size(dtype);
+  const char* src = static_cast<const char*>(in);
+  char* dst = static_cast<char*>(out);
+  // Each area holds one slice per destination rank.
+  const size_t slice_bytes = stage_bytes_ / static_cast<size_t>(size_) / kLine * kLine;
+  const int64_t per = static_cast<int64_t>(slice_bytes / es);
+  const int64_t most = most_per_rank(numel, size_);
+  const ShardRange mine = shard_range(numel, size_, rank_);
+  for (int64_t lo = 0; lo < most; lo += per) {
+    wait_all(oc);
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      const ShardRange theirs = shard_range(numel, size_, p);
+      std::memcpy(stage(rank_) + p * slice_bytes, src + (theirs.offset + lo) * es,
+                  piece(theirs.count, lo, per) * es);
+    }
+    publish();
+    wait_all(oc);
+    const int64_t count = piece(mine.count, lo, per);
+    if (count > 0) {
+      // This rank's values, then each peer's in rank order; Avg divides on the last.
+      const void* acc = src + (mine.offset + lo) * es;
+      int combined = 0;
+      for (int p = 0; p < size_; ++p) {
+        if (p == rank_) continue;
+        const bool last = ++combined == size_ - 1;
+        reduce(dst + lo * es, acc, stage(p) + rank_ * slice_bytes, count, dtype, op,
+               last && op == ReduceOp::Avg ? size_ : 0);
+        acc = dst + lo * es;
+      }
+    }
+    publish();
+  }
+}
+
+}  // namespace shardtrain::comm::detail

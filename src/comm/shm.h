@@ -1,0 +1,62 @@
+// Collectives among the ranks of one host through one shared mapping.
+//
+// Over loopback TCP every byte is copied into the kernel by the sender and
+// out again by the receiver, with the protocol's work on top, all on the
+// cores that also compute. Here each rank has a staging area in a mapping
+// every rank of the group shares and a sequence word it advances when it has
+// finished a phase: a rank copies its part into its own area, and its peers
+// copy it out (or combine it into theirs) once its word says it is there.
+// Waits sleep on the word (a futex) with a short bound, so a deadline that
+// passes or a peer process that exits is noticed within milliseconds.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/detail.h"
+
+namespace shardtrain::comm::detail {
+
+class ShmChannel {
+ public:
+  /// Bytes of each rank's staging area (SHARDTRAIN_SHM_STAGE_BYTES sets
+  /// another; larger transfers go through it in pieces).
+  static constexpr size_t kStageBytes = size_t{8} << 20;
+
+  /// Every rank of `oc`'s group calls this together; it agrees over the
+  /// group's TCP path. Returns null (every rank alike) when some rank is on
+  /// another host (boot id and namespaces differ), when SHARDTRAIN_SHM=0,
+  /// or when the mapping cannot be made on some rank.
+  static std::unique_ptr<ShmChannel> open(const OpContext& oc);
+  ~ShmChannel();
+  ShmChannel(const ShmChannel&) = delete;
+  ShmChannel& operator=(const ShmChannel&) = delete;
+
+  /// In place: `buf` (numel elements) holds this rank's shard_range.
+  void all_gather(const OpContext& oc, void* buf, int64_t numel, DType dtype);
+  /// `out` receives the reduction of every rank's shard_range of `in`;
+  /// `out` may be that range of `in` itself.
+  void reduce_scatter(const OpContext& oc, const void* in, void* out, int64_t numel, DType dtype,
+                      ReduceOp op);
+
+ private:
+  ShmChannel(char* base, size_t bytes, size_t stage_bytes, int rank, int size, std::vector<int64_t> pids);
+  std::atomic<uint32_t>& word(int r) const;
+  std::atomic<uint32_t>& closed(int r) const;  // set when rank r's channel is destroyed
+  char* stage(int r) const;
+  void publish();
+  void wait_all(const OpContext& oc) const;
+
+  char* base_;
+  size_t bytes_;
+  size_t stage_bytes_;
+  int rank_;
+  int size_;
+  std::vector<int64_t> pids_;  // per group rank, for noticing a peer that exited
+  uint32_t phase_ = 0;         // the last phase this rank published
+};
+
+}  // namespace shardtrain::comm::detail
