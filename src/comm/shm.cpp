@@ -111,7 +111,9 @@ std::unique_ptr<ShmChannel> ShmChannel::open(const OpContext& setup) {
   const auto map = [&](int flags) {
     const int fd = shm_open(name.c_str(), flags, 0600);
     if (fd < 0) return false;
-    bool ok = (flags & O_CREAT) == 0 || ftruncate(fd, static_cast<off_t>(bytes)) == 0;
+    // Reserved, not just sized: a full /dev/shm then fails here (and the
+    // group uses TCP) instead of as SIGBUS on a later write.
+    bool ok = (flags & O_CREAT) == 0 || posix_fallocate(fd, 0, static_cast<off_t>(bytes)) == 0;
     if (ok) {
       void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
       ok = p != MAP_FAILED;
@@ -124,7 +126,7 @@ std::unique_ptr<ShmChannel> ShmChannel::open(const OpContext& setup) {
   made = exchange(oc, {made})[0];
   int64_t mapped = made != 0 && (oc.rank == 0 || map(O_RDWR)) ? 1 : 0;
   const std::vector<int64_t> maps = exchange(oc, {mapped});
-  if (oc.rank == 0 && made != 0) shm_unlink(name.c_str());
+  if (oc.rank == 0) shm_unlink(name.c_str());  // also after a half-made segment
   const bool everyone = std::all_of(maps.begin(), maps.end(), [](int64_t m) { return m != 0; });
   if (!everyone) {
     if (base != nullptr) munmap(base, bytes);
