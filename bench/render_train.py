@@ -193,18 +193,44 @@ def order(keys):
     return sorted(keys, key=k)
 
 
+def rounds_of(rows, impl):
+    """(label, mode) -> that implementation's timed runs, in the order they ran (one per round)."""
+    out = {}
+    for r in rows:
+        if r.get("impl") == impl and "step_time_s" in r:
+            out.setdefault((r["label"], mode_of(r)), []).append(r)
+    return out
+
+
+def median_run(runs):
+    """The run of median tokens/s (the lower of the middle two for an even count)."""
+    ranked = sorted(runs, key=lambda r: r["tokens_per_s"])
+    return ranked[(len(ranked) - 1) // 2]
+
+
+def spread(ours, theirs):
+    """' (rounds: 1.10–1.25×)': the range of the per-round ratios, pairing the
+    k-th run of each; empty for a single round."""
+    ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, theirs)]
+    if len(ratios) < 2:
+        return ""
+    return f" (rounds: {min(ratios):.2f}–{max(ratios):.2f}×)"
+
+
 def render(rows, a):
     m = next((r for r in rows if r.get("kind") == "machine"), {})
     fin = next((r for r in rows if r.get("kind") == "finish"), {})
     peaks = {r["copies"]: r for r in rows if r.get("kind") == "gemm_peak"}
-    st = {(r["label"], mode_of(r)): r for r in rows if r.get("impl") == "shardtrain" and "step_time_s" in r}
-    pt = {(r["label"], mode_of(r)): r for r in rows if r.get("impl") == "pytorch" and "step_time_s" in r}
+    st_rounds = rounds_of(rows, "shardtrain")
+    pt_rounds = rounds_of(rows, "pytorch")
+    st = {k: median_run(v) for k, v in st_rounds.items()}
+    pt = {k: median_run(v) for k, v in pt_rounds.items()}
     skips = {(r["label"], r["mode"]): r for r in rows if r.get("kind") == "skipped"}
     profs = [r for r in rows if r.get("kind") == "profile"]
     if not st:
         sys.exit("render_train.py: no shardtrain results to render")
     mismatched = []
-    keys = order(set(st) | set(skips))
+    keys = order({k for k in st if "@" not in k[1]} | set(skips))  # "ddp@fsdp": a peer run, no row
 
     flags = m.get("flags", {})
     st_cores = sorted({r.get("blas_core") for r in st.values() if r.get("blas_core") is not None})
@@ -253,16 +279,21 @@ def render(rows, a):
         "wrap AdamW in ZeroRedundancyOptimizer; bf16 rows run forward and loss under "
         "torch.autocast(\"cpu\", dtype=torch.bfloat16) against shardtrain's precision=bf16-mixed. "
         "FULL_SHARD (distributed.strategy=fsdp) has no PyTorch peer here: its ratio is against "
-        "shardtrain's own fp32 DDP row (goal ≥ 0.95×); PyTorch DDP is shown for reference. "
+        "shardtrain's own fp32 DDP, run beside it in each round (goal ≥ 0.95×); PyTorch DDP is "
+        "shown for reference. "
         "Peers run at their best known settings: "
         + (", ".join(f"`{e}`" for e in pt_env) if pt_env else "?")
         + " (OPENBLAS_CORETYPE = the kernel set shardtrain's run of the same mode reported, or "
         "SKYLAKEX on an AVX-512 CPU when it did not say: both programs multiply with the same "
         "kernels). "
-        f"OMP_WAIT_POLICY={m.get('omp_wait_policy', '?')} for both. Each row is one run of each; a "
-        "step is timed from the first micro-batch to zero_grad on every rank and the slowest rank "
-        "counts; the figure is the median over the measured steps. tokens/s = global batch × block "
-        "size / step time. Ratio = shardtrain / PyTorch tokens/s (above 1: shardtrain faster). Peak "
+        f"OMP_WAIT_POLICY={m.get('omp_wait_policy', '?')} for both. Each mode runs in "
+        f"{max((len(v) for v in st_rounds.values()), default=1)} round(s), a round being one run of "
+        "shardtrain and then one of its peer (FULL_SHARD: of shardtrain's DDP), so that both meet "
+        "the same moment of a shared machine; a row shows the run of median tokens/s of each, "
+        "their ratio, and the range of the per-round ratios. A step is timed from the first "
+        "micro-batch to zero_grad on every rank and the slowest rank counts; a run's figure is the "
+        "median over its measured steps. tokens/s = global batch × block size / step time. Ratio = "
+        "shardtrain / PyTorch tokens/s (above 1: shardtrain faster). Peak "
         "RSS = ru_maxrss per rank, max over ranks (PyTorch's includes the Python interpreter). "
         "GEMM peak fraction = tokens/s × FLOPs per token / (per-core GEMM peak × ranks × threads), "
         "FLOPs per token = 6 × (non-embedding parameters + n_embd × vocab, the tied output "
@@ -305,13 +336,18 @@ def render(rows, a):
         if p and s.get("num_parameters") != p.get("num_parameters"):
             mismatched.append((k, s.get("num_parameters"), p.get("num_parameters")))
             params += " ≠ PyTorch " + benchlib.human_params(p["num_parameters"])
-        ours = st.get((label, "ddp")) if mode == "fsdp" else None
+        # FULL_SHARD's peer: shardtrain's DDP run beside it in each round
+        # (older results: the DDP row).
+        ref = (label, "ddp@fsdp") if (label, "ddp@fsdp") in st else (label, "ddp")
+        ours = st.get(ref) if mode == "fsdp" else None
         if ours:
             ratio = (f"{s['tokens_per_s'] / ours['tokens_per_s']:.2f}× of shardtrain DDP"
+                     + spread(st_rounds[k], st_rounds[ref])
                      + (f" ({s['tokens_per_s'] / p['tokens_per_s']:.2f}× PyTorch DDP)" if p else ""))
             peer = f"{p['tokens_per_s']:,.0f} (DDP)" if p else "—"
         elif p:
-            ratio = f"{s['tokens_per_s'] / p['tokens_per_s']:.2f}×"
+            ratio = (f"{s['tokens_per_s'] / p['tokens_per_s']:.2f}×"
+                     + spread(st_rounds[k], pt_rounds[(label, peer_mode)]))
             peer = f"{p['tokens_per_s']:,.0f}"
         else:
             ratio, peer = "—", "—"

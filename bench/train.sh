@@ -19,9 +19,12 @@
 # Environment: BUILD_DIR (default build), OUT_DIR (default $BUILD_DIR/bench-train),
 # MODELS (subset of "default gpt-25m"), MODES (subset of "single ddp zero1
 # fsdp bf16-ddp"; FULL_SHARD's row needs ddp's beside it), PROFILE (1: profile runs, the default;
-# 0: none), QUICK=1 (a few steps per run: a smoke test of the script, figures
-# not fit for BENCHMARKS.md; the section then says QUICK). About 9 minutes on
-# 2 idle cores; run it when nothing else runs (check `cat /proc/loadavg`).
+# 0: none), ROUNDS (default 3: each mode's pair of runs is repeated and the
+# median shown, with the range of the per-round ratios), QUICK=1 (a few
+# steps per run, one round unless ROUNDS says: a smoke test of the script, figures
+# not fit for BENCHMARKS.md; the section then says QUICK). About 4 minutes a
+# round plus 3 for the profiles on 2 idle cores; run it when nothing else runs
+# (check `cat /proc/loadavg`).
 #
 # Peers run at their best known settings: OPENBLAS_NUM_THREADS=1 per rank and
 # OPENBLAS_CORETYPE set to the OpenBLAS kernel set shardtrain's run of the
@@ -43,6 +46,7 @@ OUT_DIR=${OUT_DIR:-$BUILD_DIR/bench-train}
 MODELS=${MODELS:-"default gpt-25m"}
 PROFILE=${PROFILE:-1}
 QUICK=${QUICK:-0}
+if [ "$QUICK" = 1 ]; then ROUNDS=${ROUNDS:-1}; else ROUNDS=${ROUNDS:-3}; fi
 TORCH_PY=/usr/bin/python3          # Debian's python3-torch; the python3 on PATH may lack torch
 RENDER=(python3 bench/render_train.py)
 RUN_TIMEOUT=600                    # seconds per run; a hung rank fails the run instead of stalling it
@@ -204,6 +208,12 @@ peer_run() {  # peer_run CORETYPE RANKS ARGS...
   fi
 }
 
+summarize() {  # summarize RUN_DIR MODE: one throughput line for a shardtrain run
+  run "${RENDER[@]}" summarize --metrics "$1/metrics.jsonl" --label "$model" --mode "$2" \
+    --warmup "$W" --threads 1 --global-batch "$G" --micro "$M" --block-size "$T" \
+    --n-layer "$L" --n-embd "$E" --json "$RESULTS"
+}
+
 n_rows=0
 for model in $MODELS; do
   read -r L H E T G M S W <<< "$(model_spec "$model")"
@@ -217,21 +227,26 @@ for model in $MODELS; do
       continue
     fi
     dir=$OUT_DIR/$model-$MODE
-    shardtrain_run "$dir" "$NP" "$STRAT" "$PREC" "$S"
-    run "${RENDER[@]}" summarize --metrics "$dir/metrics.jsonl" --label "$model" --mode "$MODE" \
-      --warmup "$W" --threads 1 --global-batch "$G" --micro "$M" --block-size "$T" \
-      --n-layer "$L" --n-embd "$E" --json "$RESULTS"
-    CORE=$("${RENDER[@]}" coretype --metrics "$dir/metrics.jsonl" --default "$DEFAULT_CORETYPE")
-    echo "peer OPENBLAS_CORETYPE for $model $MODE: ${CORE:-(OpenBLAS picks)}"
-    gemm_peak "$CORE"
     peer_flags=()
     [ "$PEER" != - ] && [ "${PEER:0:1}" != = ] && peer_flags=("$PEER")
-    if [ "${PEER:0:1}" != = ]; then
-      peer_run "$CORE" "$NP" --label "$model" --mode "$MODE" --steps "$S" --warmup "$W" --json "$RESULTS" \
-        ${peer_flags[@]+"${peer_flags[@]}"}
-      n_rows=$((n_rows + 1))
-    fi
-    n_rows=$((n_rows + 1))
+    # Rounds of (ours, then its peer), so that both meet the same moment of
+    # the machine; "=ddp" rows take shardtrain's DDP again as their peer.
+    for ((round = 1; round <= ROUNDS; round++)); do
+      echo "== $model $MODE, round $round of $ROUNDS"
+      shardtrain_run "$dir" "$NP" "$STRAT" "$PREC" "$S"
+      summarize "$dir" "$MODE"
+      CORE=$("${RENDER[@]}" coretype --metrics "$dir/metrics.jsonl" --default "$DEFAULT_CORETYPE")
+      echo "peer OPENBLAS_CORETYPE for $model $MODE: ${CORE:-(OpenBLAS picks)}"
+      gemm_peak "$CORE"
+      if [ "$PEER" = =ddp ]; then
+        shardtrain_run "$dir-ddp" "$NP" ddp "$PREC" "$S"
+        summarize "$dir-ddp" "ddp@$MODE"
+      else
+        peer_run "$CORE" "$NP" --label "$model" --mode "$MODE" --steps "$S" --warmup "$W" --json "$RESULTS" \
+          ${peer_flags[@]+"${peer_flags[@]}"}
+      fi
+      n_rows=$((n_rows + 2))
+    done
 
     # One step of each gpt-25m mode under the profiler, in separate short
     # runs: the profiler slows a step, so a timed run is never profiled.
