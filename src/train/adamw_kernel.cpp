@@ -74,6 +74,23 @@ std::vector<Variant> variants() {
 
 }  // namespace
 
+AdamWScalars adamw_scalars(double lr, double weight_decay, double beta1, double beta2, double eps,
+                           int64_t step) {
+  const double bias_correction1 = 1 - std::pow(beta1, static_cast<double>(step));
+  const double bias_correction2 = 1 - std::pow(beta2, static_cast<double>(step));
+  AdamWScalars s;
+  s.decay = weight_decay != 0;
+  s.decay_factor = static_cast<float>(1 - lr * weight_decay);
+  s.beta1 = static_cast<float>(beta1);
+  s.one_minus_beta1 = static_cast<float>(1 - beta1);
+  s.beta2 = static_cast<float>(beta2);
+  s.one_minus_beta2 = static_cast<float>(1 - beta2);
+  s.sqrt_bias_correction2 = static_cast<float>(std::sqrt(bias_correction2));
+  s.eps = static_cast<float>(eps);
+  s.neg_step_size = static_cast<float>(-lr / bias_correction1);
+  return s;
+}
+
 void adamw_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n,
                   const AdamWScalars& s) {
   static const Update best = variants().front().update;

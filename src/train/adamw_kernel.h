@@ -21,6 +21,11 @@ struct AdamWScalars {
   float neg_step_size = 0.f;  // -lr / (1 - beta1^step)
 };
 
+/// The scalars of step `step` (counted from 1) as LibTorch's AdamW ops see
+/// them: computed in double, then rounded to float.
+AdamWScalars adamw_scalars(double lr, double weight_decay, double beta1, double beta2, double eps,
+                           int64_t step);
+
 /// Updates param, exp_avg and exp_avg_sq in place over [0, n), with the
 /// best variant of the loop for this CPU.
 void adamw_update(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n,

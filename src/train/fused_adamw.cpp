@@ -50,26 +50,12 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
       }
       auto& state = static_cast<torch::optim::AdamWParamState&>(*slot);
       state.step(state.step() + 1);
-      const double bias_correction1 = 1 - std::pow(beta1, state.step());
-      const double bias_correction2 = 1 - std::pow(beta2, state.step());
-      const double step_size = o.lr() / bias_correction1;
       torch::Tensor& exp_avg = state.exp_avg();
       torch::Tensor& exp_avg_sq = state.exp_avg_sq();
 
       if (fused_ok(p, grad, o) && exp_avg.is_contiguous() && exp_avg_sq.is_contiguous() &&
           exp_avg.scalar_type() == torch::kFloat && exp_avg_sq.scalar_type() == torch::kFloat) {
-        // The scalars as LibTorch's ops see them: computed in double, then
-        // rounded to float by the float kernels.
-        AdamWScalars s;
-        s.decay = o.weight_decay() != 0;
-        s.decay_factor = static_cast<float>(1 - o.lr() * o.weight_decay());
-        s.beta1 = static_cast<float>(beta1);
-        s.one_minus_beta1 = static_cast<float>(1 - beta1);
-        s.beta2 = static_cast<float>(beta2);
-        s.one_minus_beta2 = static_cast<float>(1 - beta2);
-        s.sqrt_bias_correction2 = static_cast<float>(std::sqrt(bias_correction2));
-        s.eps = static_cast<float>(o.eps());
-        s.neg_step_size = static_cast<float>(-step_size);
+        const AdamWScalars s = adamw_scalars(o.lr(), o.weight_decay(), beta1, beta2, o.eps(), state.step());
         float* pd = p.data_ptr<float>();
         const float* gd = grad.data_ptr<float>();
         float* md = exp_avg.data_ptr<float>();
@@ -80,6 +66,9 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
         continue;
       }
       // Any other parameter: LibTorch's AdamW arithmetic as tensor ops.
+      const double bias_correction1 = 1 - std::pow(beta1, state.step());
+      const double bias_correction2 = 1 - std::pow(beta2, state.step());
+      const double step_size = o.lr() / bias_correction1;
       if (o.weight_decay() != 0) p.mul_(1 - o.lr() * o.weight_decay());
       exp_avg.mul_(beta1).add_(grad, 1 - beta1);
       exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2);

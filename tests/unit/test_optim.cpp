@@ -105,16 +105,7 @@ TEST(FusedAdamW, EveryKernelVariantMatchesLibTorch) {
     const double lr = 3e-3, wd = 0.1, b1 = 0.9, b2 = 0.95, eps = 1e-8;
     const int64_t step = 3;
     const double bc1 = 1 - std::pow(b1, step), bc2 = 1 - std::pow(b2, step);
-    train::detail::AdamWScalars s;
-    s.decay = true;
-    s.decay_factor = static_cast<float>(1 - lr * wd);
-    s.beta1 = static_cast<float>(b1);
-    s.one_minus_beta1 = static_cast<float>(1 - b1);
-    s.beta2 = static_cast<float>(b2);
-    s.one_minus_beta2 = static_cast<float>(1 - b2);
-    s.sqrt_bias_correction2 = static_cast<float>(std::sqrt(bc2));
-    s.eps = static_cast<float>(eps);
-    s.neg_step_size = static_cast<float>(-lr / bc1);
+    const auto s = train::detail::adamw_scalars(lr, wd, b1, b2, eps, step);
     train::detail::adamw_update_variant(name, p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(),
                                         v.data_ptr<float>(), n, s);
     rp.mul_(1 - lr * wd);
