@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstring>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -101,13 +100,10 @@ void give_back_block(size_t bytes) {  // a failed mapping is not live
 
 class FlatAllocator final : public c10::Allocator {
  public:
-  explicit FlatAllocator(bool zeroed) : zeroed_(zeroed) {}
   c10::DataPtr allocate(size_t bytes) const override {
     if (bytes == 0) return {nullptr, nullptr, &c10::detail::deleteNothing, c10::Device(c10::kCPU)};
-    void* data = take_block(bytes);
-    if (data != nullptr) {
-      if (zeroed_) std::memset(data, 0, bytes);  // as fresh as a new mapping
-    } else {
+    void* data = take_block(bytes);  // reused as it is: every user writes before it reads
+    if (data == nullptr) {
       data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
       if (data == MAP_FAILED) give_back_block(bytes);
     }
@@ -121,14 +117,11 @@ class FlatAllocator final : public c10::Allocator {
     return {data, new MappedBlock{data, bytes}, &unmap_block, c10::Device(c10::kCPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
-
- private:
-  bool zeroed_;
 };
 
-FlatAllocator& flat_allocator(FlatFill fill) {
-  static FlatAllocator zeroed(true), any(false);
-  return fill == FlatFill::Zeros ? zeroed : any;
+FlatAllocator& flat_allocator() {
+  static FlatAllocator allocator;
+  return allocator;
 }
 
 }  // namespace
@@ -152,9 +145,9 @@ void trim_flat_memory() {
   for (const auto& [ptr, size] : blocks) munmap(ptr, size);
 }
 
-at::Tensor flat_empty(int64_t numel, at::ScalarType dtype, FlatFill fill) {
+at::Tensor flat_empty(int64_t numel, at::ScalarType dtype) {
   const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
-  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, &flat_allocator(fill),
+  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, &flat_allocator(),
                        /*resizable=*/true);
   return at::empty({0}, at::TensorOptions().dtype(dtype)).set_(storage, 0, {numel}, {1});
 }

@@ -23,14 +23,9 @@ FlatMemoryStats flat_memory_stats();
 /// Sets peak_bytes to live_bytes (to measure the peak of a later phase).
 void reset_flat_memory_peak();
 
-/// What a buffer holds when its storage is made or grown again.
-enum class FlatFill {
-  Zeros,      ///< zeros (gradient sums)
-  Undefined,  ///< anything: every element is written before it is read (gathered parameters)
-};
-
-/// A 1-D tensor of `numel` elements in mmap'd storage.
-at::Tensor flat_empty(int64_t numel, at::ScalarType dtype, FlatFill fill);
+/// A 1-D tensor of `numel` elements in mmap'd storage. Its contents are
+/// undefined (a reused mapping keeps what it held): write before reading.
+at::Tensor flat_empty(int64_t numel, at::ScalarType dtype);
 
 /// Returns the kept released mappings to the system (a strategy that ends).
 void trim_flat_memory();
@@ -38,7 +33,7 @@ void trim_flat_memory();
 /// Returns the storage of `flat` to the system; its views keep their shape.
 void release_storage(const at::Tensor& flat);
 
-/// Gives `flat` storage for all its elements again, filled as flat_empty said.
+/// Gives `flat` storage for all its elements again, contents undefined.
 void regrow_storage(const at::Tensor& flat);
 
 /// Whether `flat` currently has storage for all its elements.

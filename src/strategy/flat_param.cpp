@@ -61,7 +61,7 @@ at::Tensor FlatParam::shard_slice(size_t i, bool whole) const {
 void FlatParam::adopt_grad(size_t i) {
   if (!grad_full.defined()) {
     // Each parameter's part is written when it is adopted: no pass of zeros first.
-    grad_full = flat_empty(layout.padded, compute_dtype, FlatFill::Undefined);
+    grad_full = flat_empty(layout.padded, compute_dtype);
     grad_full.narrow(0, layout.numel, layout.padded - layout.numel).zero_();
     grad_unwritten.assign(params.size(), true);
   }

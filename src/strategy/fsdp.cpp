@@ -237,7 +237,7 @@ void ShardedStrategy::build_flat(size_t u, std::vector<FlatMember> params, bool 
   // The master values, padded with zeros.
   at::Tensor master = at::zeros({l.padded}, at::TensorOptions().dtype(dtype));
   for (const auto& p : params) master.narrow(0, p.slot.offset, p.slot.numel).copy_(p.var.detach().reshape(-1));
-  fl.full = flat_empty(l.padded, fl.compute_dtype, FlatFill::Undefined);
+  fl.full = flat_empty(l.padded, fl.compute_dtype);
   fl.full.copy_(master);
   const bool shard_in_full = !mode_.shard_params && fl.compute_dtype == dtype;
   fl.shard = shard_in_full ? fl.full.narrow(0, l.shard_offset, l.shard_numel)
