@@ -472,14 +472,18 @@ CommOptions CommOptions::from_env() {
   if (const char* store = std::getenv("SHARDTRAIN_STORE")) options.store(store);
   if (const char* init = std::getenv("SHARDTRAIN_INIT_METHOD"); init != nullptr && *init != '\0')
     options.init_method(init);
-  if (const char* seg = std::getenv("SHARDTRAIN_SEGMENT_BYTES"); seg != nullptr && *seg != '\0') {
-    char* end = nullptr;
-    const long long value = std::strtoll(seg, &end, 10);
-    ST_CHECK(end != seg && *end == '\0' && value > 0, ConfigError, "SHARDTRAIN_SEGMENT_BYTES='",
-             seg, "' is not a positive byte count");
-    options.segment_bytes(value);
-  }
+  options.segment_bytes(detail::byte_count_from_env("SHARDTRAIN_SEGMENT_BYTES", options.segment_bytes(), 1));
   return options;
+}
+
+int64_t detail::byte_count_from_env(const char* name, int64_t fallback, int64_t least) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const long long value = std::strtoll(v, &end, 10);
+  ST_CHECK(end != v && *end == '\0' && value >= least, ConfigError, name, "='", v,
+           "' is not a byte count of at least ", least);
+  return value;
 }
 
 // ---- Communicator ------------------------------------------------------------------

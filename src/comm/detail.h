@@ -97,6 +97,10 @@ struct OpContext {
   std::string describe(int peer) const;
 };
 
+/// The byte count in environment variable `name`, or `fallback` when it is
+/// unset or empty; ConfigError when it is not an integer of at least `least`.
+int64_t byte_count_from_env(const char* name, int64_t fallback, int64_t least);
+
 /// The first line of an exception's text (c10d appends a C++ stack trace).
 std::string first_line(const std::exception& e);
 

@@ -45,20 +45,13 @@ std::string host_identity() {
   return id;
 }
 
-size_t stage_bytes_from_env(int size) {
-  const char* v = std::getenv("SHARDTRAIN_SHM_STAGE_BYTES");
-  if (v == nullptr || *v == '\0') return ShmChannel::kStageBytes;
-  char* end = nullptr;
-  const long long bytes = std::strtoll(v, &end, 10);
-  const long long least = 64LL * size;  // a cache line per rank's slice, at least
-  ST_CHECK(end != v && *end == '\0' && bytes >= least, ConfigError, "SHARDTRAIN_SHM_STAGE_BYTES='", v,
-           "' is not a byte count of at least ", least, " (64 per rank)");
-  return static_cast<size_t>(bytes);
-}
-
 bool disabled_by_env() {
   const char* v = std::getenv("SHARDTRAIN_SHM");
   return v != nullptr && std::string(v) == "0";
+}
+
+void wake_all(std::atomic<uint32_t>& word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
 }
 
 // Whether the process is gone (or a zombie waiting to be reaped).
@@ -93,7 +86,9 @@ std::unique_ptr<ShmChannel> ShmChannel::open(const OpContext& setup) {
   // A rank that cannot take part offers a key no other rank has.
   const int64_t key = usable ? static_cast<int64_t>(fnv1a(host)) : -1 - oc.rank;
   const int64_t nonce = oc.rank == 0 ? static_cast<int64_t>(++g_segments) : 0;
-  const auto stage = static_cast<int64_t>(stage_bytes_from_env(n));
+  // At least a cache line per rank's slice of a staging area.
+  const int64_t stage = byte_count_from_env("SHARDTRAIN_SHM_STAGE_BYTES", static_cast<int64_t>(kStageBytes),
+                                            static_cast<int64_t>(kLine) * n);
   constexpr int kFields = 4;
   std::vector<int64_t> all = exchange(oc, {key, static_cast<int64_t>(getpid()), nonce, stage});
   std::vector<int64_t> pids(static_cast<size_t>(n));
@@ -143,7 +138,7 @@ ShmChannel::ShmChannel(char* base, size_t bytes, size_t stage_bytes, int rank, i
 // would from a closed connection.
 ShmChannel::~ShmChannel() {
   closed(rank_).store(1, std::memory_order_release);
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word(rank_)), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+  wake_all(word(rank_));
   munmap(base_, bytes_);
 }
 
@@ -159,7 +154,7 @@ char* ShmChannel::stage(int r) const { return base_ + kHeaderBytes + static_cast
 
 void ShmChannel::publish() {
   word(rank_).store(++phase_, std::memory_order_release);
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word(rank_)), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+  wake_all(word(rank_));
 }
 
 // Until every peer has published this rank's phase: their data is in their
@@ -213,9 +208,9 @@ void ShmChannel::all_gather(const OpContext& oc, void* buf, int64_t numel, DType
   char* out = static_cast<char*>(buf);
   const int64_t per = static_cast<int64_t>(stage_bytes_ / es);
   const int64_t most = most_per_rank(numel, size_);
+  const ShardRange mine = shard_range(numel, size_, rank_);
   for (int64_t lo = 0; lo < most; lo += per) {
     wait_all(oc);  // peers have read what this rank staged before
-    const ShardRange mine = shard_range(numel, size_, rank_);
     std::memcpy(stage(rank_), out + (mine.offset + lo) * es, piece(mine.count, lo, per) * es);
     publish();
     wait_all(oc);
