@@ -58,10 +58,18 @@ class TokenSource {
   std::string origin_;
 };
 
-/// Inputs and next-token targets, both [B, T] int64.
+/// Inputs and next-token targets, both [B, T] int64. Targets equal to the
+/// ignore index (-100) carry no loss (prompts, padding).
+///
+/// Packed rows hold several samples: `segment` [B, T] int64 numbers them
+/// within the row (attention never crosses from one segment to another) and
+/// `position` [B, T] int64 restarts at 0 with each sample. Both undefined:
+/// one sample per row at positions 0..T-1.
 struct Batch {
   at::Tensor input;
   at::Tensor target;
+  at::Tensor position;
+  at::Tensor segment;
 };
 
 /// Splits a source into training windows and serves them in a fixed global
