@@ -29,6 +29,10 @@ std::string exported_model_path(const std::string& run_dir) {
   return (fs::path(run_dir) / "model.safetensors").string();
 }
 
+std::string exported_model_dir(const std::string& run_dir) {
+  return (fs::path(run_dir) / "model").string();
+}
+
 std::string exported_config_path(const std::string& run_dir) {
   return (fs::path(run_dir) / "config.yaml").string();
 }

@@ -313,6 +313,22 @@ at::Tensor SafetensorsFile::read(const std::string& name) const {
   return t;
 }
 
+at::Tensor SafetensorsFile::read_range(const std::string& name, int64_t first, int64_t count) const {
+  const SafetensorsEntry* e = find(name);
+  ST_CHECK(e != nullptr, CheckpointError, "safetensors file '", impl_->path, "' has no tensor '",
+           name, "'");
+  const at::ScalarType dtype = dtype_from_name(e->dtype, name);
+  const int64_t size = static_cast<int64_t>(c10::elementSize(dtype));
+  ST_CHECK(first >= 0 && count >= 0 && (first + count) * size <= e->end - e->begin, InvalidArgument,
+           "read_range: elements [", first, ", ", first + count, ") lie outside tensor '", name, "'");
+  at::Tensor t = at::empty({count}, at::TensorOptions().dtype(dtype));
+  if (count > 0) {
+    pread_exact(impl_->fd, t.data_ptr(), static_cast<size_t>(count * size),
+                impl_->data_start + e->begin + first * size, impl_->path);
+  }
+  return t;
+}
+
 void load_safetensors_into(torch::nn::Module& module, const std::string& path,
                            const SafetensorsLoadOptions& options) {
   SafetensorsFile file(path);

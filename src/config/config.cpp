@@ -12,6 +12,7 @@
 #include "core/file.h"
 #include "key_table.h"
 #include "overrides.h"
+#include "shardtrain/models/family.h"
 
 namespace shardtrain::config {
 namespace {
@@ -66,8 +67,10 @@ Config Config::parse(const std::string& yaml, const std::vector<std::string>& ov
   YAML::Node root = load_yaml(source, yaml);
   for (const std::string& text : overrides) apply_override(source, root, text);
   check_known_keys(source, root);
-  const Config config = read(source, root);
+  Config config = read(source, root);
   validate(source, config);
+  // A Hugging Face directory's config.json sets the architecture, once.
+  models::resolve_model_config(config.model);
   return config;
 }
 

@@ -108,6 +108,16 @@ inline auto fraction(std::string expected) {
 inline auto non_empty(std::string expected) {
   return rule([](const std::string& v) { return !v.empty(); }, std::move(expected), "non-empty");
 }
+/// One of a closed set of strings.
+inline auto one_of_strings(std::vector<std::string> allowed) {
+  std::vector<std::string> quoted;
+  for (const auto& v : allowed) quoted.push_back("`" + v + "`");
+  const std::string names = join(allowed, ", ");
+  return rule([allowed](const std::string& v) {
+                return std::find(allowed.begin(), allowed.end(), v) != allowed.end();
+              },
+              "one of: " + names, join(quoted, ", "));
+}
 /// Some of an enum's values.
 template <class E>
 auto one_of(std::initializer_list<E> values) {

@@ -26,20 +26,49 @@ void declare_run_model_data(std::vector<Key>& keys) {
       .key(ST_FIELD(seed), any("0 … 2^64−1"), "Seed for weights, data order and sampling.");
 
   section(keys, "model", [](auto& c) -> auto& { return c.model; })
-      .key(ST_FIELD(type), "Which model to build.")
-      .key(ST_FIELD(n_layer), at_least(1), "GPT: transformer blocks.")
-      .key(ST_FIELD(n_head), at_least(1), "GPT: attention heads per block.")
+      .key(ST_FIELD(type),
+           "Which model to build: a family of models/family.h, or `auto`: the family of the "
+           "Hugging Face directory `init_from` (its config.json's `model_type`).")
+      .key(ST_FIELD(n_layer), at_least(1), "gpt, llama: transformer blocks (decoder layers).")
+      .key(ST_FIELD(n_head), at_least(1), "gpt, llama: attention heads per block.")
       .key(ST_FIELD(n_embd), at_least(1).allowing("≥ 1, a multiple of `n_head`"),
-           "GPT: embedding width.")
-      .key(ST_FIELD(block_size), at_least(1), "GPT: context length in tokens.")
-      .key(ST_FIELD(vocab_size), at_least(1), "GPT: vocabulary size (256: bytes of a text file).")
+           "gpt, llama: embedding width (HF `hidden_size`).")
+      .key(ST_FIELD(block_size), at_least(1),
+           "Training context length in tokens; llama: at most `max_position_embeddings`.")
+      .key(ST_FIELD(vocab_size), at_least(1), "gpt, llama: vocabulary size (256: bytes of a text file).")
       .key(ST_FIELD(activation_checkpointing),
-           "GPT: recompute block activations in backward to save memory.")
+           "gpt, llama: recompute block activations in backward to save memory.")
       .key(ST_FIELD(dropout), fraction("a number in [0, 1)"),
-           "GPT: dropout probability while training, as nanoGPT applies it: on the embeddings, "
-           "the attention weights and each residual branch. Masks come from each rank's generator "
-           "(seeded by `run.seed`), whose state checkpoints save and a resume at the same world "
-           "size restores.")
+           "Dropout probability while training. gpt: as nanoGPT applies it, on the embeddings, "
+           "the attention weights and each residual branch; llama: on the attention weights (HF "
+           "`attention_dropout`). Masks come from each rank's generator (seeded by `run.seed`), "
+           "whose state checkpoints save and a resume at the same world size restores.")
+      .key(ST_FIELD(n_kv_head), at_least(0).allowing("≥ 0, dividing `n_head`"),
+           "llama: key/value heads (grouped-query attention); 0: `n_head`.")
+      .key(ST_FIELD(head_dim), at_least(0), "llama: channels per head; 0: `n_embd / n_head`.")
+      .key(ST_FIELD(intermediate_size), at_least(0),
+           "llama: SwiGLU width; 0: 8/3 `n_embd` rounded up to a multiple of 64.")
+      .key(ST_FIELD(rope_theta), above(0.0, "a number > 0, e.g. 10000 or 500000"),
+           "llama: rotary-embedding base.")
+      .key(ST_FIELD(rope_scaling), "llama: rotary frequency scaling (`llama3`: Llama-3.1's).")
+      .key(ST_FIELD(rope_factor), above(0.0, "a number > 0"), "llama3 rope scaling: `factor`.")
+      .key(ST_FIELD(rope_low_freq_factor), above(0.0, "a number > 0"),
+           "llama3 rope scaling: `low_freq_factor`.")
+      .key(ST_FIELD(rope_high_freq_factor), above(0.0, "a number > 0"),
+           "llama3 rope scaling: `high_freq_factor` (> `rope_low_freq_factor`).")
+      .key(ST_FIELD(rope_original_max_position), at_least(1),
+           "llama3 rope scaling: `original_max_position_embeddings`.")
+      .key(ST_FIELD(rms_norm_eps), above(0.0, "a number > 0, e.g. 1e-5 or 1e-6"),
+           "llama: RMSNorm epsilon.")
+      .key(ST_FIELD(tie_word_embeddings),
+           "llama: the output head is the token embedding (gpt: always).")
+      .key(ST_FIELD(attention_bias),
+           "llama: biases of the attention projections (`qkv`: Qwen2; `all`: HF `attention_bias`).")
+      .key(ST_FIELD(mlp_bias), "llama: biases on gate, up and down projections.")
+      .key(ST_FIELD(max_position_embeddings), at_least(0),
+           "llama: the longest context of the weights; 0: `block_size`.")
+      .key(ST_FIELD(hf_model_type), one_of_strings({"llama", "mistral", "qwen2"}),
+           "llama: the Hugging Face `model_type` written to an exported config.json.")
       .key(ST_FIELD(mlp_sizes),
            rule([](const std::vector<int64_t>& v) {
                   return v.size() >= 2 &&
@@ -47,11 +76,13 @@ void declare_run_model_data(std::vector<Key>& keys) {
                 },
                 "a list of at least two layer widths [in, hidden..., out], each an integer >= 1",
                 "≥ 2 entries, each ≥ 1"),
-           "MLP: layer widths `[in, hidden..., out]`.")
-      .key(ST_FIELD(init_from), any("a safetensors file"),
-           "Initialise the weights from this file before training (fine-tuning). Names are "
-           "Hugging Face GPT-2's (those `shardtrain checkpoint consolidate` writes); Conv1D weights "
-           "are transposed on import, and HF's `attn.bias` mask buffers are skipped. A missing, "
+           "mlp: layer widths `[in, hidden..., out]`.")
+      .key(ST_FIELD(init_from), any("a safetensors file or a Hugging Face model directory"),
+           "Initialise the weights before training (fine-tuning): a safetensors file (Hugging Face "
+           "GPT-2 names, as `shardtrain checkpoint consolidate` writes; Conv1D weights transposed "
+           "on import, `attn.bias` buffers skipped), or a Hugging Face model directory "
+           "(`config.json` plus `model.safetensors` or the shards its "
+           "`model.safetensors.index.json` names) whose config sets the architecture. A missing, "
            "extra or mis-shaped tensor is a `CheckpointError` listing them.");
 
   section(keys, "data", [](auto& c) -> auto& { return c.data; })
@@ -218,7 +249,10 @@ void declare_checkpoint_precision(std::vector<Key>& keys) {
            "LoRA runs with `model.init_from`: `false` leaves the frozen base out of every "
            "checkpoint, which records the base file's path, size and SHA-256 instead and is "
            "refused when that file changed; `true` copies the base into each checkpoint (needed "
-           "to resume without the base file). Without `model.init_from` the base is always copied.");
+           "to resume without the base file). Without `model.init_from` the base is always copied.")
+      .key(ST_FIELD(export_max_shard_mb), above(0.0, "a number > 0, e.g. 5000 (5 GB)"),
+           "The model a run exports (`<run.dir>/model`, a Hugging Face directory) is split into "
+           "`model-0000k-of-0000n.safetensors` shards of at most this many MB with an index past it.");
 
   // fp16-mixed is a known name; whether this machine can run it (CUDA) is
   // decided when the precision plugin is created.
@@ -251,12 +285,11 @@ void declare_lora(std::vector<Key>& keys) {
            "Dropout on the adapters' input while training.")
       .key(ST_OPTION(target_modules),
            rule([](const std::vector<std::string>& v) {
-                  return !v.empty() && std::none_of(v.begin(), v.end(),
-                                                    [](const std::string& t) { return t.empty(); });
+                  return std::none_of(v.begin(), v.end(), [](const std::string& t) { return t.empty(); });
                 },
-                "a non-empty list of module names, e.g. [c_attn, c_proj, c_fc]",
-                "non-empty names"),
-           "Linear layers to adapt: a layer whose path equals a name or ends with `.name`.")
+                "a list of module names, e.g. [q_proj, v_proj]", "non-empty names"),
+           "Linear layers to adapt: a layer whose path equals a name or ends with `.name`; `[]`: "
+           "the model family's (gpt: c_attn, c_proj, c_fc; llama: q/k/v/o_proj, gate/up/down_proj).")
       .key(ST_OPTION(quantize),
            "Storage of the frozen base weights of adapted layers: fp32, int8 per output channel, "
            "or 4-bit NormalFloat in blocks of 64 (QLoRA); dequantized on the fly.")
@@ -290,10 +323,21 @@ const Key* find_key(const std::string& path) {
 
 void check_relations(const Source& s, const Config& c) {
   const ModelConfig& m = c.model;
-  s.require(m.n_embd % m.n_head == 0, "model.n_embd", std::to_string(m.n_embd),
+  s.require(m.n_embd % m.n_head == 0 || m.head_dim > 0, "model.n_embd", std::to_string(m.n_embd),
             str_cat("a multiple of model.n_head=", m.n_head,
-                    " (each head gets n_embd / n_head channels)"),
+                    " (each head gets n_embd / n_head channels; llama: or set model.head_dim)"),
             {"model.n_head"});
+  s.require(m.n_kv_head == 0 || m.n_head % m.n_kv_head == 0, "model.n_kv_head",
+            std::to_string(m.n_kv_head),
+            str_cat("0 or a divisor of model.n_head=", m.n_head,
+                    " (each key/value head serves n_head / n_kv_head query heads)"),
+            {"model.n_head"});
+  s.require(m.rope_scaling != train::RopeScaling::Llama3 ||
+                m.rope_high_freq_factor > m.rope_low_freq_factor,
+            "model.rope_high_freq_factor", format_double(m.rope_high_freq_factor),
+            str_cat("a number > model.rope_low_freq_factor=", format_double(m.rope_low_freq_factor),
+                    " with rope_scaling llama3"),
+            {"model.rope_low_freq_factor", "model.rope_scaling"});
 
   check_batch(s, c.batch);
 

@@ -124,25 +124,32 @@ bool read_regular_file(const std::string& path, long long max_bytes, std::string
 }
 
 bool sha256_of_file(const std::string& path, std::string* hex, long long* bytes, std::string* why) {
-  const int fd = open_regular_for_reading(path, why);
-  if (fd < 0) return false;
+  return sha256_of_files({path}, hex, bytes, why);
+}
+
+bool sha256_of_files(const std::vector<std::string>& paths, std::string* hex, long long* bytes,
+                     std::string* why) {
   std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx(EVP_MD_CTX_new(), &EVP_MD_CTX_free);
   bool ok = ctx && EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) == 1;
   *bytes = 0;
   std::unique_ptr<char[]> buf(new char[1 << 20]);
-  while (ok) {
-    const ssize_t n = ::read(fd, buf.get(), 1 << 20);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      *why = std::strerror(errno);
-      ::close(fd);
-      return false;
+  for (const std::string& path : paths) {
+    const int fd = open_regular_for_reading(path, why);
+    if (fd < 0) return false;
+    while (ok) {
+      const ssize_t n = ::read(fd, buf.get(), 1 << 20);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        *why = std::strerror(errno);
+        ::close(fd);
+        return false;
+      }
+      if (n == 0) break;
+      *bytes += n;
+      ok = EVP_DigestUpdate(ctx.get(), buf.get(), static_cast<size_t>(n)) == 1;
     }
-    if (n == 0) break;
-    *bytes += n;
-    ok = EVP_DigestUpdate(ctx.get(), buf.get(), static_cast<size_t>(n)) == 1;
+    ::close(fd);
   }
-  ::close(fd);
   unsigned char digest[EVP_MAX_MD_SIZE];
   unsigned int len = 0;
   if (!ok || EVP_DigestFinal_ex(ctx.get(), digest, &len) != 1) {

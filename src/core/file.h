@@ -8,6 +8,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 namespace shardtrain::detail {
 
@@ -36,5 +37,8 @@ bool read_regular_file(const std::string& path, long long max_bytes, std::string
 /// The SHA-256 of a regular file as 64 lowercase hex digits, and its size;
 /// false with `*why` set when it cannot be read.
 bool sha256_of_file(const std::string& path, std::string* hex, long long* bytes, std::string* why);
+/// The same over the files' contents one after another, in the given order.
+bool sha256_of_files(const std::vector<std::string>& paths, std::string* hex, long long* bytes,
+                     std::string* why);
 
 }  // namespace shardtrain::detail

@@ -323,7 +323,7 @@ Batch WindowSampler::micro_batch(int64_t step, int64_t micro_step, int64_t micro
     tokens_.copy_to(start, t, in + r * t);
     tokens_.copy_to(start + 1, t, tg + r * t);
   }
-  return Batch{input, target};
+  return Batch{input, target, {}, {}};
 }
 
 }  // namespace shardtrain::data

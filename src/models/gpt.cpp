@@ -8,12 +8,16 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <map>
 #include <string>
 #include <utility>
 
 #include "shardtrain/core/error.h"
+#include "models/attention.h"
+#include "models/families.h"
+#include "shardtrain/config/config.h"
+#include "shardtrain/checkpoint/safetensors.h"
 #include "shardtrain/models/checkpoint.h"
+#include "shardtrain/strategy/estimate.h"
 #include "shardtrain/models/lora.h"
 #include "shardtrain/strategy/unit.h"
 
@@ -34,29 +38,6 @@ torch::Tensor maybe_dropout(const torch::Tensor& x, double p, const torch::nn::M
   return p > 0.0 && m.is_training() ? torch::dropout(x, p, /*train=*/true) : x;
 }
 
-// The additive causal mask [T, T]: 0 on and below the diagonal, -inf above.
-// One mask per dtype and device (per thread), as large as the largest T
-// asked for; smaller T get its top-left corner.
-torch::Tensor causal_mask(int64_t t, torch::ScalarType dtype, const torch::Device& device) {
-  thread_local std::map<std::pair<torch::ScalarType, std::string>, torch::Tensor> masks;
-  auto& mask = masks[{dtype, device.str()}];
-  if (!mask.defined() || mask.size(0) < t) {
-    torch::NoGradGuard no_grad;
-    mask = torch::full({t, t}, -std::numeric_limits<double>::infinity(),
-                       torch::TensorOptions().dtype(dtype).device(device))
-               .triu(/*diagonal=*/1);
-  }
-  return mask.size(0) == t ? mask : mask.slice(0, 0, t).slice(1, 0, t);
-}
-
-// The dtype the attention scores are computed in: autocast's when it is on
-// for x's device (so autocast does not cast the mask on every call), else x's.
-torch::ScalarType mask_dtype(const torch::Tensor& x) {
-  if (x.is_cpu() && at::autocast::is_cpu_enabled()) return at::autocast::get_autocast_cpu_dtype();
-  if (x.is_cuda() && at::autocast::is_enabled()) return at::autocast::get_autocast_gpu_dtype();
-  return x.scalar_type();
-}
-
 // GPT-2 / nanoGPT initialisation of one Linear: N(0, std) weight, zero bias.
 void init_linear(torch::nn::Linear& linear, double std) {
   torch::nn::init::normal_(linear->weight, 0.0, std);
@@ -66,6 +47,18 @@ void init_linear(torch::nn::Linear& linear, double std) {
 }  // namespace
 
 // ---- config ------------------------------------------------------------------------
+
+GPTConfig GPTConfig::from(const config::ModelConfig& m) {
+  GPTConfig g;
+  g.n_layer = m.n_layer;
+  g.n_head = m.n_head;
+  g.n_embd = m.n_embd;
+  g.block_size = m.block_size;
+  g.vocab_size = m.vocab_size;
+  g.activation_checkpointing = m.activation_checkpointing;
+  g.dropout = m.dropout;
+  return g;
+}
 
 void GPTConfig::validate() const {
   ST_CHECK(n_layer > 0, ConfigError, "model.n_layer=", n_layer,
@@ -109,7 +102,8 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& config)
   c_proj = register_module("c_proj", torch::nn::Linear(torch::nn::LinearOptions(c, c)));
 }
 
-torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
+torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& segment,
+                                              torch::Tensor* cache_k, torch::Tensor* cache_v) {
   const int64_t batch = x.size(0);
   const int64_t t = x.size(1);
   const int64_t c = x.size(2);
@@ -120,23 +114,13 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   auto heads = [&](const torch::Tensor& y) {
     return y.view({batch, t, n_head_, head_size}).transpose(1, 2);
   };
-  const auto q = heads(qkv[0]);
-  const auto k = heads(qkv[1]);
-  const auto v = heads(qkv[2]);
-
-  // Scores = q k^T / sqrt(hs) + causal mask, in one batched GEMM: baddbmm
-  // starts from the additive mask (0, or -inf above the diagonal) and adds
-  // alpha * q k^T to it, instead of a GEMM, a scaling pass and a masking
-  // pass (and their backward passes). The mask is no buffer: nothing for a
-  // strategy to broadcast or a checkpoint to hold.
-  const double scale = 1.0 / std::sqrt(static_cast<double>(head_size));
-  const int64_t bh = batch * n_head_;
-  const auto mask = causal_mask(t, mask_dtype(x), x.device()).expand({bh, t, t});
-  auto att = torch::baddbmm(mask, q.reshape({bh, t, head_size}), k.reshape({bh, t, head_size}).transpose(1, 2),
-                            /*beta=*/1.0, /*alpha=*/scale)
-                 .view({batch, n_head_, t, t});
-  att = maybe_dropout(torch::softmax(att, /*dim=*/-1), dropout_, *this);
-  auto y = torch::matmul(att, v);  // [B, nh, T, hs]
+  auto k = heads(qkv[1]);
+  auto v = heads(qkv[2]);
+  if (cache_k != nullptr) {
+    k = detail::append_cache(*cache_k, k);
+    v = detail::append_cache(*cache_v, v);
+  }
+  auto y = detail::causal_attention(heads(qkv[0]), k, v, segment, dropout_, is_training());
   y = y.transpose(1, 2).contiguous().view({batch, t, c});
   return maybe_dropout(lora_forward(*c_proj, y), dropout_, *this);
 }
@@ -162,9 +146,10 @@ BlockImpl::BlockImpl(const GPTConfig& config) {
 
 // Blocks, attentions and MLPs are called through unit_forward so that a
 // sharded strategy may make any of them a unit (strategy/unit.h).
-torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
+torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& segment,
+                                torch::Tensor* cache_k, torch::Tensor* cache_v) {
   using strategy::unit_forward;
-  auto y = x + unit_forward(attn, [&] { return attn(ln_1(x)); });
+  auto y = x + unit_forward(attn, [&] { return attn->forward(ln_1(x), segment, cache_k, cache_v); });
   return y + unit_forward(mlp, [&] { return mlp(ln_2(y)); });
 }
 
@@ -194,7 +179,8 @@ GPTImpl::GPTImpl(const GPTConfig& config) : config_(config) {
   }
 }
 
-torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
+torch::Tensor GPTImpl::forward(const torch::Tensor& idx, const torch::Tensor& position,
+                               const torch::Tensor& segment) {
   ST_CHECK(idx.dim() == 2, InvalidArgument, "GPT::forward expects idx of shape [B, T], got ",
            idx.sizes(), "; hint: add a batch dimension with unsqueeze(0)");
   const int64_t t = idx.size(1);
@@ -202,8 +188,8 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
            " tokens but model.block_size=", config_.block_size,
            "; hint: crop the context to the last block_size tokens");
 
-  const auto pos = torch::arange(t, idx.options().dtype(torch::kLong));
-  auto x = maybe_dropout(wte(idx) + wpe(pos), config_.dropout, *this);  // [B, T, C] + [T, C]
+  const auto pos = position.defined() ? position : torch::arange(t, idx.options().dtype(torch::kLong));
+  auto x = maybe_dropout(wte(idx) + wpe(pos), config_.dropout, *this);  // [B, T, C] + [(B,) T, C]
   // Activation checkpointing keeps only each block's input and recomputes the
   // block during backward; pointless without a backward to come.
   const bool recompute =
@@ -213,14 +199,32 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx) {
     // The checkpoint goes inside the unit, so its recomputation during
     // backward finds the unit's parameters gathered.
     x = strategy::unit_forward(block, [&] {
-      return recompute ? checkpoint([block](const torch::Tensor& in) { return block->forward(in); },
+      return recompute ? checkpoint([block, &segment](const torch::Tensor& in) { return block->forward(in, segment); },
                                     x, block->parameters())
-                       : block->forward(x);
+                       : block->forward(x, segment);
     });
   }
   x = ln_f(x);
   // Tied output projection: logits = x @ wte.weight^T.
   return torch::nn::functional::linear(x, wte->weight);
+}
+
+torch::Tensor GPTImpl::forward_cached(const torch::Tensor& idx, KVCache& cache) {
+  const int64_t t = idx.size(1);
+  ST_CHECK(cache.length + t <= config_.block_size, InvalidArgument, "GPT::forward_cached: ",
+           cache.length, " cached + ", t, " new tokens exceed model.block_size=", config_.block_size,
+           "; hint: start a new cache");
+  if (cache.keys.empty()) {
+    cache.keys.resize(h->size());
+    cache.values.resize(h->size());
+  }
+  const auto pos = torch::arange(cache.length, cache.length + t, idx.options().dtype(torch::kLong));
+  auto x = wte(idx) + wpe(pos);
+  for (size_t i = 0; i < h->size(); ++i) {
+    x = h->ptr<BlockImpl>(i)->forward(x, {}, &cache.keys[i], &cache.values[i]);
+  }
+  cache.length += t;
+  return torch::nn::functional::linear(ln_f(x), wte->weight);
 }
 
 torch::Tensor GPTImpl::generate(torch::Tensor idx, int64_t max_new_tokens, double temperature,
@@ -257,6 +261,44 @@ torch::Tensor GPTImpl::generate(torch::Tensor idx, int64_t max_new_tokens, doubl
   }
   train(was_training);
   return idx;
+}
+
+// ---- the family -------------------------------------------------------------------------
+
+namespace {
+
+class GptFamily final : public ModelFamily {
+ public:
+  train::ModelType type() const override { return train::ModelType::Gpt; }
+  void validate(const config::ModelConfig& m) const override { GPTConfig::from(m).validate(); }
+  std::shared_ptr<torch::nn::Module> build(const config::ModelConfig& m) const override {
+    return std::make_shared<GPTImpl>(GPTConfig::from(m));
+  }
+  double num_parameters(const config::ModelConfig& m) const override {
+    // GPTConfig::num_parameters() in doubles.
+    const double c = static_cast<double>(m.n_embd);
+    const double per_block = 12.0 * c * c + 13.0 * c;
+    return static_cast<double>(m.vocab_size) * c + static_cast<double>(m.block_size) * c +
+           static_cast<double>(m.n_layer) * per_block + 2.0 * c;
+  }
+  double activation_bytes(const config::ModelConfig& m, int64_t micro, int bytes) const override {
+    return static_cast<double>(strategy::gpt_activation_bytes(GPTConfig::from(m), micro, bytes));
+  }
+  std::string size_text(const config::ModelConfig& m) const override {
+    return ::shardtrain::detail::str_cat("model.n_layer=", m.n_layer, ", n_head=", m.n_head, ", n_embd=",
+                                         m.n_embd, ", vocab_size=", m.vocab_size, ", block_size=", m.block_size);
+  }
+  std::vector<std::string> lora_targets() const override { return {"c_attn", "c_proj", "c_fc"}; }
+  // HF's GPT2LMHeadModel keeps the blocks under "transformer.".
+  std::string peft_prefix() const override { return "base_model.model.transformer."; }
+  bool hf_transposed(const std::string& name) const override { return checkpoint::is_conv1d_weight(name); }
+};
+
+}  // namespace
+
+const ModelFamily& gpt_family() {
+  static const GptFamily family;
+  return family;
 }
 
 }  // namespace shardtrain::models

@@ -10,6 +10,9 @@
 #include <sstream>
 
 #include "checkpoint/detail.h"
+#include "core/file.h"
+#include "shardtrain/models/family.h"
+#include "shardtrain/models/hf_dir.h"
 #include "shardtrain/checkpoint/safetensors.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/quantize.h"
@@ -179,7 +182,7 @@ int64_t merge_peft_adapter(const std::string& base_path, const std::string& adap
   const double scale = cfg["lora_alpha"].get<double>() / cfg["r"].get<double>();
   const bool fan_in_fan_out = cfg.value("fan_in_fan_out", false);
   const checkpoint::SafetensorsFile adapter((fs::path(adapter_dir) / kPeftAdapterFile).string());
-  const checkpoint::SafetensorsFile base(base_path);
+  const HfWeights base(base_path);
   const auto& meta = adapter.metadata();
   const auto qit = meta.find(kQuantizeKey);
   const LoraQuantize quantize =
@@ -225,7 +228,8 @@ int64_t merge_peft_adapter(const std::string& base_path, const std::string& adap
 
   std::vector<std::pair<std::string, at::Tensor>> merged;
   at::NoGradGuard no_grad;
-  for (const auto& e : base.entries()) {
+  for (const auto& name : base.names()) {
+    const checkpoint::SafetensorsEntry e{name, "", {}, 0, 0};
     at::Tensor t = base.read(e.name);
     if (const auto it = layers.find(e.name); it != layers.end()) {
       ST_CHECK(!it->second.first.empty() && !it->second.second.empty(), CheckpointError,
@@ -252,8 +256,16 @@ int64_t merge_peft_adapter(const std::string& base_path, const std::string& adap
     }
     merged.emplace_back(e.name, t);
   }
-  checkpoint::save_safetensors(out, merged, /*transpose_conv1d=*/false,
-                               {{"format", "pt"}, {"producer", "shardtrain lora merge"}});
+  const std::map<std::string, std::string> metadata = {{"format", "pt"}, {"producer", "shardtrain lora merge"}};
+  if (is_hf_dir(base_path)) {  // a directory in, a directory out, with the base's config.json
+    std::string config_json, why;
+    ST_CHECK(::shardtrain::detail::read_regular_file((fs::path(base_path) / "config.json").string(),
+                                                     int64_t{16} << 20, &config_json, &why),
+             CheckpointError, "cannot read '", base_path, "/config.json': ", why);
+    save_hf_dir(out, config_json, merged, nullptr, kDefaultMaxShardBytes, metadata);
+  } else {
+    checkpoint::save_safetensors(out, merged, /*transpose_conv1d=*/false, metadata);
+  }
   return static_cast<int64_t>(layers.size());
 }
 

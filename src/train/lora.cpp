@@ -16,6 +16,8 @@
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/config/config.h"
 #include "shardtrain/core/error.h"
+#include "shardtrain/models/family.h"
+#include "shardtrain/models/hf_dir.h"
 #include "shardtrain/models/lora.h"
 #include "shardtrain/models/lora_peft.h"
 #include "shardtrain/strategy/strategy.h"
@@ -25,11 +27,92 @@ namespace shardtrain::train::detail {
 
 namespace {
 
-const char* peft_prefix(const config::Config& config) {
-  return config.model.type == ModelType::Gpt ? models::kPeftGptPrefix : models::kPeftModelPrefix;
+namespace fs = std::filesystem;
+
+std::string peft_prefix(const config::Config& config) {
+  return models::family_of(config.model.type).peft_prefix();
+}
+
+// run_dir/model.safetensors, the path earlier tools read, as a hard link to
+// the exported single file (made aside and renamed into place); a sharded
+// export has no such file, so an earlier one of ours goes.
+void link_exported_file(const std::string& run_dir, const std::string& written) {
+  const std::string link = checkpoint::exported_model_path(run_dir);
+  if (fs::path(written).filename() != "model.safetensors") {
+    models::remove_own_export(link);
+    return;
+  }
+  const std::string tmp = link + ".tmp";
+  std::error_code ec;
+  fs::remove(tmp, ec);
+  fs::create_hard_link(written, tmp, ec);
+  if (ec) fs::copy_file(written, tmp, fs::copy_options::overwrite_existing);  // no links here
+  fs::rename(tmp, link);
 }
 
 }  // namespace
+
+models::LoraOptions lora_options(const config::Config& config) {
+  models::LoraOptions options = config.lora;  // the section is the options struct
+  if (options.target_modules().empty()) {
+    options.target_modules(models::family_of(config.model.type).lora_targets());
+  }
+  return options.seed(config.run.seed);
+}
+
+void load_init_weights(torch::nn::Module& model, const config::Config& config) {
+  if (config.model.init_from.empty()) return;
+  models::load_hf_weights(model, models::HfWeights(config.model.init_from),
+                          models::family_of(config.model.type));
+}
+
+std::string base_identity(const std::string& path) {
+  std::vector<std::string> files;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    for (const auto& e : fs::directory_iterator(path, ec)) {
+      const std::string name = e.path().filename().string();
+      const bool weights = name == "config.json" || name == "model.safetensors.index.json" ||
+                           e.path().extension() == ".safetensors";
+      if (weights && e.is_regular_file(ec)) files.push_back(e.path().string());
+    }
+    std::sort(files.begin(), files.end());
+  } else {
+    files.push_back(path);
+  }
+  std::string hex, why;
+  long long bytes = 0;
+  ST_CHECK(::shardtrain::detail::sha256_of_files(files, &hex, &bytes, &why), CheckpointError,
+           "cannot read model.init_from '", path, "': ", why);
+  return nlohmann::json{{"path", fs::absolute(path).string()}, {"bytes", bytes}, {"sha256", hex}}.dump();
+}
+
+std::string write_exported_model(const std::string& run_dir, const config::Config& config,
+                                 const std::vector<std::pair<std::string, at::Tensor>>& state,
+                                 const std::string& from_checkpoint,
+                                 const std::map<std::string, std::string>& metadata) {
+  const models::ModelFamily& family = models::family_of(config.model.type);
+  fs::create_directories(run_dir);
+  checkpoint::detail::write_file_atomically(checkpoint::exported_config_path(run_dir), config.to_yaml());
+  const std::string dir = checkpoint::exported_model_dir(run_dir);
+  const std::string config_json = family.hf_config_json(config.model);
+  std::string written;
+  if (from_checkpoint.empty()) {
+    const auto max_bytes = static_cast<int64_t>(config.checkpoint.export_max_shard_mb * 1e6);
+    written = models::save_hf_dir(dir, config_json, state, &family, max_bytes, metadata);
+  } else {
+    fs::create_directories(dir);
+    if (!config_json.empty()) {
+      checkpoint::detail::write_file_atomically((fs::path(dir) / "config.json").string(), config_json);
+    }
+    written = (fs::path(dir) / "model.safetensors").string();
+    checkpoint::consolidate_to_safetensors(from_checkpoint, written,
+                                           /*transpose_conv1d=*/family.hf_transposed("h.0.attn.c_attn.weight"));
+    models::remove_own_export((fs::path(dir) / "model.safetensors.index.json").string());
+  }
+  link_exported_file(run_dir, written);
+  return written;
+}
 
 bool prepare_lora(torch::nn::Module& model, const config::Config& config) {
   if (config.lora.r() == 0) {
@@ -38,8 +121,7 @@ bool prepare_lora(torch::nn::Module& model, const config::Config& config) {
              "to those of the adapter's adapter_config.json");
     return false;
   }
-  models::LoraOptions options = config.lora;  // the section is the options struct
-  options.seed(config.run.seed);
+  const models::LoraOptions options = lora_options(config);
   const bool quantized = options.quantize() != models::LoraQuantize::None;
   // Quantizing frees the full-precision base, layer by layer. A fixed mmap
   // threshold gives such large blocks back to the system when freed (glibc
@@ -63,13 +145,7 @@ FrozenBase frozen_base(const torch::nn::Module& model, const config::Config& con
   }
   const std::string& file = config.model.init_from;
   if (file.empty()) return base;  // a random base: only a copy can restore it
-  std::string hex, why;
-  long long bytes = 0;
-  ST_CHECK(::shardtrain::detail::sha256_of_file(file, &hex, &bytes, &why), CheckpointError,
-           "cannot read model.init_from '", file, "': ", why);
-  base.identity =
-      nlohmann::json{{"path", std::filesystem::absolute(file).string()}, {"bytes", bytes}, {"sha256", hex}}
-          .dump();
+  base.identity = base_identity(file);
   base.referenced = !config.checkpoint.save_frozen_base;
   return base;
 }
@@ -127,17 +203,13 @@ void export_lora(strategy::Strategy& strategy, comm::Communicator& comm,
   const auto state = strategy.full_state_dict();  // collective; the tensors on rank 0
   std::string failure;
   if (comm.rank() == 0) try {
-      std::filesystem::create_directories(run_dir);
-      checkpoint::detail::write_file_atomically(checkpoint::exported_config_path(run_dir),
-                                                config.to_yaml());
-      models::save_peft_adapter(adapter_dir(run_dir), state, config.lora, peft_prefix(config),
+      const models::LoraOptions options = lora_options(config);
+      models::save_peft_adapter(adapter_dir(run_dir), state, options, peft_prefix(config),
                                 config.model.init_from);
       // The exported model is the merged one, so `shardtrain generate` and
       // model.init_from read it as a plain model.
-      checkpoint::save_safetensors(checkpoint::exported_model_path(run_dir),
-                                   models::merge_lora_state(state, config.lora),
-                                   /*transpose_conv1d=*/config.model.type == ModelType::Gpt,
-                                   {{"format", "pt"}, {"producer", "shardtrain"}, {"lora", "merged"}});
+      write_exported_model(run_dir, config, models::merge_lora_state(state, options), "",
+                           {{"format", "pt"}, {"producer", "shardtrain"}, {"lora", "merged"}});
     } catch (const std::exception& e) {
       failure = e.what();
     }
@@ -174,10 +246,9 @@ void load_trained_model(torch::nn::Module& model, const config::Config& config,
       // or where the run found it when that is relative to another directory.
       std::string& file = c.model.init_from;
       if (file.empty() || !std::filesystem::exists(file)) file = recorded_path;
-      checkpoint::load_safetensors_into(model, file, checkpoint::SafetensorsLoadOptions().transpose_conv1d(true));
+      detail::load_init_weights(model, c);
     }
-    models::LoraOptions options = c.lora;
-    models::apply_lora(model, options);
+    models::apply_lora(model, detail::lora_options(c));
     if (referenced) base = detail::frozen_base(model, c);
   }
   std::vector<strategy::ShardedTensor> targets;

@@ -3,8 +3,12 @@
 // src/train; the library calls are models::apply_lora and models/lora_peft.h.
 #pragma once
 
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include <ATen/core/Tensor.h>
 
 namespace torch::nn {
 class Module;
@@ -23,7 +27,36 @@ namespace shardtrain::checkpoint {
 class CheckpointReader;
 }
 
+namespace shardtrain::models {
+struct LoraOptions;
+}
+
 namespace shardtrain::train::detail {
+
+/// The lora section as options: lora.target_modules `[]` becomes the model
+/// family's defaults, the seed is run.seed.
+models::LoraOptions lora_options(const config::Config& config);
+
+/// Loads model.init_from (a safetensors file or a Hugging Face directory)
+/// into `model` with the family's names and layouts; a no-op when unset.
+void load_init_weights(torch::nn::Module& model, const config::Config& config);
+
+/// The identity of model.init_from (file or directory) as JSON {"path",
+/// "bytes", "sha256"}: the digest of the file, or of a directory's
+/// config.json, index and safetensors files in name order.
+std::string base_identity(const std::string& path);
+
+/// Writes the exported model of a run: run_dir/config.yaml, and
+/// run_dir/model/ as a Hugging Face directory (config.json and
+/// model.safetensors, or shards with an index past
+/// checkpoint.export_max_shard_mb). A single file is also linked as
+/// run_dir/model.safetensors. The weights are `state`, or with
+/// `from_checkpoint` that complete checkpoint's, streamed tensor by tensor
+/// into one file. Rank 0 only. Returns the path of the weights.
+std::string write_exported_model(const std::string& run_dir, const config::Config& config,
+                                 const std::vector<std::pair<std::string, at::Tensor>>& state,
+                                 const std::string& from_checkpoint,
+                                 const std::map<std::string, std::string>& metadata);
 
 /// With lora.r > 0: freezes the model and attaches the adapters (after the
 /// base weights were loaded, before the strategy's setup), then loads

@@ -8,7 +8,8 @@
 #include <unordered_set>
 
 #include "shardtrain/core/error.h"
-#include "shardtrain/models/gpt.h"
+#include "shardtrain/config/config.h"
+#include "shardtrain/models/family.h"
 #include "shardtrain/strategy/estimate.h"
 #include "shardtrain/strategy/strategy.h"
 #include "shardtrain/strategy/wrap.h"
@@ -62,27 +63,13 @@ strategy::EstimateInput estimate_input(const config::Config& config, torch::nn::
   in.mixed_precision = half_params(config) || config.precision == precision::PrecisionKind::Fp16Mixed;
   const int act_bytes = activation_element_bytes(config);
   const int64_t micro = estimate_micro_batch(config, world_size);
-  in.activation_bytes = config.model.type == train::ModelType::Mlp
-                            ? strategy::mlp_activation_bytes(config.model.mlp_sizes, micro, act_bytes)
-                            : strategy::gpt_activation_bytes(gpt_config(config.model), micro, act_bytes);
+  in.activation_bytes = static_cast<int64_t>(std::min(
+      9.0e18, models::family_of(config.model.type).activation_bytes(config.model, micro, act_bytes)));
   return in;
 }
 
 double model_parameter_count(const config::ModelConfig& m) {
-  if (m.type == ModelType::Mlp) {
-    double n = 0.0;
-    for (size_t i = 0; i + 1 < m.mlp_sizes.size(); ++i) {
-      const double in = static_cast<double>(m.mlp_sizes[i]);
-      const double out = static_cast<double>(m.mlp_sizes[i + 1]);
-      n += in * out + out;  // weight and bias
-    }
-    return n;
-  }
-  // GPTConfig::num_parameters() in doubles.
-  const double c = static_cast<double>(m.n_embd);
-  const double per_block = 12.0 * c * c + 13.0 * c;
-  return static_cast<double>(m.vocab_size) * c + static_cast<double>(m.block_size) * c +
-         static_cast<double>(m.n_layer) * per_block + 2.0 * c;
+  return models::family_of(m.type).num_parameters(m);
 }
 
 namespace {
@@ -104,26 +91,18 @@ std::string bytes_text(double b) {
 
 void check_model_fits(const config::Config& config, int world_size, int local_world_size) {
   const config::ModelConfig& m = config.model;
-  if (m.type == ModelType::Mlp && m.mlp_sizes.size() < 2) return;  // make_task names that
-  const double params = model_parameter_count(m);
+  const models::ModelFamily& family = models::family_of(m.type);
+  const double params = family.num_parameters(m);
   const double weights = 4.0 * params;  // built in fp32 on every rank
   const int64_t micro = estimate_micro_batch(config, world_size);
   const int act_bytes = activation_element_bytes(config);
-  const double activations =
-      m.type == ModelType::Mlp
-          ? static_cast<double>(strategy::mlp_activation_bytes(m.mlp_sizes, micro, act_bytes))
-          : static_cast<double>(strategy::gpt_activation_bytes(gpt_config(m), micro, act_bytes));
+  const double activations = family.activation_bytes(m, micro, act_bytes);
   const double need = weights + activations;
   const double budget_mb = config.distributed.memory_budget_mb();
   const double have = budget_mb > 0.0 ? budget_mb * 1024.0 * 1024.0
                                       : strategy::default_memory_budget_bytes(local_world_size);
   if (need <= have) return;
-  const std::string sizes =
-      m.type == ModelType::Mlp
-          ? "model.mlp_sizes"
-          : ::shardtrain::detail::str_cat("model.n_layer=", m.n_layer, ", n_embd=", m.n_embd,
-                                          ", vocab_size=", m.vocab_size, ", block_size=",
-                                          m.block_size);
+  const std::string sizes = family.size_text(m);
   char count[32];
   std::snprintf(count, sizeof(count), "%.3g", params);
   ST_CHECK(false, ConfigError, "the model cannot fit in memory: ", sizes, " gives about ", count,

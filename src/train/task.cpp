@@ -5,6 +5,8 @@
 
 #include "shardtrain/core/error.h"
 #include "shardtrain/dist/env.h"
+#include "shardtrain/models/causal_lm.h"
+#include "shardtrain/models/family.h"
 #include "shardtrain/models/gpt.h"
 #include "shardtrain/models/mlp.h"
 #include "shardtrain/train/plan.h"
@@ -16,17 +18,7 @@ int64_t count_non_ignored(const data::Batch& batch) {
   return batch.target.ne(kIgnoreIndex).sum().item<int64_t>();
 }
 
-models::GPTConfig gpt_config(const config::ModelConfig& m) {
-  models::GPTConfig g;
-  g.n_layer = m.n_layer;
-  g.n_head = m.n_head;
-  g.n_embd = m.n_embd;
-  g.block_size = m.block_size;
-  g.vocab_size = m.vocab_size;
-  g.activation_checkpointing = m.activation_checkpointing;
-  g.dropout = m.dropout;
-  return g;
-}
+models::GPTConfig gpt_config(const config::ModelConfig& m) { return models::GPTConfig::from(m); }
 
 namespace {
 
@@ -36,35 +28,35 @@ int64_t count_parameters(torch::nn::Module& model) {
   return n;
 }
 
-// A GPT on token data: the last val_fraction of the tokens is held out.
-TrainTask gpt_task(const config::Config& config, const config::BatchPlan& plan, int world_size) {
-  const models::GPTConfig g = gpt_config(config.model);
-  g.validate();
-  torch::manual_seed(config.run.seed);  // same initial weights on every rank
-  auto model = std::make_shared<models::GPTImpl>(g);
+// A language model of any family on token data: the last val_fraction of
+// the tokens is held out.
+TrainTask lm_task(const config::Config& config, std::shared_ptr<models::CausalLMImpl> model,
+                  const config::BatchPlan& plan, int world_size) {
+  const int64_t vocab_size = config.model.vocab_size;
+  const int64_t block_size = config.model.block_size;
 
   const data::TokenSource all = data::TokenSource::open(config.data.train);
-  ST_CHECK(all.max_token() < g.vocab_size, ConfigError, "data.train '", config.data.train,
-           "' holds token id ", all.max_token(), " but model.vocab_size is ", g.vocab_size,
+  ST_CHECK(all.max_token() < vocab_size, ConfigError, "data.train '", config.data.train,
+           "' holds token id ", all.max_token(), " but model.vocab_size is ", vocab_size,
            "; raise model.vocab_size");
-  const int64_t window = g.block_size + 1;
+  const int64_t window = block_size + 1;
   const int64_t eval_rows = plan.micro * world_size;
   int64_t n_val = 0;
   if (config.data.val_fraction > 0) {
     n_val = std::max(static_cast<int64_t>(static_cast<double>(all.size()) * config.data.val_fraction),
-                     eval_rows * g.block_size + 1);
+                     eval_rows * block_size + 1);
     ST_CHECK(n_val < all.size() - window, ConfigError, "data.val_fraction ",
              config.data.val_fraction, " leaves too little of '", config.data.train,
              "' to train on; lower it or use more data");
   }
   const data::TokenSource train = all.slice(0, all.size() - n_val);
-  auto sampler = std::make_shared<data::WindowSampler>(train, g.block_size, plan.global,
+  auto sampler = std::make_shared<data::WindowSampler>(train, block_size, plan.global,
                                                        config.run.seed, config.data.shuffle);
   TrainTask task;
   task.model = model;
-  task.tokens_per_sample = g.block_size;
-  task.loss_sum = [model, vocab = g.vocab_size](const data::Batch& b) {
-    const auto logits = model->forward(b.input);
+  task.tokens_per_sample = block_size;
+  task.loss_sum = [model, vocab = vocab_size](const data::Batch& b) {
+    const auto logits = model->forward(b.input, b.position, b.segment);
     namespace F = torch::nn::functional;
     return F::cross_entropy(logits.view({-1, vocab}), b.target.view({-1}),
                             F::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(kIgnoreIndex));
@@ -77,7 +69,7 @@ TrainTask gpt_task(const config::Config& config, const config::BatchPlan& plan, 
   if (n_val > 0) {
     // Evaluation batch i is the i-th block of micro x world windows, in order.
     auto val_sampler = std::make_shared<data::WindowSampler>(
-        all.slice(all.size() - n_val, all.size()), g.block_size, eval_rows, config.run.seed, false);
+        all.slice(all.size() - n_val, all.size()), block_size, eval_rows, config.run.seed, false);
     task.eval_batch = [val_sampler](int64_t index, int64_t micro, int rank, int world) {
       return val_sampler->micro_batch(index, 0, micro, rank, world);
     };
@@ -90,11 +82,9 @@ TrainTask gpt_task(const config::Config& config, const config::BatchPlan& plan, 
 // the MLP path needs no files. Global batch s is generated whole from (seed, s)
 // and each rank takes its rows, so the data order obeys the same rule as the
 // token sampler.
-TrainTask mlp_task(const config::Config& config, const config::BatchPlan& plan) {
+TrainTask regression_task(const config::Config& config, std::shared_ptr<models::MLPImpl> model,
+                          const config::BatchPlan& plan) {
   const auto& sizes = config.model.mlp_sizes;
-  ST_CHECK(sizes.size() >= 2, ConfigError, "model.mlp_sizes needs at least two widths");
-  torch::manual_seed(config.run.seed);
-  auto model = std::make_shared<models::MLPImpl>(sizes);
   const int64_t in = sizes.front();
   const auto gen = at::detail::createCPUGenerator(config.run.seed ^ 0x9e3779b97f4a7c15ULL);
   const auto w_true = at::randn({in, sizes.back()}, c10::optional<at::Generator>(gen)) / std::sqrt(static_cast<double>(in));
@@ -102,7 +92,7 @@ TrainTask mlp_task(const config::Config& config, const config::BatchPlan& plan) 
     const auto g = at::detail::createCPUGenerator(seed);
     auto x = at::randn({rows, in}, c10::optional<at::Generator>(g));
     auto y = at::matmul(x, w_true) + 0.01 * at::randn({rows, w_true.size(1)}, c10::optional<at::Generator>(g));
-    return data::Batch{x, y};
+    return data::Batch{x, y, {}, {}};
   };
   const uint64_t seed = config.run.seed;
   const int64_t global = plan.global;
@@ -115,12 +105,12 @@ TrainTask mlp_task(const config::Config& config, const config::BatchPlan& plan) 
   task.train_batch = [make, seed, global](int64_t step, int64_t j, int64_t micro, int rank, int world) {
     const data::Batch whole = make(seed * 1000003ULL + static_cast<uint64_t>(step), global);
     const int64_t first = (j * world + rank) * micro;
-    return data::Batch{whole.input.narrow(0, first, micro), whole.target.narrow(0, first, micro)};
+    return data::Batch{whole.input.narrow(0, first, micro), whole.target.narrow(0, first, micro), {}, {}};
   };
   task.eval_batch = [make, seed](int64_t index, int64_t micro, int rank, int world) {
     const data::Batch whole = make(~seed - static_cast<uint64_t>(index), micro * world);
     return data::Batch{whole.input.narrow(0, rank * micro, micro),
-                       whole.target.narrow(0, rank * micro, micro)};
+                       whole.target.narrow(0, rank * micro, micro), {}, {}};
   };
   task.static_metrics.set("num_parameters", count_parameters(*model));
   return task;
@@ -130,16 +120,19 @@ TrainTask mlp_task(const config::Config& config, const config::BatchPlan& plan) 
 
 TrainTask make_task(const config::Config& config, int world_size) {
   const config::BatchPlan plan = config.resolve_batch(world_size);
-  if (config.model.type == ModelType::Gpt) gpt_config(config.model).validate();
+  const models::ModelFamily& family = models::family_of(config.model.type);
+  family.validate(config.model);
   // Before any allocation: a model that cannot fit is a ConfigError naming
   // the bytes, not a LibTorch allocator failure with a backtrace.
   check_model_fits(config, world_size, dist::ClusterEnv::detect().local_world_size);
-  switch (config.model.type) {
-    case ModelType::Gpt: return gpt_task(config, plan, world_size);
-    case ModelType::Mlp: return mlp_task(config, plan);
+  torch::manual_seed(config.run.seed);  // same initial weights on every rank
+  const std::shared_ptr<torch::nn::Module> model = family.build(config.model);
+  if (auto lm = std::dynamic_pointer_cast<models::CausalLMImpl>(model)) {
+    return lm_task(config, std::move(lm), plan, world_size);
   }
-  ST_ASSERT(false, "model.type ", static_cast<int>(config.model.type), " has no task");
-  return {};
+  auto mlp = std::dynamic_pointer_cast<models::MLPImpl>(model);
+  ST_ASSERT(mlp != nullptr, "model family ", enum_name(family.type()), " builds no task's model");
+  return regression_task(config, std::move(mlp), plan);
 }
 
 }  // namespace shardtrain::train

@@ -146,13 +146,10 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
   precision_reason_ = resolved.reason;
   precision_ = precision::Precision::create(config_.precision, config_.loss_scaler,
                                             torch::cuda::is_available());
-  // Fine-tuning: weights from a safetensors file (Hugging Face GPT-2 names;
-  // its Conv1D weights are stored transposed), before the strategy shards
-  // them. Every rank reads it; setup would broadcast rank 0's anyway.
-  if (!config_.model.init_from.empty()) {
-    checkpoint::load_safetensors_into(*task_.model, config_.model.init_from,
-                                      checkpoint::SafetensorsLoadOptions().transpose_conv1d(true));
-  }
+  // Fine-tuning: weights from a safetensors file or a Hugging Face directory
+  // (the family's names and layouts), before the strategy shards them.
+  // Every rank reads it; setup would broadcast rank 0's anyway.
+  detail::load_init_weights(*task_.model, config_);
   // LoRA: freeze the (loaded) base and attach the adapters before anything
   // plans over the parameters.
   detail::prepare_lora(*task_.model, config_);
@@ -409,34 +406,29 @@ double Trainer::evaluate() {
 }
 
 std::string Trainer::export_model(const std::string& dir) {
-  const std::string model_path = ck::exported_model_path(dir);
   if (config_.lora.r() > 0) {  // the merged model (its checkpoints may lack the base)
     detail::export_lora(*strategy_, *comm_, config_, dir);
-    return model_path;
+    return ck::exported_model_path(dir);
   }
-  // From this step's checkpoint when there is one: rank 0 streams it tensor
-  // by tensor and nobody gathers. Otherwise sharded strategies gather the
-  // model unit by unit, to rank 0 only. Every rank decides alike: the
-  // members below are set by a collective.
-  const bool from_checkpoint = last_checkpoint_step_ == state_.step && !last_checkpoint_.empty();
+  // From this step's checkpoint when there is one (and the model fits one
+  // file): rank 0 streams it tensor by tensor and nobody gathers. Otherwise
+  // sharded strategies gather the model unit by unit, to rank 0 only. Every
+  // rank decides alike: the members below are set by a collective.
+  const bool from_checkpoint = last_checkpoint_step_ == state_.step && !last_checkpoint_.empty() &&
+                               model_parameter_count(config_.model) * 4.0 <=
+                                   config_.checkpoint.export_max_shard_mb * 1e6;
   std::vector<std::pair<std::string, at::Tensor>> gathered;
   if (!from_checkpoint) gathered = strategy_->full_state_dict();
   std::string failure;  // rank 0's, shared with every rank before anyone throws
   if (comm_->rank() == 0) try {
-    // Each file is written aside and renamed into place, the model last, so a
-    // reader never sees half a file.
-    fs::create_directories(dir);
-    ck::detail::write_file_atomically(ck::exported_config_path(dir), config_.to_yaml());
-    if (from_checkpoint) {
-      ck::consolidate_to_safetensors(last_checkpoint_, model_path, /*transpose_conv1d=*/true);
-    } else {
-      ck::save_safetensors(model_path, gathered, /*transpose_conv1d=*/true,
-                           {{"format", "pt"},
-                            {"producer", "shardtrain"},
-                            {"strategy", strategy_->name()},
-                            {"world_size", std::to_string(comm_->size())},
-                            {"step", std::to_string(state_.step)}});
-    }
+    // Each file is written aside and renamed into place, the weights before
+    // the index, so a reader never sees half a model.
+    detail::write_exported_model(dir, config_, gathered, from_checkpoint ? last_checkpoint_ : "",
+                                           {{"format", "pt"},
+                                            {"producer", "shardtrain"},
+                                            {"strategy", strategy_->name()},
+                                            {"world_size", std::to_string(comm_->size())},
+                                            {"step", std::to_string(state_.step)}});
   } catch (const std::exception& e) {
     failure = ::shardtrain::detail::one_line_message(e);
   }
@@ -445,7 +437,7 @@ std::string Trainer::export_model(const std::string& dir) {
   ST_CHECK(failed.item<int64_t>() == 0, CheckpointError, "exporting the model to '", dir,
            "' failed", comm_->rank() == 0 ? ": " + failure : std::string(" on rank 0 (see its error)"),
            ". Hint: check that run.dir is writable and the disk is not full");
-  return model_path;
+  return ck::exported_model_path(dir);
 }
 
 const TrainerState& Trainer::fit() {

@@ -5,9 +5,8 @@
 #include <memory>
 #include <string>
 
-namespace shardtrain::models {
-class GPTImpl;
-}
+#include "shardtrain/config/config.h"
+#include "shardtrain/models/causal_lm.h"
 
 namespace shardtrain::cli {
 
@@ -38,16 +37,23 @@ int report_main(int argc, char** argv);
 /// `shardtrain lora merge --base FILE --adapter DIR --out FILE`.
 int lora_main(int argc, char** argv);
 
-/// The GPT at `path`: a run directory (its exported model.safetensors, or
-/// its newest complete checkpoint when that is newer), a checkpoint
-/// directory, or a .safetensors file with config.yaml beside it
-/// (checkpoint::resolve_checkpoint); with `say_source`, says on stderr which
-/// it read. CheckpointError if there is none or it does not load.
-std::shared_ptr<models::GPTImpl> load_gpt(const std::string& path, bool say_source = false);
+/// A language model and the config it was built from.
+struct LoadedModel {
+  std::shared_ptr<models::CausalLMImpl> model;
+  config::Config config;
+};
 
-/// Samples `max_new_tokens` bytes after `prompt` from a trained GPT and
-/// returns prompt + continuation as text.
-std::string sample_text(models::GPTImpl& model, const std::string& prompt, int64_t max_new_tokens,
-                        uint64_t seed, double temperature = 0.8, int64_t top_k = 40);
+/// The language model at `path`: a run directory (its exported model, or
+/// its newest complete checkpoint when that is newer), a checkpoint
+/// directory, a Hugging Face model directory, or a .safetensors file with
+/// config.yaml beside it (checkpoint::resolve_checkpoint); with
+/// `say_source`, says on stderr which it read. CheckpointError if there is
+/// none or it does not load.
+LoadedModel load_model(const std::string& path, bool say_source = false);
+
+/// Samples after `prompt` (bytes) from a trained byte-level model and returns
+/// prompt + continuation as text.
+std::string sample_text(models::CausalLMImpl& model, const std::string& prompt,
+                        const models::GenerateOptions& options);
 
 }  // namespace shardtrain::cli

@@ -15,7 +15,7 @@
 #include "commands.h"
 #include "shardtrain/config/config.h"
 #include "shardtrain/core/error.h"
-#include "shardtrain/models/gpt.h"
+#include "shardtrain/models/family.h"
 #include "shardtrain/models/mlp.h"
 #include "shardtrain/precision/precision.h"
 #include "shardtrain/strategy/estimate.h"
@@ -121,11 +121,8 @@ std::string pad_right(const std::string& s, size_t w) {
 // estimate needs only its structure).
 std::shared_ptr<torch::nn::Module> build_model(const config::Config& config) {
   torch::manual_seed(config.run.seed);
-  if (config.model.type == train::ModelType::Mlp) {
-    return std::make_shared<models::MLPImpl>(config.model.mlp_sizes);
-  }
-  const models::GPTConfig g = train::gpt_config(config.model);
-  g.validate();
+  const models::ModelFamily& family = models::family_of(config.model.type);
+  family.validate(config.model);
   // Building allocates the weights; refuse before that would exhaust memory.
   // Counted in doubles: absurd sizes must not overflow.
   const double params = train::model_parameter_count(config.model);
@@ -137,7 +134,7 @@ std::shared_ptr<torch::nn::Module> build_model(const config::Config& config) {
            " parameters (", bytes(need), " in fp32), more than half this machine's available ",
            bytes(have), "; estimate builds the model to plan its units, so run it on a machine "
            "with more memory");
-  return std::make_shared<models::GPTImpl>(g);
+  return family.build(config.model);
 }
 
 std::string join(const std::vector<std::string>& items, const char* sep) {
@@ -192,16 +189,8 @@ int estimate_main(int argc, char** argv) {
                                     : dc.memory_budget_mb() * 1024.0 * 1024.0;
 
   // ---- header ----
-  if (config.model.type == train::ModelType::Gpt) {
-    const auto& m = config.model;
-    std::printf("model: gpt, %lld layers, %lld heads, n_embd %lld, context %lld, vocab %lld\n",
-                (long long)m.n_layer, (long long)m.n_head, (long long)m.n_embd,
-                (long long)m.block_size, (long long)m.vocab_size);
-  } else {
-    std::vector<std::string> widths;
-    for (int64_t w : config.model.mlp_sizes) widths.push_back(std::to_string(w));
-    std::printf("model: mlp [%s]\n", join(widths, ", ").c_str());
-  }
+  std::printf("model: %s, %s\n", enum_name(config.model.type),
+              models::family_of(config.model.type).size_text(config.model).c_str());
   std::printf("parameters (Ψ): %s trainable\n", grouped(psi).c_str());
   std::string policy = enum_name(dc.auto_wrap_policy());
   if (dc.auto_wrap_policy() == strategy::AutoWrapPolicy::ModuleType) {
@@ -235,7 +224,7 @@ int estimate_main(int argc, char** argv) {
               enum_name(config.precision), enum_name(dc.param_dtype()),
               mixed ? "mixed-precision" : "fp32",
               (long long)micro, act_bytes,
-              config.model.type == train::ModelType::Gpt && config.model.activation_checkpointing
+              config.model.activation_checkpointing
                   ? ", activation checkpointing on"
                   : "");
   if (!resolved.reason.empty()) std::printf("precision %s: %s\n", enum_name(config.precision), resolved.reason.c_str());

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -14,7 +15,10 @@
 #include "shardtrain/checkpoint/safetensors.h"
 #include "shardtrain/config/config.h"
 #include "shardtrain/core/error.h"
-#include "shardtrain/models/gpt.h"
+#include "shardtrain/data/tokens.h"
+#include "shardtrain/models/causal_lm.h"
+#include "shardtrain/models/family.h"
+#include "shardtrain/models/hf_dir.h"
 #include "shardtrain/train/task.h"
 
 namespace shardtrain::cli {
@@ -25,13 +29,43 @@ namespace ck = shardtrain::checkpoint;
 
 const char kUsage[] =
     "usage: shardtrain generate --checkpoint PATH [--prompt TEXT] [--max-new-tokens N]\n"
-    "                           [--temperature T] [--top-k K] [--seed S]\n"
+    "                           [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
+    "                           [--stop ID[,ID...]] [--no-cache]\n"
     "\n"
-    "PATH is a run directory (its model.safetensors with config.yaml beside it, or\n"
+    "PATH is a run directory (its exported model with config.yaml beside it, or\n"
     "its newest complete checkpoint under checkpoints/ when that is newer), a\n"
-    "checkpoint directory (RUN_DIR/checkpoints/step-000120) or a .safetensors file\n"
-    "with config.yaml beside it.\n"
-    "Defaults: prompt \"\\n\", 200 new tokens, temperature 0.8, top-k 40, seed 0.\n";
+    "checkpoint directory (RUN_DIR/checkpoints/step-000120), a Hugging Face model\n"
+    "directory (config.json and safetensors weights) or a .safetensors file with\n"
+    "config.yaml beside it.\n"
+    "Defaults: prompt \"\\n\", 200 new tokens, temperature 0.8 (0: greedy), top-k 40\n"
+    "(0: all), top-p 1, seed 0, no stop token; generation keeps a key/value cache\n"
+    "(one token's forward per new token); --no-cache runs the whole context each time.\n";
+
+int64_t parse_int(const std::string& flag, const std::string& value) {
+  size_t used = 0;
+  long long v = 0;
+  try {
+    v = std::stoll(value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  ST_CHECK(used == value.size() && !value.empty(), ConfigError, flag, " expects an integer, got '",
+           value, "'; see shardtrain generate --help");
+  return v;
+}
+
+double parse_double(const std::string& flag, const std::string& value) {
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  ST_CHECK(used == value.size() && !value.empty(), ConfigError, flag, " expects a number, got '",
+           value, "'; see shardtrain generate --help");
+  return v;
+}
 
 // The config a Trainer checkpoint records in its training state.
 config::Config checkpoint_config(ck::CheckpointReader& reader) {
@@ -46,15 +80,32 @@ config::Config checkpoint_config(ck::CheckpointReader& reader) {
   return config::Config::parse(yaml, {}, reader.dir() + "/" + "train_state.bin");
 }
 
-std::shared_ptr<models::GPTImpl> build_gpt(const config::Config& config, const std::string& from) {
-  ST_CHECK(config.model.type == train::ModelType::Gpt, ConfigError, "the model at '", from,
-           "' is a '", enum_name(config.model.type), "' model; generate needs a gpt");
-  return std::make_shared<models::GPTImpl>(train::gpt_config(config.model));
+std::shared_ptr<models::CausalLMImpl> build_lm(const config::Config& config, const std::string& from) {
+  auto lm = std::dynamic_pointer_cast<models::CausalLMImpl>(
+      models::family_of(config.model.type).build(config.model));
+  ST_CHECK(lm != nullptr, ConfigError, "the model at '", from, "' is a '", enum_name(config.model.type),
+           "' model; generate needs a language model");
+  return lm;
+}
+
+// A Hugging Face directory's model, its architecture from its config.json.
+LoadedModel load_hf(const std::string& dir) {
+  config::Config config = config::Config::parse("model: {type: auto}\n");
+  config.model.init_from = dir;
+  models::resolve_model_config(config.model);
+  config.model.block_size = std::max<int64_t>(1, config.model.max_position_embeddings);
+  auto model = build_lm(config, dir);
+  models::load_hf_weights(*model, models::HfWeights(dir), models::family_of(config.model.type));
+  return {model, config};
 }
 
 }  // namespace
 
-std::shared_ptr<models::GPTImpl> load_gpt(const std::string& path, bool say_source) {
+LoadedModel load_model(const std::string& path, bool say_source) {
+  if (models::is_hf_dir(path) && !fs::exists(ck::exported_config_path(fs::path(path).parent_path().string()))) {
+    if (say_source) std::fprintf(stderr, "generate: model from Hugging Face directory %s\n", path.c_str());
+    return load_hf(path);
+  }
   const ck::ResolvedCheckpoint source =
       ck::resolve_checkpoint(path, ck::ResolveOptions().exported_model(true));
   if (say_source) std::fprintf(stderr, "generate: model from %s%s\n", source.path.c_str(),
@@ -65,52 +116,70 @@ std::shared_ptr<models::GPTImpl> load_gpt(const std::string& path, bool say_sour
              "' has no config.yaml beside it (looked for '", config_path,
              "'), so the model cannot be built. Hint: pass the run directory `shardtrain train` "
              "printed.");
-    auto model = build_gpt(config::Config::load(config_path), source.path);
-    ck::load_safetensors_into(*model, source.path, ck::SafetensorsLoadOptions().transpose_conv1d(true));
-    return model;
+    const config::Config config = config::Config::load(config_path);
+    auto model = build_lm(config, source.path);
+    models::load_hf_weights(*model, models::HfWeights(source.path), models::family_of(config.model.type));
+    return {model, config};
   }
   ck::CheckpointReader reader(source.path);
   const config::Config config = checkpoint_config(reader);
-  auto model = build_gpt(config, source.path);
+  auto model = build_lm(config, source.path);
   train::load_trained_model(*model, config, reader);  // a LoRA run's adapters included
-  return model;
+  return {model, config};
+}
+
+std::string sample_text(models::CausalLMImpl& model, const std::string& prompt,
+                        const models::GenerateOptions& options) {
+  const std::vector<int64_t> ids = data::ByteTokenizer::encode(prompt.empty() ? "\n" : prompt);
+  // A byte beyond the model's vocabulary would reach LibTorch's embedding as
+  // an index error.
+  for (const int64_t byte : ids) {
+    ST_CHECK(byte < model.vocab_size(), ConfigError, "--prompt holds byte ", byte,
+             " but the model's vocabulary has ", model.vocab_size(), " tokens (bytes 0..",
+             model.vocab_size() - 1, "); use a prompt made of those bytes only");
+  }
+  const auto out = models::generate(model, torch::tensor(ids, torch::kLong).view({1, -1}), options);
+  const auto* p = out.data_ptr<int64_t>();
+  return data::ByteTokenizer::decode(std::vector<int64_t>(p, p + out.numel()));
 }
 
 int generate_main(int argc, char** argv) {
   std::string checkpoint, prompt = "\n";
-  int64_t max_new_tokens = 200, top_k = 40;
-  double temperature = 0.8;
-  uint64_t seed = 0;
+  models::GenerateOptions options;
+  options.top_k(40);
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") {
       std::fputs(kUsage, stdout);
       return 0;
     }
+    if (flag == "--no-cache") {
+      options.use_cache(false);
+      continue;
+    }
     ST_CHECK(i + 1 < argc, ConfigError, flag, " needs a value; see shardtrain generate --help");
     const std::string value = argv[++i];
     if (flag == "--checkpoint") checkpoint = value;
     else if (flag == "--prompt") prompt = value;
-    else if (flag == "--max-new-tokens") max_new_tokens = std::atoll(value.c_str());
-    else if (flag == "--temperature") temperature = std::atof(value.c_str());
-    else if (flag == "--top-k") top_k = std::atoll(value.c_str());
-    else if (flag == "--seed") seed = std::strtoull(value.c_str(), nullptr, 10);
-    else ST_CHECK(false, ConfigError, "unknown option '", flag, "'; see shardtrain generate --help");
+    else if (flag == "--max-new-tokens") options.max_new_tokens(parse_int(flag, value));
+    else if (flag == "--temperature") options.temperature(parse_double(flag, value));
+    else if (flag == "--top-k") options.top_k(parse_int(flag, value));
+    else if (flag == "--top-p") options.top_p(parse_double(flag, value));
+    else if (flag == "--seed") options.seed(static_cast<uint64_t>(parse_int(flag, value)));
+    else if (flag == "--stop") {
+      std::vector<int64_t> stop;
+      std::stringstream list(value);
+      for (std::string item; std::getline(list, item, ',');) stop.push_back(parse_int(flag, item));
+      options.stop_tokens(stop);
+    } else ST_CHECK(false, ConfigError, "unknown option '", flag, "'; see shardtrain generate --help");
   }
   ST_CHECK(!checkpoint.empty(), ConfigError, "--checkpoint PATH is required");
-  ST_CHECK(max_new_tokens >= 0, ConfigError, "--max-new-tokens must be >= 0");
-  ST_CHECK(temperature > 0, ConfigError, "--temperature must be > 0");
+  ST_CHECK(options.max_new_tokens() >= 0, ConfigError, "--max-new-tokens must be >= 0");
+  ST_CHECK(options.temperature() >= 0, ConfigError, "--temperature must be >= 0 (0: greedy)");
+  ST_CHECK(options.top_p() > 0 && options.top_p() <= 1, ConfigError, "--top-p must be in (0, 1]");
 
-  auto model = load_gpt(checkpoint, /*say_source=*/true);
-  // Each byte of the prompt is a token id; one beyond the model's
-  // vocabulary would reach LibTorch's embedding as an index error.
-  const int64_t vocab = model->config().vocab_size;
-  for (const char c : prompt) {
-    const int byte = static_cast<unsigned char>(c);
-    ST_CHECK(byte < vocab, ConfigError, "--prompt holds byte ", byte, " but the model's vocabulary has ",
-             vocab, " tokens (bytes 0..", vocab - 1, "); use a prompt made of those bytes only");
-  }
-  std::printf("%s\n", sample_text(*model, prompt, max_new_tokens, seed, temperature, top_k).c_str());
+  const LoadedModel loaded = load_model(checkpoint, /*say_source=*/true);
+  std::printf("%s\n", sample_text(*loaded.model, prompt, options).c_str());
   return 0;
 }
 

@@ -138,15 +138,6 @@ config::Config load_config(const TrainArgs& args, bool say) {
 
 }  // namespace
 
-std::string sample_text(models::GPTImpl& model, const std::string& prompt, int64_t max_new_tokens,
-                        uint64_t seed, double temperature, int64_t top_k) {
-  const std::vector<int64_t> ids = data::ByteTokenizer::encode(prompt.empty() ? "\n" : prompt);
-  const auto idx = torch::tensor(ids, torch::kLong).view({1, -1});
-  const auto out = model.generate(idx, max_new_tokens, temperature, top_k, seed);
-  const auto* p = out.data_ptr<int64_t>();
-  return data::ByteTokenizer::decode(std::vector<int64_t>(p, p + out.numel()));
-}
-
 int train_main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h")) {
@@ -218,12 +209,18 @@ int train_main(int argc, char** argv) {
   if (comm->rank() == 0) {
     // From the exported model: under a sharded strategy no rank holds the
     // whole model, and sampling on rank 0 alone must not communicate.
-    if (config.model.type == train::ModelType::Gpt && config.trainer.sample_tokens > 0) {
-      auto gpt = load_gpt(checkpoint::exported_model_path(state.run_dir));
-      std::printf("sample:\n%s\n", sample_text(*gpt, "\n", config.trainer.sample_tokens,
-                                                config.run.seed).c_str());
+    // A byte-level language model's sample; other tokenizers: `shardtrain generate`.
+    if (config.model.vocab_size <= 256 && config.model.type != train::ModelType::Mlp &&
+        config.trainer.sample_tokens > 0) {
+      const LoadedModel lm = load_model(checkpoint::exported_model_path(state.run_dir));
+      const auto options = models::GenerateOptions()
+                               .max_new_tokens(config.trainer.sample_tokens)
+                               .seed(config.run.seed)
+                               .temperature(0.8)
+                               .top_k(40);
+      std::printf("sample:\n%s\n", sample_text(*lm.model, "\n", options).c_str());
     }
-    std::printf("run directory: %s (metrics.jsonl, report.html, tb/, checkpoints/, model.safetensors, config.yaml)\n",
+    std::printf("run directory: %s (metrics.jsonl, report.html, tb/, checkpoints/, model/, config.yaml)\n",
                 state.run_dir.c_str());
   }
   comm->barrier();

@@ -257,8 +257,11 @@ std::optional<CheckpointEntry> latest_complete(const std::string& run_dir);
 std::vector<std::string> prune(const std::string& run_dir, int keep,
                                const std::vector<std::string>& protect = {});
 
-/// `<run_dir>/model.safetensors`.
+/// `<run_dir>/model.safetensors`: a link to the single weights file of
+/// exported_model_dir() (absent when the export is sharded).
 std::string exported_model_path(const std::string& run_dir);
+/// `<run_dir>/model`: the exported model as a Hugging Face directory.
+std::string exported_model_dir(const std::string& run_dir);
 /// `<run_dir>/config.yaml`, the config of the exported model.
 std::string exported_config_path(const std::string& run_dir);
 

@@ -93,6 +93,9 @@ class SafetensorsFile {
   const SafetensorsEntry* find(const std::string& name) const;
   /// Reads tensor `name` in its stored dtype and shape.
   at::Tensor read(const std::string& name) const;
+  /// Reads elements [first, first + count) of tensor `name` (row-major) as a
+  /// 1-D tensor of its stored dtype: only those bytes.
+  at::Tensor read_range(const std::string& name, int64_t first, int64_t count) const;
 
  private:
   struct Impl;

@@ -36,20 +36,48 @@ struct RunConfig {
   uint64_t seed = 1337;
 };
 
+/// The model section. gpt and llama share the sizes; the llama keys are the
+/// fields of a Hugging Face LlamaConfig under our names. When init_from is a
+/// Hugging Face directory its config.json sets the architecture (every key
+/// but block_size, activation_checkpointing, dropout and init_from), once,
+/// as the config is read (models/family.h).
 struct ModelConfig {
   train::ModelType type = train::ModelType::Gpt;
-  // gpt
+  // gpt and llama
   int64_t n_layer = 4;
   int64_t n_head = 4;
   int64_t n_embd = 128;
   int64_t block_size = 64;
   int64_t vocab_size = 256;
   bool activation_checkpointing = false;
-  /// Dropout probability while training (embeddings, attention, residuals).
+  /// Dropout probability while training (gpt: embeddings, attention,
+  /// residuals; llama: the attention weights, as HF's attention_dropout).
   double dropout = 0.0;
+  // llama
+  /// Key/value heads (grouped-query attention); 0: n_head.
+  int64_t n_kv_head = 0;
+  /// Channels per head; 0: n_embd / n_head.
+  int64_t head_dim = 0;
+  /// SwiGLU width; 0: 8/3 n_embd rounded up to a multiple of 64.
+  int64_t intermediate_size = 0;
+  double rope_theta = 10000.0;
+  train::RopeScaling rope_scaling = train::RopeScaling::None;
+  double rope_factor = 8.0;
+  double rope_low_freq_factor = 1.0;
+  double rope_high_freq_factor = 4.0;
+  int64_t rope_original_max_position = 8192;
+  double rms_norm_eps = 1e-5;
+  bool tie_word_embeddings = false;
+  train::AttentionBias attention_bias = train::AttentionBias::None;
+  bool mlp_bias = false;
+  /// The longest context the weights were trained for; 0: block_size.
+  int64_t max_position_embeddings = 0;
+  /// config.json's model_type on export: llama, mistral or qwen2.
+  std::string hf_model_type = "llama";
   // mlp: layer widths {in, hidden..., out}
   std::vector<int64_t> mlp_sizes = {64, 128, 64};
-  /// A safetensors file to initialise the weights from; "": from the seed.
+  /// A safetensors file or a Hugging Face model directory to initialise the
+  /// weights from; "": from the seed.
   std::string init_from;
 };
 
@@ -70,6 +98,9 @@ struct CheckpointConfig {
   /// checkpoint (it records the base file and its SHA-256 instead); true
   /// copies the base into each checkpoint.
   bool save_frozen_base = false;
+  /// The exported Hugging Face directory (run.dir/model) splits its weights
+  /// into shards of at most this many MB (10^6 bytes), as transformers does.
+  double export_max_shard_mb = 5000.0;
 };
 
 struct DataConfig {
@@ -147,7 +178,8 @@ struct DistributedConfig : strategy::StrategyOptions {
 /// LoRA fine-tuning (models/lora.h): the adapter options, off while r is 0,
 /// and an adapter to continue from.
 struct LoraConfig : models::LoraOptions {
-  LoraConfig() { r(0); }
+  /// Off; target_modules empty: the model family's defaults.
+  LoraConfig() { r(0).target_modules({}); }
   /// A directory with adapter_model.safetensors (PEFT layout); "": fresh adapters.
   ST_ARG(std::string, init_from);
 };

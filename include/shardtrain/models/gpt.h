@@ -18,6 +18,12 @@
 
 #include <cstdint>
 
+#include "shardtrain/models/causal_lm.h"
+
+namespace shardtrain::config {
+struct ModelConfig;
+}
+
 namespace shardtrain::models {
 
 struct GPTConfig {
@@ -33,6 +39,9 @@ struct GPTConfig {
   /// weights and each residual branch's output (as nanoGPT); 0: none.
   double dropout = 0.0;
 
+  /// From the config's model section.
+  static GPTConfig from(const config::ModelConfig& m);
+
   /// Throws ConfigError naming the field when a value is impossible
   /// (non-positive sizes, n_embd not divisible by n_head, dropout outside
   /// [0, 1)).
@@ -46,8 +55,10 @@ struct GPTConfig {
 class CausalSelfAttentionImpl : public torch::nn::Module {
  public:
   explicit CausalSelfAttentionImpl(const GPTConfig& config);
-  /// x: [B, T, C] -> [B, T, C].
-  torch::Tensor forward(const torch::Tensor& x);
+  /// x: [B, T, C] -> [B, T, C]; segment as CausalLMImpl::forward; the
+  /// cache entries (keys, values) are appended to when given.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& segment = {},
+                        torch::Tensor* cache_k = nullptr, torch::Tensor* cache_v = nullptr);
 
   torch::nn::Linear c_attn{nullptr};
   torch::nn::Linear c_proj{nullptr};
@@ -76,7 +87,8 @@ TORCH_MODULE(MLPBlock);
 class BlockImpl : public torch::nn::Module {
  public:
   explicit BlockImpl(const GPTConfig& config);
-  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& segment = {},
+                        torch::Tensor* cache_k = nullptr, torch::Tensor* cache_v = nullptr);
 
   torch::nn::LayerNorm ln_1{nullptr};
   CausalSelfAttention attn{nullptr};
@@ -85,12 +97,17 @@ class BlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
-class GPTImpl : public torch::nn::Module {
+class GPTImpl : public CausalLMImpl {
  public:
   explicit GPTImpl(const GPTConfig& config);
 
-  /// idx: [B, T] int64 token ids with T <= block_size -> logits [B, T, vocab].
-  torch::Tensor forward(const torch::Tensor& idx);
+  /// idx: [B, T] int64 token ids with T <= block_size -> logits [B, T, vocab];
+  /// position and segment as CausalLMImpl::forward (positions index wpe).
+  torch::Tensor forward(const torch::Tensor& idx, const torch::Tensor& position = {},
+                        const torch::Tensor& segment = {}) override;
+  torch::Tensor forward_cached(const torch::Tensor& idx, KVCache& cache) override;
+  int64_t vocab_size() const override { return config_.vocab_size; }
+  int64_t context_size() const override { return config_.block_size; }
 
   /// Appends `max_new_tokens` sampled tokens to idx [B, T] and returns
   /// [B, T + max_new_tokens]. temperature > 0; top_k <= 0 means no cut-off.

@@ -8,9 +8,23 @@
 
 namespace shardtrain::train {
 
-/// The built-in model make_task() builds (models/gpt.h, models/mlp.h).
-enum class ModelType { Gpt, Mlp };
-ST_ENUM_NAMES(ModelType, {ModelType::Gpt, "gpt"}, {ModelType::Mlp, "mlp"});
+/// The model family make_task() builds (models/family.h): GPT-2, the Llama
+/// family (Llama, Mistral, Qwen2), a small MLP, or `auto`: the family of the
+/// Hugging Face directory model.init_from names (its config.json).
+enum class ModelType { Gpt, Llama, Mlp, Auto };
+ST_ENUM_NAMES(ModelType, {ModelType::Gpt, "gpt"}, {ModelType::Llama, "llama"},
+              {ModelType::Mlp, "mlp"}, {ModelType::Auto, "auto"});
+
+/// Which attention projections carry a bias (Llama family): none (Llama,
+/// Mistral), q/k/v (Qwen2), or all four (Llama's attention_bias: true).
+enum class AttentionBias { None, Qkv, All };
+ST_ENUM_NAMES(AttentionBias, {AttentionBias::None, "none"}, {AttentionBias::Qkv, "qkv"},
+              {AttentionBias::All, "all"});
+
+/// Rotary-embedding frequency scaling (Llama family): none, or Llama-3's
+/// piecewise scaling of the long wavelengths.
+enum class RopeScaling { None, Llama3 };
+ST_ENUM_NAMES(RopeScaling, {RopeScaling::None, "none"}, {RopeScaling::Llama3, "llama3"});
 
 /// The optimizer built over the strategy's parameter shards.
 enum class OptimizerKind { AdamW, Sgd };

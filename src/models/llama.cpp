@@ -1,0 +1,423 @@
+// The Llama family: RMSNorm, rotary embeddings, grouped-query attention,
+// SwiGLU; its config from our YAML and from a Hugging Face config.json.
+#include "shardtrain/models/llama.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <nlohmann/json.hpp>
+
+#include "models/attention.h"
+#include "models/families.h"
+#include "shardtrain/config/config.h"
+#include "shardtrain/core/error.h"
+#include "shardtrain/models/checkpoint.h"
+#include "shardtrain/models/lora.h"
+#include "shardtrain/strategy/unit.h"
+
+namespace shardtrain::models {
+
+namespace {
+
+constexpr double kInitStd = 0.02;  // HF initializer_range
+
+torch::nn::Linear linear(int64_t in, int64_t out, bool bias) {
+  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
+}
+
+int64_t default_intermediate(int64_t hidden) {
+  const int64_t raw = (8 * hidden + 2) / 3;
+  return (raw + 63) / 64 * 64;
+}
+
+}  // namespace
+
+// ---- config ------------------------------------------------------------------------
+
+LlamaConfig LlamaConfig::from(const config::ModelConfig& m) {
+  LlamaConfig c;
+  c.vocab_size = m.vocab_size;
+  c.hidden_size = m.n_embd;
+  c.num_layers = m.n_layer;
+  c.num_heads = m.n_head;
+  c.num_kv_heads = m.n_kv_head > 0 ? m.n_kv_head : m.n_head;
+  c.head_dim = m.head_dim > 0 ? m.head_dim : (m.n_head > 0 ? m.n_embd / m.n_head : 0);
+  c.intermediate_size = m.intermediate_size > 0 ? m.intermediate_size : default_intermediate(m.n_embd);
+  c.block_size = m.block_size;
+  c.max_positions = std::max(m.block_size, m.max_position_embeddings);
+  c.rope_theta = m.rope_theta;
+  c.rope_scaling = m.rope_scaling;
+  c.rope_factor = m.rope_factor;
+  c.rope_low_freq_factor = m.rope_low_freq_factor;
+  c.rope_high_freq_factor = m.rope_high_freq_factor;
+  c.rope_original_max_position = m.rope_original_max_position;
+  c.rms_norm_eps = m.rms_norm_eps;
+  c.tie_word_embeddings = m.tie_word_embeddings;
+  c.attention_bias = m.attention_bias;
+  c.mlp_bias = m.mlp_bias;
+  c.attention_dropout = m.dropout;
+  c.activation_checkpointing = m.activation_checkpointing;
+  return c;
+}
+
+void LlamaConfig::validate() const {
+  ST_CHECK(num_layers > 0 && num_heads > 0 && hidden_size > 0 && vocab_size > 0 && block_size > 0,
+           ConfigError, "llama: model.n_layer, n_head, n_embd, vocab_size and block_size must be "
+           "positive (got ", num_layers, ", ", num_heads, ", ", hidden_size, ", ", vocab_size, ", ",
+           block_size, ")");
+  ST_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, ConfigError, "llama: model.n_kv_head=",
+           num_kv_heads, " must divide model.n_head=", num_heads,
+           "; hint: 0 means one key/value head per query head");
+  ST_CHECK(head_dim > 0 && head_dim % 2 == 0, ConfigError, "llama: the head width (model.head_dim, or "
+           "n_embd / n_head) is ", head_dim, "; rotary embeddings need an even, positive width");
+  ST_CHECK(intermediate_size > 0, ConfigError, "llama: model.intermediate_size must be positive");
+  ST_CHECK(block_size <= max_positions, ConfigError, "model.block_size=", block_size,
+           " exceeds the model's max_position_embeddings=", max_positions,
+           "; hint: lower model.block_size");
+}
+
+int64_t LlamaConfig::num_parameters() const {
+  const int64_t h = hidden_size, q = num_heads * head_dim, kv = num_kv_heads * head_dim;
+  int64_t attn = h * q + 2 * h * kv + q * h;
+  if (attention_bias != train::AttentionBias::None) attn += q + 2 * kv;
+  if (attention_bias == train::AttentionBias::All) attn += h;
+  int64_t mlp = 3 * h * intermediate_size;
+  if (mlp_bias) mlp += 2 * intermediate_size + h;
+  const int64_t layer = attn + mlp + 2 * h;
+  return vocab_size * h * (tie_word_embeddings ? 1 : 2) + num_layers * layer + h;
+}
+
+// ---- RMSNorm and rotary embeddings --------------------------------------------------
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
+  weight = register_parameter("weight", torch::ones({dim}));
+}
+
+at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
+  // In fp32 whatever x is, then back to x's dtype before the weight.
+  const auto h = x.to(at::kFloat);
+  const auto normed = h * at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps_);
+  return weight * normed.to(x.scalar_type());
+}
+
+at::Tensor rope_inverse_frequencies(const LlamaConfig& c) {
+  const auto d = static_cast<double>(c.head_dim);
+  auto inv = 1.0 / at::pow(c.rope_theta, at::arange(0, c.head_dim, 2, at::kLong).to(at::kFloat) / d);
+  if (c.rope_scaling != train::RopeScaling::Llama3) return inv;
+  // Llama-3: wavelengths longer than the original context / low_freq_factor
+  // are divided by `factor`; shorter than context / high_freq_factor kept;
+  // between, a linear blend of the two.
+  const double old_context = static_cast<double>(c.rope_original_max_position);
+  const double low_wavelen = old_context / c.rope_low_freq_factor;
+  const double high_wavelen = old_context / c.rope_high_freq_factor;
+  const auto wavelen = 2.0 * M_PI / inv;
+  auto scaled = at::where(wavelen > low_wavelen, inv / c.rope_factor, inv);
+  const auto smooth = (old_context / wavelen - c.rope_low_freq_factor) /
+                      (c.rope_high_freq_factor - c.rope_low_freq_factor);
+  const auto blended = (1 - smooth) * scaled / c.rope_factor + smooth * scaled;
+  const auto medium = (wavelen < high_wavelen).logical_not().logical_and((wavelen > low_wavelen).logical_not());
+  return at::where(medium, blended, scaled);
+}
+
+RotaryTables rotary_tables(const LlamaConfig& c) {
+  at::NoGradGuard no_grad;
+  const auto inv = rope_inverse_frequencies(c);  // [d/2]
+  const auto pos = at::arange(c.max_positions, at::kLong).to(at::kFloat);
+  const auto freqs = at::outer(pos, inv);  // exact products, as HF's k=1 matmul
+  const auto emb = at::cat({freqs, freqs}, -1);
+  return {emb.cos(), emb.sin()};
+}
+
+at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  const auto rotated = at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+  return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1);
+}
+
+// ---- layers -------------------------------------------------------------------------------
+
+namespace llama {
+
+AttentionImpl::AttentionImpl(const LlamaConfig& c)
+    : heads_(c.num_heads), kv_heads_(c.num_kv_heads), head_dim_(c.head_dim), dropout_(c.attention_dropout) {
+  const bool qkv_bias = c.attention_bias != train::AttentionBias::None;
+  q_proj = register_module("q_proj", linear(c.hidden_size, heads_ * head_dim_, qkv_bias));
+  k_proj = register_module("k_proj", linear(c.hidden_size, kv_heads_ * head_dim_, qkv_bias));
+  v_proj = register_module("v_proj", linear(c.hidden_size, kv_heads_ * head_dim_, qkv_bias));
+  o_proj = register_module("o_proj", linear(heads_ * head_dim_, c.hidden_size,
+                                            c.attention_bias == train::AttentionBias::All));
+}
+
+at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                  const at::Tensor& segment, at::Tensor* cache_k, at::Tensor* cache_v) {
+  const int64_t b = x.size(0), t = x.size(1);
+  auto heads = [&](const at::Tensor& y, int64_t n) { return y.view({b, t, n, head_dim_}).transpose(1, 2); };
+  const auto q = apply_rotary(heads(lora_forward(*q_proj, x), heads_), cos, sin);
+  auto k = apply_rotary(heads(lora_forward(*k_proj, x), kv_heads_), cos, sin);
+  auto v = heads(lora_forward(*v_proj, x), kv_heads_);
+  if (cache_k != nullptr) {
+    k = detail::append_cache(*cache_k, k);
+    v = detail::append_cache(*cache_v, v);
+  }
+  auto y = detail::causal_attention(q, k, v, segment, dropout_, is_training());
+  y = y.transpose(1, 2).reshape({b, t, heads_ * head_dim_});
+  return lora_forward(*o_proj, y);
+}
+
+MLPImpl::MLPImpl(const LlamaConfig& c) {
+  gate_proj = register_module("gate_proj", linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
+  up_proj = register_module("up_proj", linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
+  down_proj = register_module("down_proj", linear(c.intermediate_size, c.hidden_size, c.mlp_bias));
+}
+
+at::Tensor MLPImpl::forward(const at::Tensor& x) {
+  return lora_forward(*down_proj, at::silu(lora_forward(*gate_proj, x)) * lora_forward(*up_proj, x));
+}
+
+BlockImpl::BlockImpl(const LlamaConfig& c) {
+  input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+  self_attn = register_module("self_attn", Attention(c));
+  post_attention_layernorm = register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+  mlp = register_module("mlp", MLP(c));
+}
+
+// Attention and MLP go through unit_forward so a wrap policy may make either a unit.
+at::Tensor BlockImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                              const at::Tensor& segment, at::Tensor* cache_k, at::Tensor* cache_v) {
+  using strategy::unit_forward;
+  const auto h = x + unit_forward(self_attn, [&] {
+                   return self_attn->forward(input_layernorm(x), cos, sin, segment, cache_k, cache_v);
+                 });
+  return h + unit_forward(mlp, [&] { return mlp(post_attention_layernorm(h)); });
+}
+
+ModelImpl::ModelImpl(const LlamaConfig& c) {
+  embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.hidden_size));
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.num_layers; ++i) layers->push_back(Block(c));
+  norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+}
+
+}  // namespace llama
+
+// ---- the model ------------------------------------------------------------------------------
+
+LlamaImpl::LlamaImpl(const LlamaConfig& config) : config_(config) {
+  config_.validate();
+  model = register_module("model", llama::Model(config_));
+  if (!config_.tie_word_embeddings) {
+    lm_head = register_module("lm_head", linear(config_.hidden_size, config_.vocab_size, false));
+  }
+  rotary_ = rotary_tables(config_);
+  // Hugging Face's initialisation: N(0, 0.02) for every Linear and the
+  // embedding, zero biases, norms at one.
+  torch::NoGradGuard no_grad;
+  for (auto& p : named_parameters()) {
+    if (p.key().find("norm") != std::string::npos) continue;
+    if (p.key().size() > 5 && p.key().compare(p.key().size() - 5, 5, ".bias") == 0) {
+      p.value().zero_();
+    } else {
+      p.value().normal_(0.0, kInitStd);
+    }
+  }
+}
+
+at::Tensor LlamaImpl::forward(const at::Tensor& idx, const at::Tensor& position, const at::Tensor& segment) {
+  ST_CHECK(idx.dim() == 2 && idx.size(1) >= 1 && idx.size(1) <= config_.max_positions, InvalidArgument,
+           "Llama::forward expects idx [B, T] with 1 <= T <= ", config_.max_positions, ", got ",
+           idx.sizes(), "; hint: crop the context to model.block_size tokens");
+  return run(idx, position, segment, nullptr);
+}
+
+at::Tensor LlamaImpl::forward_cached(const at::Tensor& idx, KVCache& cache) {
+  ST_CHECK(cache.length + idx.size(1) <= config_.max_positions, InvalidArgument,
+           "Llama::forward_cached: ", cache.length, " cached + ", idx.size(1), " new tokens exceed the ",
+           config_.max_positions, " positions of the model; hint: start a new cache");
+  const auto position = at::arange(cache.length, cache.length + idx.size(1), idx.options().dtype(at::kLong))
+                            .unsqueeze(0)
+                            .expand({idx.size(0), idx.size(1)});
+  auto logits = run(idx, position, {}, &cache);
+  cache.length += idx.size(1);
+  return logits;
+}
+
+at::Tensor LlamaImpl::run(const at::Tensor& idx, const at::Tensor& position, const at::Tensor& segment,
+                          KVCache* cache) {
+  const int64_t b = idx.size(0), t = idx.size(1);
+  auto h = model->embed_tokens(idx);
+  const auto pos = position.defined()
+                       ? position.to(at::kLong)
+                       : at::arange(t, idx.options().dtype(at::kLong)).unsqueeze(0).expand({b, t});
+  // cos and sin [B, T, d], in the hidden states' dtype (as HF casts them).
+  const auto flat = pos.reshape({-1});
+  const auto cos = rotary_.cos.index_select(0, flat).view({b, t, -1}).to(h.scalar_type());
+  const auto sin = rotary_.sin.index_select(0, flat).view({b, t, -1}).to(h.scalar_type());
+  if (cache != nullptr && cache->keys.empty()) {
+    cache->keys.resize(model->layers->size());
+    cache->values.resize(model->layers->size());
+  }
+  const bool recompute =
+      cache == nullptr && config_.activation_checkpointing && is_training() && torch::GradMode::is_enabled();
+  for (size_t i = 0; i < model->layers->size(); ++i) {
+    auto block = model->layers->ptr<llama::BlockImpl>(i);
+    if (cache != nullptr) {
+      h = block->forward(h, cos, sin, {}, &cache->keys[i], &cache->values[i]);
+      continue;
+    }
+    // The checkpoint goes inside the unit, so its recomputation during
+    // backward finds the unit's parameters gathered.
+    h = strategy::unit_forward(block, [&] {
+      return recompute ? checkpoint([&, block](const at::Tensor& in) { return block->forward(in, cos, sin, segment); },
+                                    h, block->parameters())
+                       : block->forward(h, cos, sin, segment);
+    });
+  }
+  h = model->norm(h);
+  return lm_head ? lora_forward(*lm_head, h) : at::linear(h, model->embed_tokens->weight);
+}
+
+// ---- the family -------------------------------------------------------------------------------
+
+namespace {
+
+class LlamaFamily final : public ModelFamily {
+ public:
+  train::ModelType type() const override { return train::ModelType::Llama; }
+  void validate(const config::ModelConfig& m) const override { LlamaConfig::from(m).validate(); }
+  std::shared_ptr<torch::nn::Module> build(const config::ModelConfig& m) const override {
+    return std::make_shared<LlamaImpl>(LlamaConfig::from(m));
+  }
+  double num_parameters(const config::ModelConfig& m) const override {
+    return static_cast<double>(LlamaConfig::from(m).num_parameters());
+  }
+  // Per layer and token at full context: the inputs kept for backward by
+  // the norms, projections, rotary, attention (scores and weights: heads x
+  // T each) and SwiGLU; plus the logits and their gradient.
+  double activation_bytes(const config::ModelConfig& m, int64_t micro, int bytes) const override {
+    const LlamaConfig c = LlamaConfig::from(m);
+    const double bt = static_cast<double>(micro) * static_cast<double>(c.block_size);
+    const double h = static_cast<double>(c.hidden_size);
+    const double q = static_cast<double>(c.num_heads * c.head_dim);
+    const double kv = static_cast<double>(c.num_kv_heads * c.head_dim);
+    const double f = static_cast<double>(c.intermediate_size);
+    const double scores = 2.0 * static_cast<double>(c.num_heads) * static_cast<double>(c.block_size);
+    const double per_token = 4.0 * h + 3.0 * q + 4.0 * kv + scores + 4.0 * f;
+    const double layer = bt * per_token * bytes;
+    const double layers = static_cast<double>(c.num_layers);
+    const double blocks = c.activation_checkpointing ? layers * bt * h * bytes + layer : layers * layer;
+    return blocks + 2.0 * bt * static_cast<double>(c.vocab_size) * bytes;
+  }
+  std::string size_text(const config::ModelConfig& m) const override {
+    const LlamaConfig c = LlamaConfig::from(m);
+    return ::shardtrain::detail::str_cat("model.n_layer=", c.num_layers, ", n_embd=", c.hidden_size,
+                                         ", intermediate_size=", c.intermediate_size, ", vocab_size=",
+                                         c.vocab_size, ", block_size=", c.block_size);
+  }
+  std::vector<std::string> lora_targets() const override {
+    return {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  }
+  std::string peft_prefix() const override { return "base_model.model."; }
+  std::vector<std::string> hf_model_types() const override { return {"llama", "mistral", "qwen2"}; }
+  void read_hf_config(const nlohmann::json& j, config::ModelConfig& m) const override;
+  std::string hf_config_json(const config::ModelConfig& m) const override;
+};
+
+// A config.json value of type T, or `fallback` when absent or null.
+template <class T>
+T value_or(const nlohmann::json& j, const char* key, T fallback) {
+  const auto it = j.find(key);
+  return it == j.end() || it->is_null() ? fallback : it->get<T>();
+}
+
+void LlamaFamily::read_hf_config(const nlohmann::json& j, config::ModelConfig& m) const {
+  const std::string model_type = j.at("model_type").get<std::string>();
+  m.hf_model_type = model_type;
+  m.vocab_size = j.at("vocab_size").get<int64_t>();
+  m.n_embd = j.at("hidden_size").get<int64_t>();
+  m.n_layer = j.at("num_hidden_layers").get<int64_t>();
+  m.n_head = j.at("num_attention_heads").get<int64_t>();
+  m.n_kv_head = value_or<int64_t>(j, "num_key_value_heads", m.n_head);
+  m.head_dim = value_or<int64_t>(j, "head_dim", 0);
+  m.intermediate_size = j.at("intermediate_size").get<int64_t>();
+  m.rms_norm_eps = value_or<double>(j, "rms_norm_eps", 1e-6);
+  m.max_position_embeddings = value_or<int64_t>(j, "max_position_embeddings", 2048);
+  m.tie_word_embeddings = value_or<bool>(j, "tie_word_embeddings", false);
+  m.mlp_bias = value_or<bool>(j, "mlp_bias", false);
+  // Qwen2 always has q/k/v biases; Llama's attention_bias puts one on all four.
+  m.attention_bias = model_type == "qwen2"                      ? train::AttentionBias::Qkv
+                     : value_or<bool>(j, "attention_bias", false) ? train::AttentionBias::All
+                                                                  : train::AttentionBias::None;
+  const std::string act = value_or<std::string>(j, "hidden_act", "silu");
+  ST_CHECK(act == "silu", ConfigError, "config.json: hidden_act '", act,
+           "' is not supported; the llama family computes silu");
+  if (model_type != "qwen2" || value_or<bool>(j, "use_sliding_window", false)) {
+    const int64_t window = value_or<int64_t>(j, "sliding_window", 0);
+    ST_CHECK(window == 0 || window >= m.block_size, ConfigError, "config.json: sliding_window=", window,
+             " is shorter than model.block_size=", m.block_size,
+             "; sliding-window attention is not implemented: lower model.block_size to at most ", window);
+  }
+  // rope_theta and rope_scaling, or the newer rope_parameters holding both.
+  const nlohmann::json* rope = nullptr;
+  if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) rope = &j["rope_parameters"];
+  m.rope_theta = value_or<double>(rope != nullptr ? *rope : j, "rope_theta", value_or<double>(j, "rope_theta", 10000.0));
+  const nlohmann::json* scaling =
+      rope != nullptr ? rope : (j.contains("rope_scaling") && j["rope_scaling"].is_object() ? &j["rope_scaling"] : nullptr);
+  m.rope_scaling = train::RopeScaling::None;
+  if (scaling != nullptr) {
+    const std::string kind = value_or<std::string>(*scaling, "rope_type", value_or<std::string>(*scaling, "type", "default"));
+    ST_CHECK(kind == "default" || kind == "llama3", ConfigError, "config.json: rope scaling '", kind,
+             "' is not supported; supported: default, llama3");
+    if (kind == "llama3") {
+      m.rope_scaling = train::RopeScaling::Llama3;
+      m.rope_factor = scaling->at("factor").get<double>();
+      m.rope_low_freq_factor = scaling->at("low_freq_factor").get<double>();
+      m.rope_high_freq_factor = scaling->at("high_freq_factor").get<double>();
+      m.rope_original_max_position = scaling->at("original_max_position_embeddings").get<int64_t>();
+    }
+  }
+}
+
+std::string LlamaFamily::hf_config_json(const config::ModelConfig& m) const {
+  const LlamaConfig c = LlamaConfig::from(m);
+  const char* arch = m.hf_model_type == "qwen2"     ? "Qwen2ForCausalLM"
+                     : m.hf_model_type == "mistral" ? "MistralForCausalLM"
+                                                    : "LlamaForCausalLM";
+  nlohmann::json j = {
+      {"architectures", {arch}},
+      {"model_type", m.hf_model_type},
+      {"vocab_size", c.vocab_size},
+      {"hidden_size", c.hidden_size},
+      {"intermediate_size", c.intermediate_size},
+      {"num_hidden_layers", c.num_layers},
+      {"num_attention_heads", c.num_heads},
+      {"num_key_value_heads", c.num_kv_heads},
+      {"head_dim", c.head_dim},
+      {"hidden_act", "silu"},
+      {"max_position_embeddings", c.max_positions},
+      {"rms_norm_eps", c.rms_norm_eps},
+      {"rope_theta", c.rope_theta},
+      {"tie_word_embeddings", c.tie_word_embeddings},
+      {"attention_bias", c.attention_bias == train::AttentionBias::All},
+      {"mlp_bias", c.mlp_bias},
+      {"attention_dropout", c.attention_dropout},
+      {"initializer_range", kInitStd},
+      {"torch_dtype", "float32"},
+  };
+  if (c.rope_scaling == train::RopeScaling::Llama3) {
+    j["rope_scaling"] = {{"rope_type", "llama3"},
+                         {"factor", c.rope_factor},
+                         {"low_freq_factor", c.rope_low_freq_factor},
+                         {"high_freq_factor", c.rope_high_freq_factor},
+                         {"original_max_position_embeddings", c.rope_original_max_position}};
+  }
+  return j.dump(2) + "\n";
+}
+
+}  // namespace
+
+const ModelFamily& llama_family() {
+  static const LlamaFamily family;
+  return family;
+}
+
+}  // namespace shardtrain::models

@@ -1,0 +1,866 @@
+#!/usr/bin/python3
+"""An independent PyTorch reference of the Llama family (Llama 2/3, Mistral,
+Qwen2) as Hugging Face's LlamaForCausalLM computes it, for checking
+shardtrain's C++ decoder, its Hugging Face loader, its trainer and its
+KV-cached generator. Written from the architecture's definition with only
+torch (Debian's python3-torch 1.13) and the standard library: no
+transformers, no safetensors package.
+
+Run it with the system Python: /usr/bin/python3 tests/reference/llama_ref.py ...
+
+    make DIR [--key value ...]        write a random tiny HF directory
+    logits DIR --tokens IN.json --out OUT.json
+    generate DIR --tokens IN.json --max-new N [--out OUT.json]
+    train DIR --steps N (--batches B.json | --data FILE) [...] --out OUT.json
+
+See `llama_ref.py CMD --help` and the JSON formats documented at each
+command below.
+"""
+import argparse
+import json
+import math
+import os
+import struct
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+# ---- safetensors -------------------------------------------------------------------------
+
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+              "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
+              "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def read_safetensors(path):
+    """{name: tensor} (stored dtype, own memory) and the __metadata__ dict."""
+    with open(path, "rb") as f:
+        data = f.read()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n].decode("utf-8"))
+    base = 8 + n
+    meta = header.pop("__metadata__", {}) or {}
+    out = {}
+    buf = bytearray(data)  # writable: torch.frombuffer warns on read-only buffers
+    for name, e in header.items():
+        dtype = _ST_DTYPES[e["dtype"]]
+        begin, end = e["data_offsets"]
+        shape = list(e["shape"])
+        count = 1
+        for s in shape:
+            count *= s
+        if count == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        t = torch.frombuffer(buf, dtype=dtype, count=count, offset=base + begin)
+        assert t.numel() * t.element_size() == end - begin, f"{path}: {name} size mismatch"
+        out[name] = t.reshape(shape).clone()
+    return out, meta
+
+
+def write_safetensors(path, tensors, metadata=None):
+    """Writes {name: tensor} (names sorted, data 8-byte aligned header as transformers)."""
+    header = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    blobs, offset = [], 0
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        header[name] = {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    h = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    h += b" " * ((8 - len(h) % 8) % 8)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for b in blobs:
+            f.write(b)
+    os.replace(tmp, path)
+
+
+def load_hf_dir(path):
+    """(config dict, {name: tensor in stored dtype}) of a HF directory:
+    config.json plus model.safetensors or the shards of
+    model.safetensors.index.json. `path` may also be a single .safetensors
+    file (config then {})."""
+    if os.path.isfile(path):
+        return {}, read_safetensors(path)[0]
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    tensors = {}
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        for shard in sorted(set(weight_map.values())):
+            got, _ = read_safetensors(os.path.join(path, shard))
+            for name, t in got.items():
+                if weight_map.get(name) == shard:
+                    tensors[name] = t
+        missing = sorted(set(weight_map) - set(tensors))
+        assert not missing, f"{path}: index names tensors absent from their shards: {missing[:5]}"
+    else:
+        tensors, _ = read_safetensors(single)
+    return config, tensors
+
+
+# ---- config ------------------------------------------------------------------------------
+
+class Cfg:
+    """The fields of a HF config.json the maths needs, defaults resolved."""
+
+    def __init__(self, c):
+        self.raw = dict(c)
+        self.model_type = c.get("model_type", "llama")
+        self.vocab_size = c["vocab_size"]
+        self.hidden_size = c["hidden_size"]
+        self.intermediate_size = c["intermediate_size"]
+        self.num_layers = c["num_hidden_layers"]
+        self.num_heads = c["num_attention_heads"]
+        self.num_kv_heads = c.get("num_key_value_heads") or self.num_heads
+        self.head_dim = c.get("head_dim") or self.hidden_size // self.num_heads
+        self.eps = c.get("rms_norm_eps", 1e-6)
+        self.tie = bool(c.get("tie_word_embeddings", False))
+        # Bias: qwen2 always has q/k/v biases (no o_proj bias); llama and
+        # mistral's `attention_bias` puts a bias on q, k, v AND o_proj.
+        if self.model_type == "qwen2":
+            self.qkv_bias, self.o_bias = True, False
+        else:
+            ab = bool(c.get("attention_bias", False))
+            self.qkv_bias, self.o_bias = ab, ab
+        self.mlp_bias = bool(c.get("mlp_bias", False))
+        rp = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        self.rope_theta = float(rp.get("rope_theta", c.get("rope_theta", 10000.0)))
+        self.rope_type = rp.get("rope_type", rp.get("type", "default")) or "default"
+        if self.rope_type not in ("default", "llama3"):
+            raise ValueError(f"rope_type {self.rope_type!r} is not supported by this reference")
+        self.rope = rp
+        self.max_positions = c.get("max_position_embeddings", 2048)
+        # Sliding-window attention (Mistral; Qwen2 with use_sliding_window)
+        # is not modelled: sequences longer than the window are refused.
+        sw = c.get("sliding_window")
+        self.sliding_window = sw if (self.model_type == "mistral" or c.get("use_sliding_window")) else None
+
+
+def inverse_frequencies(cfg):
+    """[head_dim/2] fp32 inverse frequencies, Llama-3 scaling applied."""
+    d = cfg.head_dim
+    exponents = torch.arange(0, d, 2, dtype=torch.int64).float() / d
+    inv = 1.0 / (cfg.rope_theta ** exponents)
+    if cfg.rope_type != "llama3":
+        return inv
+    factor = float(cfg.rope["factor"])
+    low = float(cfg.rope["low_freq_factor"])
+    high = float(cfg.rope["high_freq_factor"])
+    context = float(cfg.rope["original_max_position_embeddings"])
+    out = []
+    # Element by element, from the definition: long wavelengths (beyond
+    # context/low) are slowed by `factor`, short ones (below context/high)
+    # kept, and in between interpolated by how many wavelengths fit the
+    # original context.
+    for f in inv.tolist():
+        wavelen = 2 * math.pi / f
+        if wavelen < context / high:
+            out.append(f)
+        elif wavelen > context / low:
+            out.append(f / factor)
+        else:
+            smooth = (context / wavelen - low) / (high - low)
+            out.append((1 - smooth) * f / factor + smooth * f)
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_cos_sin(inv, position):
+    """cos, sin [B, T, d] (fp32) for integer positions [B, T]."""
+    angles = position.float()[..., None] * inv[None, None, :]  # [B, T, d/2]
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """x [B, H, T, d]; cos/sin [B, T, d]."""
+    cos = cos[:, None].to(x.dtype)
+    sin = sin[:, None].to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+# ---- model -------------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.nh, self.nkv, self.d = cfg.num_heads, cfg.num_kv_heads, d
+        self.q_proj = nn.Linear(h, self.nh * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, self.nkv * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, self.nkv * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.nh * d, h, bias=cfg.o_bias)
+
+    def forward(self, x, cos, sin, mask, cache=None):
+        """mask [B, T, S] bool (True: may attend); cache: dict with 'k','v'
+        [B, nkv, S0, d] to prepend to (updated in place)."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.nh, self.d).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.nkv, self.d).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.nkv, self.d).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            if "k" in cache:
+                k = torch.cat((cache["k"], k), dim=2)
+                v = torch.cat((cache["v"], v), dim=2)
+            cache["k"], cache["v"] = k, v
+        rep = self.nh // self.nkv  # query head i reads kv head i // rep
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.d)
+        scores = scores.masked_fill(~mask[:, None], torch.finfo(scores.dtype).min)
+        p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        y = torch.matmul(p, v).transpose(1, 2).reshape(b, t, self.nh * self.d)
+        return self.o_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([Layer(cfg) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.eps)
+
+
+def segment_positions(segment):
+    """Positions restarting at 0 wherever the segment id changes along T."""
+    b, t = segment.shape
+    pos = torch.zeros(b, t, dtype=torch.long)
+    for r in range(b):
+        start = 0
+        for i in range(t):
+            if i > 0 and segment[r, i] != segment[r, i - 1]:
+                start = i
+            pos[r, i] = i - start
+    return pos
+
+
+class LlamaRef(nn.Module):
+    """LlamaForCausalLM with Hugging Face's parameter names."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.cfg = config if isinstance(config, Cfg) else Cfg(config)
+        self.model = Decoder(self.cfg)
+        if not self.cfg.tie:
+            self.lm_head = nn.Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", inverse_frequencies(self.cfg), persistent=False)
+
+    def head(self, x):
+        w = self.model.embed_tokens.weight if self.cfg.tie else self.lm_head.weight
+        return F.linear(x, w)
+
+    def forward(self, idx, position=None, segment=None, cache=None):
+        """idx [B, T] -> logits [B, T, V] (fp32 when the weights are).
+
+        position [B, T]: rotary positions (default 0..T-1, or restarting per
+        segment when `segment` is given). segment [B, T]: packed rows;
+        attention is causal and only between equal segment ids.
+        cache: list of dicts (one per layer, start as [{}...]) for
+        incremental decoding; keys are then appended, the mask is causal
+        over the whole cached prefix, and `position` defaults to the
+        continuation of the cached length."""
+        b, t = idx.shape
+        past = cache[0]["k"].shape[2] if cache is not None and "k" in cache[0] else 0
+        if position is None:
+            if segment is not None:
+                position = segment_positions(segment)
+            else:
+                position = torch.arange(past, past + t).expand(b, t)
+        cos, sin = rope_cos_sin(self.inv_freq, position)
+        s = past + t
+        if self.cfg.sliding_window and s > self.cfg.sliding_window:
+            raise NotImplementedError(f"{s} positions exceed sliding_window {self.cfg.sliding_window}")
+        qi = torch.arange(past, s)[:, None]
+        ki = torch.arange(s)[None, :]
+        mask = (ki <= qi)[None].expand(b, t, s)
+        if segment is not None:
+            assert past == 0, "segments with a cache are not supported"
+            mask = mask & (segment[:, :, None] == segment[:, None, :])
+        x = self.model.embed_tokens(idx)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, mask, None if cache is None else cache[i])
+        return self.head(self.model.norm(x))
+
+    def state_tensors(self):
+        """{HF name: tensor} of the parameters (lm_head absent when tied)."""
+        return {n: p for n, p in self.named_parameters()}
+
+    @torch.no_grad()
+    def generate(self, idx, max_new):
+        """Greedy continuation (temperature 0) with a KV cache; ties go to
+        the lowest id (argmax's first maximum). Returns [B, max_new]."""
+        cache = [{} for _ in self.model.layers]
+        logits = self.forward(idx, cache=cache)
+        out = []
+        for _ in range(max_new):
+            nxt = logits[:, -1].float().argmax(-1, keepdim=True)
+            out.append(nxt)
+            logits = self.forward(nxt, cache=cache)
+        return torch.cat(out, dim=1) if out else idx[:, :0]
+
+    @torch.no_grad()
+    def generate_uncached(self, idx, max_new):
+        """The same greedy continuation recomputing the whole prefix each token."""
+        seq = idx
+        for _ in range(max_new):
+            nxt = self.forward(seq)[:, -1].float().argmax(-1, keepdim=True)
+            seq = torch.cat((seq, nxt), dim=1)
+        return seq[:, idx.shape[1]:]
+
+
+def load_model(path, dtype=torch.float32):
+    """LlamaRef with the weights of a HF directory, in `dtype` (default fp32;
+    None keeps the stored dtype of the embedding). Every tensor must match."""
+    config, tensors = load_hf_dir(path)
+    model = LlamaRef(config)
+    own = dict(model.named_parameters())
+    missing = sorted(set(own) - set(tensors))
+    unexpected = sorted(set(tensors) - set(own))
+    assert not missing and not unexpected, f"{path}: missing {missing}, unexpected {unexpected}"
+    with torch.no_grad():
+        for n, p in own.items():
+            assert tuple(tensors[n].shape) == tuple(p.shape), f"{n}: {tensors[n].shape} vs {p.shape}"
+            p.copy_(tensors[n].float())
+    if dtype is None:
+        dtype = tensors["model.embed_tokens.weight"].dtype
+    return model.to(dtype)
+
+
+# ---- tiny directories --------------------------------------------------------------------
+
+TINY_DEFAULTS = {
+    "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 160,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "attention_bias": False, "max_position_embeddings": 128,
+}
+_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+def make_tiny(path, shards=1, dtype="F32", seed=0, **overrides):
+    """Writes a random tiny HF directory at `path` and returns its config.
+
+    overrides: any config.json keys (`head_dim`, `rope_scaling`, ...). Weights:
+    normal(0, 0.02), biases normal(0, 0.02), norm weights 1 + normal(0, 0.1).
+    shards > 1: the tensors (sorted by name, model.embed_tokens first in
+    transformers' order of the state dict) split into N files of about equal
+    size, model-0000k-of-0000N.safetensors, and model.safetensors.index.json."""
+    c = dict(TINY_DEFAULTS)
+    c.update(overrides)
+    mt = c["model_type"]
+    c.setdefault("architectures", [_ARCH.get(mt, "LlamaForCausalLM")])
+    c["torch_dtype"] = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[dtype]
+    if mt == "qwen2":
+        c.pop("attention_bias", None)
+    if mt == "mistral":
+        c.setdefault("sliding_window", None)
+    c.setdefault("hidden_act", "silu")
+    c.setdefault("initializer_range", 0.02)
+    c.setdefault("bos_token_id", 1)
+    c.setdefault("eos_token_id", 2)
+    model = LlamaRef(c)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # module order: the HF state-dict order
+            if name.endswith("layernorm.weight") or name == "model.norm.weight":
+                t = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+            else:
+                t = 0.02 * torch.randn(p.shape, generator=gen)
+            tensors[name] = t.to(_ST_DTYPES[dtype])
+    os.makedirs(path, exist_ok=True)
+    for stale in os.listdir(path):
+        if stale.endswith(".safetensors") or stale == "model.safetensors.index.json":
+            os.remove(os.path.join(path, stale))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(c, f, indent=2, sort_keys=True)
+        f.write("\n")
+    meta = {"format": "pt"}
+    if shards <= 1:
+        write_safetensors(os.path.join(path, "model.safetensors"), tensors, meta)
+        return c
+    names = list(tensors)  # state-dict order, as transformers shards
+    nbytes = {n: tensors[n].numel() * tensors[n].element_size() for n in names}
+    total = sum(nbytes.values())
+    groups = [[] for _ in range(shards)]
+    acc, k = 0, 0
+    for n in names:
+        # Move on once this shard holds its share (leaving enough names for the rest).
+        while k < shards - 1 and acc >= total * (k + 1) / shards and groups[k]:
+            k += 1
+        groups[k].append(n)
+        acc += nbytes[n]
+    groups = [g for g in groups if g]
+    n_files = len(groups)
+    weight_map = {}
+    for i, g in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{n_files:05d}.safetensors"
+        write_safetensors(os.path.join(path, fname), {n: tensors[n] for n in g}, meta)
+        for n in g:
+            weight_map[n] = fname
+    index = {"metadata": {"total_size": total},
+             "weight_map": {n: weight_map[n] for n in sorted(weight_map)}}
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)
+        f.write("\n")
+    return c
+
+
+# ---- the trainer's data order ------------------------------------------------------------
+
+_M64 = (1 << 64) - 1
+
+
+class MT19937_64:
+    """std::mt19937_64 (its output sequence is fixed by the C++ standard)."""
+
+    def __init__(self, seed):
+        self.mt = [0] * 312
+        self.mt[0] = seed & _M64
+        for i in range(1, 312):
+            prev = self.mt[i - 1]
+            self.mt[i] = (6364136223846793005 * (prev ^ (prev >> 62)) + i) & _M64
+        self.i = 312
+
+    def _twist(self):
+        mt = self.mt
+        for i in range(312):
+            x = (mt[i] & 0xFFFFFFFF80000000) | (mt[(i + 1) % 312] & 0x7FFFFFFF)
+            xa = x >> 1
+            if x & 1:
+                xa ^= 0xB5026F5AA96619E9
+            mt[i] = mt[(i + 156) % 312] ^ xa
+        self.i = 0
+
+    def __call__(self):
+        if self.i >= 312:
+            self._twist()
+        y = self.mt[self.i]
+        self.i += 1
+        y ^= (y >> 29) & 0x5555555555555555
+        y ^= (y << 17) & 0x71D67FFFEDA60000
+        y ^= (y << 37) & 0xFFF7EEE000000000
+        y ^= y >> 43
+        return y & _M64
+
+
+def mix64(x):
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def uniform_below(rng, bound):
+    threshold = ((1 << 64) - bound) % bound
+    while True:
+        r = rng()
+        if r >= threshold:
+            return r % bound
+
+
+def read_tokens(path):
+    """A token file (llm.c layout: 256 int32 header words, magic 20240520,
+    version 1, count; then uint16 tokens) or text read as bytes."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    if len(raw) >= 1024 and struct.unpack("<i", raw[:4])[0] == 20240520:
+        count = struct.unpack("<i", raw[8:12])[0]
+        return torch.frombuffer(bytearray(raw[1024:1024 + 2 * count]), dtype=torch.int16).long() & 0xFFFF
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+
+
+class WindowSampler:
+    """shardtrain::data::WindowSampler: windows of block_size + 1 tokens at
+    multiples of block_size; epoch e visited in a Fisher-Yates permutation
+    from mt19937_64(mix64(seed ^ mix64(e))), global batch s = windows
+    [s*G, (s+1)*G) of the epoch's order (s taken modulo steps per epoch)."""
+
+    def __init__(self, tokens, block_size, global_batch, seed, shuffle=True):
+        self.tokens, self.t, self.g = tokens, block_size, global_batch
+        self.seed, self.shuffle = seed, shuffle
+        self.num_windows = (len(tokens) - 1) // block_size if len(tokens) >= 1 else 0
+        assert self.num_windows >= global_batch, "fewer windows than one global batch"
+        self._epoch, self._order = -1, None
+
+    def steps_per_epoch(self):
+        return self.num_windows // self.g
+
+    def order(self, epoch):
+        if not self.shuffle:
+            return list(range(self.num_windows))
+        if self._epoch != epoch:
+            rng = MT19937_64(mix64((self.seed ^ mix64(epoch)) & _M64))
+            order = list(range(self.num_windows))
+            for w in range(self.num_windows - 1, 0, -1):
+                o = uniform_below(rng, w + 1)
+                order[w], order[o] = order[o], order[w]
+            self._epoch, self._order = epoch, order
+        return self._order
+
+    def global_batch(self, step):
+        """(input, target) [G, T] of optimizer step `step` (0-based)."""
+        epoch = step // self.steps_per_epoch()
+        first = (step % self.steps_per_epoch()) * self.g
+        order = self.order(epoch)
+        rows = [self.tokens[order[first + r] * self.t: order[first + r] * self.t + self.t + 1]
+                for r in range(self.g)]
+        w = torch.stack(rows)
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+
+def lm_train_tokens(tokens, val_fraction, block_size, eval_rows):
+    """The training part of the data as train/task.cpp's lm_task splits it:
+    n_val = max(int(size * val_fraction), eval_rows * block_size + 1) held
+    out at the end when val_fraction > 0 (eval_rows = micro * world)."""
+    if val_fraction <= 0:
+        return tokens
+    n_val = max(int(len(tokens) * val_fraction), eval_rows * block_size + 1)
+    return tokens[:len(tokens) - n_val]
+
+
+# ---- the trainer's optimizer semantics ---------------------------------------------------
+
+def scheduled_lr(step, lr, min_lr, warmup, max_steps, schedule="cosine"):
+    """src/train/schedule.cpp: step is 0-based."""
+    if warmup > 0 and step < warmup:
+        return lr * (step + 1) / warmup
+    if schedule == "constant":
+        return lr
+    decay_steps = max(1, max_steps - warmup)
+    progress = min(1.0, (step - warmup) / decay_steps)
+    if schedule == "linear":
+        return lr + (min_lr - lr) * progress
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def clip_grad_norm(params, max_norm):
+    """src/strategy/common.cpp clip_grad_norm: per-gradient 2-norms in their
+    dtype, squares summed in double; scaled by max/(total+1e-6) when < 1.
+    Returns the pre-clip total norm."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = math.sqrt(sum(float(g.norm(2)) ** 2 for g in grads))
+    if max_norm > 0:
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+    return total
+
+
+def _rows(x):
+    return None if x is None else torch.tensor(x, dtype=torch.long)
+
+
+def _batch_from_json(obj):
+    if "tokens" in obj:
+        w = torch.tensor(obj["tokens"], dtype=torch.long)
+        return {"input": w[:, :-1], "target": w[:, 1:], "position": None, "segment": None}
+    return {"input": _rows(obj["input"]), "target": _rows(obj["target"]),
+            "position": _rows(obj.get("position", obj.get("positions"))),
+            "segment": _rows(obj.get("segment", obj.get("segments")))}
+
+
+def _split(batch, micro):
+    n = batch["input"].shape[0]
+    if micro <= 0 or micro >= n:
+        return [batch]
+    assert n % micro == 0, f"global batch {n} is not a multiple of micro {micro}"
+    return [{k: (None if v is None else v[i:i + micro]) for k, v in batch.items()}
+            for i in range(0, n, micro)]
+
+
+def train(model, step_batches, a):
+    """The Trainer::fit loop at world size 1: for each step, micro-batches
+    [{input, target, position?, segment?}]; returns per-step records."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [g for g in ({"params": decay, "weight_decay": a.weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    opt = torch.optim.AdamW(groups, lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps)
+    records = []
+    for step in range(a.steps):
+        micro_batches = step_batches(step)
+        total = sum(int((b["target"] != IGNORE_INDEX).sum()) for b in micro_batches)
+        assert total > 0, f"step {step + 1} has no targets"
+        loss_sum = 0.0
+        for b in micro_batches:
+            logits = model(b["input"], b["position"], b["segment"])
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), b["target"].reshape(-1),
+                                   reduction="sum", ignore_index=IGNORE_INDEX)
+            (loss * (1.0 / total)).backward()
+            loss_sum += float(loss)
+        norm = clip_grad_norm(params, a.max_grad_norm)
+        lr = scheduled_lr(step, a.lr, a.min_lr, a.warmup, a.max_steps or a.steps, a.schedule)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        records.append({"step": step + 1, "loss": loss_sum / total, "lr": lr, "grad_norm": norm,
+                        "targets": total})
+    return records
+
+
+# ---- CLI ---------------------------------------------------------------------------------
+
+def _parse_value(s):
+    try:
+        return json.loads(s)
+    except json.JSONDecodeError:
+        return s
+
+
+def _read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _write_json(path, obj):
+    text = json.dumps(obj)
+    if path in ("", "-"):
+        print(text)
+        return
+    with open(path, "w") as f:
+        f.write(text + "\n")
+
+
+def cmd_make(argv):
+    if not argv or argv[0].startswith("--"):
+        sys.exit("usage: llama_ref.py make DIR [--shards N] [--dtype F32|BF16|F16] [--seed S] [--KEY JSON ...]")
+    path, rest = argv[0], argv[1:]
+    opts = {"shards": 1, "dtype": "F32", "seed": 0}
+    overrides = {}
+    i = 0
+    while i < len(rest):
+        key = rest[i]
+        if not key.startswith("--"):
+            sys.exit(f"llama_ref.py make: expected --key, got {key!r}")
+        key = key[2:]
+        if "=" in key:
+            key, val = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(rest):
+                sys.exit(f"llama_ref.py make: --{key} needs a value")
+            val = rest[i + 1]
+            i += 2
+        key = key.replace("-", "_") if key in ("shards", "dtype", "seed") else key
+        if key in opts:
+            opts[key] = val if key == "dtype" else int(val)
+        else:
+            overrides[key] = _parse_value(val)
+    c = make_tiny(path, shards=opts["shards"], dtype=opts["dtype"], seed=opts["seed"], **overrides)
+    print(json.dumps(c, sort_keys=True))
+
+
+def _dtype(name):
+    return {"float32": torch.float32, "f32": torch.float32, "bfloat16": torch.bfloat16,
+            "bf16": torch.bfloat16, "stored": None}[name.lower()]
+
+
+def _token_input(path):
+    obj = _read_json(path)
+    if isinstance(obj, list):
+        obj = {"tokens": obj}
+    idx = torch.tensor(obj["tokens"], dtype=torch.long)
+    if idx.dim() == 1:
+        idx = idx[None]
+    return (idx, _rows(obj.get("positions", obj.get("position"))),
+            _rows(obj.get("segments", obj.get("segment"))))
+
+
+def cmd_logits(argv):
+    p = argparse.ArgumentParser(prog="llama_ref.py logits")
+    p.add_argument("dir")
+    p.add_argument("--tokens", required=True, help="JSON: {tokens:[[..]], positions?, segments?} or [[..]]")
+    p.add_argument("--out", default="-", help="JSON output ('-': stdout)")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | stored")
+    a = p.parse_args(argv)
+    model = load_model(a.dir, _dtype(a.dtype)).eval()
+    idx, pos, seg = _token_input(a.tokens)
+    with torch.no_grad():
+        logits = model(idx, pos, seg).float()
+    _write_json(a.out, {"shape": list(logits.shape), "logits": logits.tolist()})
+
+
+def cmd_generate(argv):
+    p = argparse.ArgumentParser(prog="llama_ref.py generate")
+    p.add_argument("dir")
+    p.add_argument("--tokens", required=True, help="JSON prompt: {tokens:[[..]]}, [[..]] or [..]")
+    p.add_argument("--max-new", type=int, required=True)
+    p.add_argument("--out", default="-")
+    p.add_argument("--dtype", default="float32")
+    a = p.parse_args(argv)
+    model = load_model(a.dir, _dtype(a.dtype)).eval()
+    idx, _, _ = _token_input(a.tokens)
+    new = model.generate(idx, a.max_new)
+    with torch.no_grad():
+        full = torch.cat((idx, new), dim=1)
+        step_logits = model(full)[:, idx.shape[1] - 1:-1].float() if a.max_new else None
+    # margin: top-1 minus top-2 logit at each greedy choice (a tiny margin
+    # means fp rounding may legitimately pick the other token).
+    margins = []
+    if step_logits is not None:
+        top2 = step_logits.topk(2, dim=-1).values
+        margins = (top2[..., 0] - top2[..., 1]).tolist()
+    _write_json(a.out, {"prompt": idx.tolist(), "new_tokens": new.tolist(),
+                        "tokens": torch.cat((idx, new), 1).tolist(), "margins": margins})
+
+
+def cmd_train(argv):
+    p = argparse.ArgumentParser(prog="llama_ref.py train")
+    p.add_argument("dir", help="HF directory with the initial weights")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--batches", default="", help="JSON of the steps' batches (see the report)")
+    p.add_argument("--data", default="", help="token file or text: the trainer's WindowSampler order")
+    p.add_argument("--block-size", type=int, default=0)
+    p.add_argument("--global-batch", type=int, default=0)
+    p.add_argument("--seed", type=int, default=1337, help="run.seed (data order)")
+    p.add_argument("--no-shuffle", action="store_true", help="data.shuffle=false")
+    p.add_argument("--val-fraction", type=float, default=0.05)
+    p.add_argument("--eval-rows", type=int, default=0, help="micro * world of the C++ run (val split); default --micro")
+    p.add_argument("--micro", type=int, default=0, help="rows per micro-batch (0: whole step at once)")
+    p.add_argument("--lr", type=float, default=4e-3)
+    p.add_argument("--min-lr", type=float, default=4e-4)
+    p.add_argument("--warmup", type=int, default=20, help="schedule.warmup_steps")
+    p.add_argument("--schedule", default="cosine", choices=["cosine", "linear", "constant"])
+    p.add_argument("--max-steps", type=int, default=0, help="trainer.max_steps of the schedule (default --steps)")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--beta1", type=float, default=0.9)
+    p.add_argument("--beta2", type=float, default=0.95)
+    p.add_argument("--eps", type=float, default=1e-8)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default="-", help="JSON: per-step records and chosen tensors")
+    p.add_argument("--out-weights", default="", help="final parameters as one F32 safetensors file")
+    p.add_argument("--dump", default="", help="comma-separated parameter names to put in --out")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    model = load_model(a.dir, torch.float32).train()
+    if bool(a.batches) == bool(a.data):
+        sys.exit("llama_ref.py train: give exactly one of --batches and --data")
+    if a.batches:
+        steps = _read_json(a.batches)
+        steps = steps["steps"] if isinstance(steps, dict) else steps
+        assert len(steps) >= a.steps, f"{a.batches} has {len(steps)} steps, fewer than --steps {a.steps}"
+
+        def step_batches(s):
+            st = steps[s]
+            if isinstance(st, list):
+                return [_batch_from_json(m) for m in st]
+            return _split(_batch_from_json(st), a.micro)
+    else:
+        if a.block_size <= 0 or a.global_batch <= 0:
+            sys.exit("llama_ref.py train: --data needs --block-size and --global-batch")
+        tokens = lm_train_tokens(read_tokens(a.data), a.val_fraction, a.block_size,
+                                 a.eval_rows or a.micro or a.global_batch)
+        sampler = WindowSampler(tokens, a.block_size, a.global_batch, a.seed, not a.no_shuffle)
+
+        def step_batches(s):
+            x, y = sampler.global_batch(s)
+            return _split({"input": x, "target": y, "position": None, "segment": None}, a.micro)
+    records = train(model, step_batches, a)
+    out = {"steps": records, "losses": [r["loss"] for r in records]}
+    if a.dump:
+        named = dict(model.named_parameters())
+        out["tensors"] = {n: {"shape": list(named[n].shape), "data": named[n].detach().reshape(-1).tolist()}
+                          for n in a.dump.split(",") if n}
+    if a.out_weights:
+        write_safetensors(a.out_weights, {n: p.detach().float() for n, p in model.named_parameters()},
+                          {"format": "pt", "producer": "llama_ref.py"})
+    _write_json(a.out, out)
+
+
+def cmd_batches(argv):
+    """Writes the WindowSampler's global batches as a --batches JSON."""
+    p = argparse.ArgumentParser(prog="llama_ref.py batches")
+    p.add_argument("--data", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--block-size", type=int, required=True)
+    p.add_argument("--global-batch", type=int, required=True)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--no-shuffle", action="store_true")
+    p.add_argument("--val-fraction", type=float, default=0.05)
+    p.add_argument("--eval-rows", type=int, required=True, help="micro * world of the C++ run")
+    p.add_argument("--out", default="-")
+    a = p.parse_args(argv)
+    tokens = lm_train_tokens(read_tokens(a.data), a.val_fraction, a.block_size, a.eval_rows)
+    sampler = WindowSampler(tokens, a.block_size, a.global_batch, a.seed, not a.no_shuffle)
+    steps = []
+    for s in range(a.steps):
+        x, y = sampler.global_batch(s)
+        steps.append({"input": x.tolist(), "target": y.tolist()})
+    _write_json(a.out, {"steps": steps})
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    cmds = {"make": cmd_make, "logits": cmd_logits, "generate": cmd_generate,
+            "train": cmd_train, "batches": cmd_batches}
+    if not argv or argv[0] not in cmds:
+        sys.exit(__doc__)
+    torch.set_num_threads(1) if argv[0] != "train" else None
+    cmds[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    main()
