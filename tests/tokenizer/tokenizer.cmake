@@ -11,3 +11,7 @@ foreach(name Llama3 Qwen3 Llama2 Gpt2 Gpt2Encoder ThreadSafeEncode)
   set_tests_properties(tokenizer.parity.${lower} PROPERTIES FIXTURES_REQUIRED tokenizer_parity TIMEOUT 300
                        ENVIRONMENT "TOKENIZER_PARITY_DIR=${CMAKE_BINARY_DIR}/tokenizer-parity")
 endforeach()
+
+# The unit tests train a small SentencePiece model of their own.
+find_library(SENTENCEPIECE_TRAIN_LIBRARY sentencepiece_train REQUIRED)
+target_link_libraries(test_tokenizer PRIVATE ${SENTENCEPIECE_TRAIN_LIBRARY} ${SENTENCEPIECE_LIBRARY})
