@@ -9,12 +9,14 @@
 #include "shardtrain/core/error.h"
 #include "shardtrain/data/tokens.h"
 #include "temp_dir.h"
+#include "test_helpers.h"
 
 namespace {
 
 using shardtrain::ConfigError;
 using shardtrain::InvalidArgument;
 using namespace shardtrain::data;
+using shardtrain::testing::cli;
 using shardtrain::testing::TempDir;
 
 std::vector<int32_t> header_of(const std::string& path) {
@@ -110,6 +112,57 @@ TEST(TokenizedFiles, WrongWidthVersionOrSizeIsAConfigErrorNamingTheFile) {
   e = config_error(dir / "v7.bin");
   EXPECT_NE(e.find("version 7"), std::string::npos) << e;
   EXPECT_NE(e.find(dir / "v7.bin"), std::string::npos) << e;
+}
+
+// ---- shardtrain tokenize ---------------------------------------------------------------
+
+void write_text(const std::string& path, const std::string& text) { std::ofstream(path, std::ios::binary) << text; }
+
+// A byte-level BPE over the letters a-c (no merges) whose template ends
+// documents with </s> (id 300): its EOS.
+void write_small_tokenizer(const std::string& path) {
+  std::string vocab;
+  for (int b = 0; b < 256; ++b) vocab += "\"<0x" + std::string(1, "0123456789ABCDEF"[b / 16]) + "0123456789ABCDEF"[b % 16] + ">\": " + std::to_string(b) + ", ";
+  write_text(path, R"({"added_tokens": [{"id": 300, "content": "</s>", "special": true}],
+    "normalizer": null, "pre_tokenizer": null, "decoder": {"type": "ByteFallback"},
+    "post_processor": {"type": "TemplateProcessing", "single": [{"Sequence": {"id": "A", "type_id": 0}},
+       {"SpecialToken": {"id": "</s>", "type_id": 0}}], "special_tokens": {"</s>": {"id": "</s>", "ids": [300], "tokens": ["</s>"]}}},
+    "model": {"type": "BPE", "byte_fallback": true, "vocab": {)" + vocab + R"("a": 256}, "merges": []}})");
+}
+
+TEST(TokenizedFiles, CliTokenizesTextAndJsonLinesInOrderWithEosBetween) {
+  TempDir dir;
+  write_small_tokenizer(dir / "tokenizer.json");
+  write_text(dir / "one.txt", "ab");
+  write_text(dir / "docs.jsonl", "{\"text\": \"a\"}\n\n{\"text\": \"ba\", \"id\": 2}\n");
+  const auto run = cli("tokenize --tokenizer " + dir.path() + " --out " + dir / "out1.bin" + " --threads 1 " +
+                       dir / "one.txt" + " " + dir / "docs.jsonl");
+  ASSERT_EQ(run.code, 0) << run.out;
+  EXPECT_NE(run.out.find("3 documents"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("MB/s"), std::string::npos) << run.out;
+  // "ab" | EOS | "a" | EOS | "ba": a is 256, b falls back to its byte 0x62.
+  EXPECT_EQ(all_tokens(TokenSource::open(dir / "out1.bin")), (std::vector<int64_t>{256, 0x62, 300, 256, 300, 0x62, 256}));
+  // More threads than documents, same file.
+  const auto run3 = cli("tokenize --tokenizer " + dir / "tokenizer.json" + " --out " + dir / "out3.bin" +
+                        " --threads 3 --quiet " + dir / "one.txt" + " " + dir / "docs.jsonl");
+  ASSERT_EQ(run3.code, 0) << run3.out;
+  EXPECT_EQ(all_tokens(TokenSource::open(dir / "out3.bin")), all_tokens(TokenSource::open(dir / "out1.bin")));
+  const auto bytes = cli("tokenize --tokenizer bytes --out " + dir / "bytes.bin" + " " + dir / "one.txt" + " " + dir / "one.txt");
+  ASSERT_EQ(bytes.code, 0) << bytes.out;
+  EXPECT_EQ(all_tokens(TokenSource::open(dir / "bytes.bin")), (std::vector<int64_t>{'a', 'b', 'a', 'b'}));  // no EOS
+}
+
+TEST(TokenizedFiles, CliErrorsNameTheInputAndTheTokenizer) {
+  TempDir dir;
+  write_text(dir / "bad.jsonl", "{\"text\": \"a\"}\n{\"body\": 1}\n");
+  auto run = cli("tokenize --tokenizer bytes --out " + dir / "o.bin" + " " + dir / "bad.jsonl");
+  EXPECT_NE(run.code, 0);
+  EXPECT_NE(run.out.find("bad.jsonl:2"), std::string::npos) << run.out;
+  run = cli("tokenize --tokenizer " + dir / "nope.json" + " --out " + dir / "o.bin" + " " + dir / "bad.jsonl");
+  EXPECT_NE(run.code, 0);
+  EXPECT_NE(run.out.find("nope.json"), std::string::npos) << run.out;
+  run = cli("tokenize --out " + dir / "o.bin" + " x.txt");
+  EXPECT_NE(run.out.find("--tokenizer"), std::string::npos) << run.out;
 }
 
 }  // namespace
