@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
-#include <queue>
+#include <functional>
 
 #include "data/tokenizer_text.h"
 #include "shardtrain/core/error.h"
@@ -95,17 +95,17 @@ BpeModel::BpeModel(const json& model, const std::string& what) : serial_(next_se
       const size_t space = s.find(' ');
       ST_CHECK(space != std::string::npos, ConfigError, what, ": merge ", rank, " '", s,
                "' is not two tokens separated by a space; hint: the tokenizer.json is malformed");
-      add_merge(s.substr(0, space), s.substr(space + 1), rank, what);
+      add_merge(s.substr(0, space), s.substr(space + 1), rank);
     } else {
       ST_CHECK(m.is_array() && m.size() == 2, ConfigError, what, ": merge ", rank,
                " is neither \"a b\" nor [\"a\", \"b\"]; hint: the tokenizer.json is malformed");
-      add_merge(m[0].get<std::string>(), m[1].get<std::string>(), rank, what);
+      add_merge(m[0].get<std::string>(), m[1].get<std::string>(), rank);
     }
     ++rank;
   }
 }
 
-void BpeModel::add_merge(const std::string& a, const std::string& b, int32_t rank, const std::string& what) {
+void BpeModel::add_merge(const std::string& a, const std::string& b, int32_t rank) {
   const auto ia = token_to_id(a);
   const auto ib = token_to_id(b);
   const std::string joined = a + (b.compare(0, prefix_.size(), prefix_) == 0 ? b.substr(prefix_.size()) : b);
@@ -197,18 +197,24 @@ void BpeModel::merge_word(std::string_view word, std::vector<int32_t>& out) cons
   symbols.back().next = -1;
 
   // ---- merges, lowest rank first, leftmost first among equal ranks.
-  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>> heap;
+  // A min-heap on a per-thread vector: no allocation per word.
+  thread_local std::vector<Candidate> heap;
+  heap.clear();
+  const auto later = std::greater<Candidate>();
   const auto consider = [&](int32_t pos) {
     if (pos < 0) return;
     const int32_t next = symbols[static_cast<size_t>(pos)].next;
     if (next < 0) return;
     const auto it = merges_.find(pair_key(symbols[static_cast<size_t>(pos)].id, symbols[static_cast<size_t>(next)].id));
-    if (it != merges_.end()) heap.push(Candidate{it->second.rank, pos, it->second.id});
+    if (it == merges_.end()) return;
+    heap.push_back(Candidate{it->second.rank, pos, it->second.id});
+    std::push_heap(heap.begin(), heap.end(), later);
   };
   for (int32_t p = 0; p + 1 < static_cast<int32_t>(symbols.size()); ++p) consider(p);
   while (!heap.empty()) {
-    const Candidate c = heap.top();
-    heap.pop();
+    std::pop_heap(heap.begin(), heap.end(), later);
+    const Candidate c = heap.back();
+    heap.pop_back();
     Symbol& left = symbols[static_cast<size_t>(c.pos)];
     if (!left.alive || left.next < 0) continue;
     Symbol& right = symbols[static_cast<size_t>(left.next)];

@@ -43,7 +43,7 @@ class BpeModel {
     return (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b);
   }
   void merge_word(std::string_view word, std::vector<int32_t>& out) const;
-  void add_merge(const std::string& a, const std::string& b, int32_t rank, const std::string& what);
+  void add_merge(const std::string& a, const std::string& b, int32_t rank);
 
   std::unordered_map<std::string, int32_t> vocab_;
   std::vector<std::string> id_to_token_;
