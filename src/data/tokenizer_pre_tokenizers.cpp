@@ -157,7 +157,8 @@ class ByteLevelPreTokenizer : public PreTokenizer {
   void pre_tokenize(std::vector<PreToken>& pieces) const override {
     if (add_prefix_space_) {
       for (PreToken& p : pieces) {
-        if (p.text.empty() || p.text[0] != ' ') p.text.insert(0, 1, ' ');
+        // An empty piece stays empty (Hugging Face's prepend does nothing there).
+        if (!p.text.empty() && p.text[0] != ' ') p.text.insert(0, 1, ' ');
       }
     }
     if (regex_) {
@@ -190,6 +191,7 @@ class MetaspacePreTokenizer : public PreTokenizer {
   void pre_tokenize(std::vector<PreToken>& pieces) const override {
     std::vector<PreToken> out;
     for (PreToken& p : pieces) {
+      if (p.text.empty()) continue;
       std::string s = replace_all(p.text, " ", replacement_);
       const bool starts = s.compare(0, replacement_.size(), replacement_) == 0;
       if (!starts && (prepend_ == Prepend::Always || (prepend_ == Prepend::First && p.at_start))) {
