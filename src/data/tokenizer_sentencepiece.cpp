@@ -31,6 +31,7 @@ class SentencePieceTokenizer : public Tokenizer {
     std::string repaired;
     if (repair_utf8(text, repaired)) text = repaired;
     std::vector<int32_t> ids;
+    // With special tokens: BOS only, Llama's convention for SentencePiece models.
     if (add_special_tokens && bos_id()) ids.push_back(*bos_id());
     size_t begin = 0;
     auto flush = [&](size_t end) {
@@ -59,7 +60,6 @@ class SentencePieceTokenizer : public Tokenizer {
       begin = i = i + len;
     }
     flush(text.size());
-    if (add_special_tokens && eos_on_encode_ && eos_id()) ids.push_back(*eos_id());
     return ids;
   }
 
@@ -106,7 +106,6 @@ class SentencePieceTokenizer : public Tokenizer {
   sentencepiece::SentencePieceProcessor sp_;
   std::vector<std::pair<std::string, int>> controls_;  // longest first
   uint64_t digest_ = 0;
-  bool eos_on_encode_ = false;  // Llama's convention: BOS only
 };
 
 }  // namespace
