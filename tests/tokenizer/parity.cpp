@@ -67,6 +67,10 @@ void check_model(const std::string& name) {
                                          << ": " << first_difference(ids_special, want_special);
     EXPECT_EQ(json(tok->decode(want)).dump(), json(c.at("decoded")).dump()) << name << " decode";
     EXPECT_EQ(json(tok->decode(want, true)).dump(), json(c.at("decoded_skip")).dump()) << name << " decode, skipping special tokens";
+    const auto each = c.at("decoded_each").get<std::vector<std::string>>();
+    for (size_t i = 0; i < each.size(); ++i) {
+      EXPECT_EQ(json(tok->decode({want[i]})).dump(), json(each[i]).dump()) << name << " decode of the single id " << want[i];
+    }
     total += want.size();
   }
   EXPECT_GT(total, 1000u) << "the corpus should give more than a few tokens";
