@@ -1,7 +1,10 @@
 // load_tokenizer: which kind a spec names, and the byte tokenizer.
 #include "shardtrain/data/tokenizer.h"
 
+#include <dlfcn.h>
 #include <sys/stat.h>
+
+#include <mutex>
 
 #include "data/tokenizer_kinds.h"
 #include "shardtrain/core/error.h"
@@ -60,6 +63,47 @@ std::string find_in_dir(const std::string& dir) {
   if (is_file(base + "tokenizer.model")) return base + "tokenizer.model";
   return "";
 }
+
+// ---- SentencePiece, through its own module (see src/data/sentencepiece/module.cpp).
+
+using MakeSentencePiece = Tokenizer* (*)(const std::string& path, const std::string& bytes);
+
+// libshardtrain_sentencepiece.so beside this library (the build tree and the
+// install keep them together), loaded once and kept.
+MakeSentencePiece sentencepiece_factory() {
+  static std::once_flag once;
+  static MakeSentencePiece make = nullptr;
+  static std::string error;
+  std::call_once(once, [] {
+    Dl_info info{};
+    std::string dir = ".";
+    if (::dladdr(reinterpret_cast<void*>(&sentencepiece_factory), &info) != 0 && info.dli_fname != nullptr) {
+      const std::string self = info.dli_fname;
+      const size_t slash = self.find_last_of('/');
+      if (slash != std::string::npos) dir = self.substr(0, slash);
+    }
+    const std::string module = dir + "/libshardtrain_sentencepiece.so";
+    void* handle = ::dlopen(module.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
+    if (handle == nullptr) {
+      error = ::dlerror();
+      return;
+    }
+    make = reinterpret_cast<MakeSentencePiece>(::dlsym(handle, "shardtrain_make_sentencepiece_tokenizer"));
+    if (make == nullptr) error = "no shardtrain_make_sentencepiece_tokenizer in " + module;
+  });
+  ST_CHECK(make != nullptr, ConfigError, "SentencePiece support is not available: ", error,
+           "; hint: install libsentencepiece0 and keep libshardtrain_sentencepiece.so beside libshardtrain.so");
+  return make;
+}
+
+}  // namespace
+
+std::shared_ptr<const Tokenizer> load_sentencepiece_tokenizer(const std::string& path) {
+  const std::string bytes = read_tokenizer_file(path);
+  return std::shared_ptr<const Tokenizer>(sentencepiece_factory()(path, bytes));
+}
+
+namespace {
 
 std::shared_ptr<const Tokenizer> load_file(const std::string& path) {
   if (ends_with(path, ".model")) return load_sentencepiece_tokenizer(path);

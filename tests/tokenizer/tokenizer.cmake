@@ -12,6 +12,10 @@ foreach(name Llama3 Qwen3 Llama2 Gemma3 Gpt2 Gpt2Encoder ThreadSafeEncode)
                        ENVIRONMENT "TOKENIZER_PARITY_DIR=${CMAKE_BINARY_DIR}/tokenizer-parity")
 endforeach()
 
-# The unit tests train a small SentencePiece model of their own.
+# The unit tests train a small SentencePiece model of their own, in a
+# program that does not load LibTorch (tests/tokenizer/make_spm_model.cpp).
 find_library(SENTENCEPIECE_TRAIN_LIBRARY sentencepiece_train REQUIRED)
-target_link_libraries(test_tokenizer PRIVATE ${SENTENCEPIECE_TRAIN_LIBRARY} ${SENTENCEPIECE_LIBRARY})
+add_executable(make_spm_model ${CMAKE_CURRENT_LIST_DIR}/make_spm_model.cpp)
+target_link_libraries(make_spm_model PRIVATE ${SENTENCEPIECE_TRAIN_LIBRARY} ${SENTENCEPIECE_LIBRARY})
+add_dependencies(test_tokenizer make_spm_model)
+target_compile_definitions(test_tokenizer PRIVATE MAKE_SPM_MODEL_PATH="$<TARGET_FILE:make_spm_model>")

@@ -1,11 +1,20 @@
 // A SentencePiece tokenizer.model, through libsentencepiece. Control pieces
 // written in the text (<s>, </s>) are matched as tokens, like the added
 // tokens of a tokenizer.json; the text between them goes to SentencePiece.
+//
+// Why a module of its own: Debian's libsentencepiece carries its own copy of
+// protobuf-lite and exports its symbols, which clash with the libprotobuf
+// that LibTorch and our TensorBoard writer use (whichever loads first serves
+// the other's calls: a crash at start-up or a silent version mix). This file
+// is built as libshardtrain_sentencepiece.so, the one thing that links
+// libsentencepiece, and load_tokenizer dlopens it with RTLD_LOCAL |
+// RTLD_DEEPBIND, so libsentencepiece resolves protobuf to its own copy and
+// nothing else ever sees that copy (src/data/tokenizer.cpp).
 #include <sentencepiece_processor.h>
 
 #include <algorithm>
 
-#include "data/tokenizer_kinds.h"
+#include "data/tokenizer_kinds.h"  // the helpers it shares, from libshardtrain
 #include "data/tokenizer_text.h"
 #include "shardtrain/core/error.h"
 
@@ -110,8 +119,11 @@ class SentencePieceTokenizer : public Tokenizer {
 
 }  // namespace
 
-std::shared_ptr<const Tokenizer> load_sentencepiece_tokenizer(const std::string& path) {
-  return std::make_shared<SentencePieceTokenizer>(path, read_tokenizer_file(path));
-}
-
 }  // namespace shardtrain::data::detail
+
+/// The module's entry point (dlsym'd by name): a tokenizer for the model
+/// `bytes` read from `path`; ConfigError when it is not one.
+extern "C" __attribute__((visibility("default"))) shardtrain::data::Tokenizer* shardtrain_make_sentencepiece_tokenizer(
+    const std::string& path, const std::string& bytes) {
+  return new shardtrain::data::detail::SentencePieceTokenizer(path, bytes);
+}
