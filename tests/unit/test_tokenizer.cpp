@@ -130,6 +130,24 @@ TEST(TokenizerAddedTokens, DecodeRejectsIdsOutsideTheVocabulary) {
   }
 }
 
+TEST(TokenizerBpe, ContinuingSubwordPrefixAndEndOfWordSuffix) {
+  // The subword-nmt spelling: "##" on inner characters, "</w>" on the last.
+  TempDir dir;
+  json j = small_tokenizer();
+  j["added_tokens"] = json::array();
+  j["post_processor"] = nullptr;
+  j["decoder"] = nullptr;
+  j["model"] = {{"type", "BPE"},
+                {"continuing_subword_prefix", "##"},
+                {"end_of_word_suffix", "</w>"},
+                {"vocab", {{"a", 0}, {"##b", 1}, {"ab", 2}, {"##c</w>", 3}, {"abc</w>", 4}}},
+                {"merges", {"a ##b", "ab ##c</w>"}}};
+  const auto tok = load_json(dir, j);
+  EXPECT_EQ(tok->encode("abc"), (Ids{4}));
+  EXPECT_EQ(tok->encode("ac"), (Ids{0, 3}));
+  EXPECT_EQ(tok->decode({0, 3}), "a ##c</w>");  // no decoder: tokens joined by spaces, as Hugging Face does
+}
+
 // ---- pre-tokenizers -------------------------------------------------------------------
 
 std::vector<std::string> pre_tokenize(const json& j, const std::string& text, bool at_start = true) {
@@ -185,6 +203,11 @@ TEST(TokenizerPreTokenizers, DigitsByteLevelAndSequence) {
   EXPECT_EQ(pre_tokenize(seq, "a12"), (Strings{"\xC4\xA0" "a", "\xC4\xA0" "1", "\xC4\xA0" "2"}));
 }
 
+TEST(TokenizerPreTokenizers, WhitespaceAndWhitespaceSplit) {
+  EXPECT_EQ(pre_tokenize({{"type", "Whitespace"}}, "Hi, you!  ok"), (Strings{"Hi", ",", "you", "!", "ok"}));
+  EXPECT_EQ(pre_tokenize({{"type", "WhitespaceSplit"}}, " a  b\tc\n"), (Strings{"a", "b", "c"}));
+}
+
 // ---- normalizers and decoders -----------------------------------------------------------
 
 std::string normalize(const json& j, std::string text) {
@@ -204,6 +227,9 @@ TEST(TokenizerNormalizers, UnicodeFormsReplacePrependSequence) {
                                         {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", kMeta}}}}};
   EXPECT_EQ(normalize(llama2, "hi you"), kMeta + "hi" + kMeta + "you");
   EXPECT_EQ(normalize(llama2, ""), "");
+  EXPECT_EQ(normalize({{"type", "Lowercase"}}, "\xC3\x80" "B"), "\xC3\xA0" "b");
+  EXPECT_EQ(normalize({{"type", "Strip"}, {"strip_left", true}, {"strip_right", true}}, " \t a b \xE3\x80\x80"), "a b");
+  EXPECT_EQ(normalize({{"type", "NFD"}}, "\xC3\xA9"), "e\xCC\x81");
 }
 
 std::string decode(const json& j, const std::vector<std::string>& tokens) {
