@@ -28,6 +28,7 @@ using nlohmann::json;
 
 struct AddedToken {
   std::string content;
+  std::string match;  // what is looked for: content, normalized when `normalized`
   int32_t id = 0;
   bool special = false;
   bool lstrip = false;
@@ -74,13 +75,13 @@ class AddedTokenMatcher {
  public:
   AddedTokenMatcher(const std::vector<AddedToken>& all, bool normalized_ones) : all_(&all) {
     for (size_t i = 0; i < all.size(); ++i) {
-      if (all[i].normalized != normalized_ones || all[i].content.empty()) continue;
-      by_first_[static_cast<unsigned char>(all[i].content[0])].push_back(static_cast<int>(i));
+      if (all[i].normalized != normalized_ones || all[i].match.empty()) continue;
+      by_first_[static_cast<unsigned char>(all[i].match[0])].push_back(static_cast<int>(i));
       any_ = true;
     }
     for (auto& list : by_first_) {
       std::stable_sort(list.begin(), list.end(), [&](int a, int b) {
-        return all[static_cast<size_t>(a)].content.size() > all[static_cast<size_t>(b)].content.size();
+        return all[static_cast<size_t>(a)].match.size() > all[static_cast<size_t>(b)].match.size();
       });
     }
   }
@@ -94,8 +95,8 @@ class AddedTokenMatcher {
       int found = -1;
       for (const int c : candidates) {
         const AddedToken& t = (*all_)[static_cast<size_t>(c)];
-        if (s.compare(i, t.content.size(), t.content) != 0) continue;
-        if (t.single_word && !single_word_ok(s, i, i + t.content.size())) continue;
+        if (s.compare(i, t.match.size(), t.match) != 0) continue;
+        if (t.single_word && !single_word_ok(s, i, i + t.match.size())) continue;
         found = c;
         break;
       }
@@ -104,7 +105,7 @@ class AddedTokenMatcher {
         continue;
       }
       const AddedToken& t = (*all_)[static_cast<size_t>(found)];
-      size_t begin = i, end = i + t.content.size();
+      size_t begin = i, end = i + t.match.size();
       if (t.lstrip) {
         while (begin > text_begin) {
           size_t b = begin - 1;
@@ -208,10 +209,12 @@ HfTokenizer::HfTokenizer(const std::string& path, const json& j, const json* con
     vocab_size_ = std::max<int64_t>(vocab_size_, int64_t{t.id} + 1);
     added_.push_back(std::move(t));
   }
-  // A normalized added token is matched in normalized text, so its content
-  // is normalized too (as Hugging Face does).
+  // A normalized added token is matched in normalized text, so what is
+  // looked for is its normalized content (as Hugging Face does); decode
+  // still gives the content.
   for (AddedToken& t : added_) {
-    if (t.normalized && normalizer_) normalizer_->normalize(t.content);
+    t.match = t.content;
+    if (t.normalized && normalizer_) normalizer_->normalize(t.match);
   }
   raw_matcher_ = std::make_unique<AddedTokenMatcher>(added_, false);
   normalized_matcher_ = std::make_unique<AddedTokenMatcher>(added_, true);

@@ -103,6 +103,17 @@ TEST(TokenizerAddedTokens, MatchedBeforeTheModelWithStripAndSingleWord) {
   EXPECT_EQ(tok->decode({20, 1, 21, 2, 22, 23}, true), "ab[w]");  // [w] is not special
 }
 
+TEST(TokenizerAddedTokens, NormalizedOnesAreMatchedInNormalizedText) {
+  TempDir dir;
+  json j = small_tokenizer();
+  j["normalizer"] = {{"type", "Lowercase"}};
+  j["added_tokens"].push_back({{"id", 24}, {"content", "<Mask2>"}, {"special", false}, {"normalized", true}});
+  const auto tok = load_json(dir, j);
+  EXPECT_EQ(tok->encode("A<MASK2>b"), (Ids{1, 24, 2}));  // lowercased, then matched as "<mask2>"
+  EXPECT_EQ(tok->decode({24}), "<Mask2>");               // decoded as written
+  EXPECT_EQ(tok->token_to_id("<Mask2>"), 24);
+}
+
 TEST(TokenizerAddedTokens, BosEosFromTheTemplateOrTokenizerConfig) {
   TempDir dir;
   auto tok = load_json(dir, small_tokenizer());
