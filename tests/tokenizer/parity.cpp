@@ -79,6 +79,9 @@ void check_model(const std::string& name) {
 TEST(TokenizerParity, Llama3) { check_model("llama3"); }
 TEST(TokenizerParity, Qwen3) { check_model("qwen3"); }
 TEST(TokenizerParity, Llama2) { check_model("llama2"); }
+// Llama-2's vocabulary behind a Metaspace pre-tokenizer (prepend_scheme
+// "first": no "▁" after a special token) and a Metaspace decoder.
+TEST(TokenizerParity, Llama2Metaspace) { check_model("llama2-metaspace"); }
 TEST(TokenizerParity, Gpt2) { check_model("gpt2"); }
 // Byte fallback, a Replace normalizer, Split MergedWithPrevious and 6,415
 // added tokens, special and not (runs of spaces and newlines among them).

@@ -5,7 +5,7 @@ add_executable(tokenizer_parity ${CMAKE_CURRENT_LIST_DIR}/parity.cpp)
 target_link_libraries(tokenizer_parity PRIVATE shardtrain GTest::gtest_main)
 add_test(NAME tokenizer.parity.setup COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/setup.sh ${CMAKE_BINARY_DIR})
 set_tests_properties(tokenizer.parity.setup PROPERTIES FIXTURES_SETUP tokenizer_parity TIMEOUT 900)
-foreach(name Llama3 Qwen3 Llama2 Gemma3 Gpt2 Gpt2Encoder ThreadSafeEncode)
+foreach(name Llama3 Qwen3 Llama2 Llama2Metaspace Gemma3 Gpt2 Gpt2Encoder ThreadSafeEncode)
   string(TOLOWER ${name} lower)
   add_test(NAME tokenizer.parity.${lower} COMMAND tokenizer_parity --gtest_filter=TokenizerParity.${name})
   set_tests_properties(tokenizer.parity.${lower} PROPERTIES FIXTURES_REQUIRED tokenizer_parity TIMEOUT 300
