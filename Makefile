@@ -25,7 +25,7 @@ BENCH_PACKAGES := python3-torch
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all deps bench-deps configure build test mutants train bench-comm bench-train bench-sharding bench-multinode bench-precision bench-checkpoint bench-lora install clean
+.PHONY: all deps bench-deps configure build test mutants train bench-comm bench-train bench-sharding bench-multinode bench-precision bench-checkpoint bench-lora bench-tokenize install clean
 
 all: build
 
@@ -105,6 +105,11 @@ bench-checkpoint: build
 
 bench-lora: build
 	bash bench/lora.sh
+
+# shardtrain tokenize against @lenml/tokenizers (Node, npm packages in
+# build/npm) on 20 MB of the bundled corpus; a few minutes, mostly the JS side.
+bench-tokenize: build
+	bash bench/tokenize.sh
 
 install: build
 	cmake --install $(BUILD_DIR)

@@ -5,7 +5,7 @@
 # TARGET_MB (default 20) MB of JSON lines. shardtrain runs on 1 thread and on
 # all cores; JavaScript on its one thread. Both must give the same ids (a
 # digest is compared). Writes the table into BENCHMARKS.md.
-#   bash bench/tokenize.sh     (TOKENIZERS="llama3 llama2" TARGET_MB=20)
+#   make bench-tokenize   (runs: bash bench/tokenize.sh; TOKENIZERS="llama3 llama2 qwen3" TARGET_MB=20)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cli=build/shardtrain
