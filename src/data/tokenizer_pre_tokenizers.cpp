@@ -30,18 +30,31 @@ Behavior parse_behavior(const std::string& name, const std::string& what) {
   return Behavior::Isolated;
 }
 
+// Whether run `cur` joins the piece of the run before it, `prev`, under
+// `behavior` (Hugging Face's SplitDelimiterBehavior; Removed drops matches
+// before this is asked).
+bool joins_previous(Behavior behavior, bool prev_match, bool cur_match) {
+  switch (behavior) {
+    case Behavior::MergedWithPrevious: return cur_match && !prev_match;
+    case Behavior::MergedWithNext: return prev_match && !cur_match;
+    case Behavior::Contiguous: return cur_match && prev_match;
+    default: return false;
+  }
+}
+
 // Cuts `piece` at the matches of `regex` as Hugging Face's
 // NormalizedString::split does with `behavior`; `invert` swaps the roles of
 // matches and the text between them.
 void split_piece(const PreToken& piece, const Regex& regex, Behavior behavior, bool invert,
                  std::vector<PreToken>& out) {
   const std::string& s = piece.text;
-  // (begin, end, is_match) runs covering s.
+  // Runs covering s: the matches and the text between them (empty ones left out).
   struct Run {
     size_t begin, end;
     bool match;
   };
-  std::vector<Run> runs;
+  thread_local std::vector<Run> runs;
+  runs.clear();
   size_t at = 0;
   regex.for_each_match(s, [&](size_t b, size_t e) {
     if (b > at) runs.push_back({at, b, invert});
@@ -50,69 +63,18 @@ void split_piece(const PreToken& piece, const Regex& regex, Behavior behavior, b
   });
   if (at < s.size()) runs.push_back({at, s.size(), invert});
 
-  auto emit = [&](size_t b, size_t e) {
-    out.push_back(PreToken{s.substr(b, e - b), piece.at_start && b == 0});
-  };
-  switch (behavior) {
-    case Behavior::Isolated:
-      for (const Run& r : runs) emit(r.begin, r.end);
-      break;
-    case Behavior::Removed:
-      for (const Run& r : runs) {
-        if (!r.match) emit(r.begin, r.end);
-      }
-      break;
-    case Behavior::MergedWithPrevious: {
-      // A match joins the run before it.
-      size_t begin = 0;
-      bool open = false;
-      for (const Run& r : runs) {
-        if (r.match && open) {
-          emit(begin, r.end);
-          open = false;
-        } else if (r.match) {
-          emit(r.begin, r.end);
-        } else {
-          if (open) emit(begin, r.begin);
-          begin = r.begin;
-          open = true;
-        }
-      }
-      if (open) emit(begin, s.size());
-      break;
-    }
-    case Behavior::MergedWithNext: {
-      // A match starts the run after it.
-      size_t begin = 0;
-      bool open = false;
-      for (const Run& r : runs) {
-        if (r.match) {
-          if (open) emit(begin, r.begin);
-          begin = r.begin;
-          open = true;
-        } else if (open) {
-          emit(begin, r.end);
-          open = false;
-        } else {
-          emit(r.begin, r.end);
-        }
-      }
-      if (open) emit(begin, s.size());
-      break;
-    }
-    case Behavior::Contiguous: {
-      // Adjacent matches become one piece.
-      for (size_t i = 0; i < runs.size();) {
-        size_t j = i + 1;
-        if (runs[i].match) {
-          while (j < runs.size() && runs[j].match) ++j;
-        }
-        emit(runs[i].begin, runs[j - 1].end);
-        i = j;
-      }
-      break;
+  // Pieces as [begin, end): a run starts one or extends the last.
+  thread_local std::vector<std::pair<size_t, size_t>> spans;
+  spans.clear();
+  for (size_t i = 0; i < runs.size(); ++i) {
+    if (behavior == Behavior::Removed && runs[i].match) continue;
+    if (i > 0 && !spans.empty() && joins_previous(behavior, runs[i - 1].match, runs[i].match)) {
+      spans.back().second = runs[i].end;
+    } else {
+      spans.emplace_back(runs[i].begin, runs[i].end);
     }
   }
+  for (const auto& [b, e] : spans) out.push_back(PreToken{s.substr(b, e - b), piece.at_start && b == 0});
 }
 
 class SequencePreTokenizer : public PreTokenizer {
