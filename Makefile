@@ -13,13 +13,19 @@ CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 DEB_PACKAGES := build-essential cmake ninja-build ccache pkg-config \
 	libtorch-dev libgloo-dev libyaml-cpp-dev libgtest-dev libopenblas0-pthread \
 	nlohmann-json3-dev iproute2 libssl-dev tmux \
-	libprotobuf-dev protobuf-compiler chromium
+	libprotobuf-dev protobuf-compiler chromium \
+	libpcre2-dev libutf8proc-dev libsentencepiece-dev
+# Node runs the tokenizer parity test's independent implementation (npm
+# packages installed into the build tree at test time). Installed only when
+# npm is missing: NodeSource's nodejs, where present, ships npm and conflicts
+# with Debian's npm package.
+NODE_PACKAGES := nodejs npm
 # What the benchmarks add: Debian's PyTorch as the peer we compare against.
 BENCH_PACKAGES := python3-torch
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all deps bench-deps configure build test mutants train bench-comm bench-train bench-sharding bench-multinode bench-precision bench-checkpoint bench-lora install clean
+.PHONY: all deps bench-deps configure build test mutants train bench-comm bench-train bench-sharding bench-multinode bench-precision bench-checkpoint bench-lora bench-tokenize install clean
 
 all: build
 
@@ -37,6 +43,11 @@ endef
 
 deps:
 	$(call apt_install,$(DEB_PACKAGES))
+	@if ! command -v npm >/dev/null 2>&1; then \
+	  echo "installing: $(NODE_PACKAGES)"; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $(NODE_PACKAGES); \
+	fi
 
 bench-deps: deps
 	$(call apt_install,$(BENCH_PACKAGES))
@@ -94,6 +105,11 @@ bench-checkpoint: build
 
 bench-lora: build
 	bash bench/lora.sh
+
+# shardtrain tokenize against @lenml/tokenizers (Node, npm packages in
+# build/npm) on 20 MB of the bundled corpus; a few minutes, mostly the JS side.
+bench-tokenize: build
+	bash bench/tokenize.sh
 
 install: build
 	cmake --install $(BUILD_DIR)

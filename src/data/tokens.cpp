@@ -108,13 +108,47 @@ void write_token_file(const std::string& path, const std::vector<uint16_t>& toke
            "; hint: check free disk space");
 }
 
+int write_token_file_v2(const std::string& path, const std::vector<int32_t>& tokens) {
+  int32_t largest = 0;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    ST_CHECK(tokens[i] >= 0, InvalidArgument, "write_token_file_v2: token ", i, " is ", tokens[i],
+             "; token ids are never negative");
+    largest = std::max(largest, tokens[i]);
+  }
+  if (largest < 65536) {
+    // Version 1: every reader of llm.c's layout takes it.
+    write_token_file(path, std::vector<uint16_t>(tokens.begin(), tokens.end()));
+    return 2;
+  }
+  ST_CHECK(tokens.size() <= static_cast<size_t>(INT32_MAX), ConfigError, "cannot write ",
+           tokens.size(), " tokens to '", path,
+           "': the token-file header holds an int32 count; hint: split the data into shards");
+  std::vector<int32_t> header(kHeaderWords, 0);
+  header[0] = kTokenFileMagic;
+  header[1] = kTokenFileVersionWide;
+  header[2] = static_cast<int32_t>(tokens.size());
+  header[3] = 4;  // token width in bytes
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  ST_CHECK(out.good(), ConfigError, "cannot create token file '", path, "': ", std::strerror(errno),
+           "; hint: check that the directory exists and is writable");
+  out.write(reinterpret_cast<const char*>(header.data()), kHeaderBytes);
+  out.write(reinterpret_cast<const char*>(tokens.data()),
+            static_cast<std::streamsize>(tokens.size() * sizeof(int32_t)));
+  out.close();
+  ST_CHECK(!out.fail(), ConfigError, "writing token file '", path, "' failed",
+           "; hint: check free disk space");
+  return 4;
+}
+
 // ---- token sources ---------------------------------------------------------------------------
 
 // The tokens behind one or more TokenSources: bytes (text), uint16 words
-// (tokens given in memory, or a mapped token file). Immutable once built.
+// (tokens given in memory, or a mapped token file) or uint32 words (a mapped
+// version-2 file of width 4). Immutable once built.
 struct TokenSource::Storage {
   const uint8_t* bytes = nullptr;    // text: one token per byte
   const uint16_t* words = nullptr;   // token files / from_tokens
+  const uint32_t* wide = nullptr;    // token files of width 4
   int64_t size = 0;
 
   std::string text;                  // owner of `bytes`
@@ -129,7 +163,9 @@ struct TokenSource::Storage {
     if (map != nullptr) ::munmap(map, map_length);
   }
 
-  int64_t at(int64_t i) const { return bytes != nullptr ? bytes[i] : words[i]; }
+  int64_t at(int64_t i) const {
+    return bytes != nullptr ? bytes[i] : wide != nullptr ? static_cast<int64_t>(wide[i]) : words[i];
+  }
 };
 
 TokenSource::TokenSource(std::shared_ptr<const Storage> storage, int64_t begin, int64_t end,
@@ -188,13 +224,18 @@ TokenSource TokenSource::open(const std::string& path) {
     std::vector<int32_t> header(kHeaderWords);
     ST_CHECK(read_exact(fd, header.data(), kHeaderBytes, 0), ConfigError, "cannot read header of '",
              path, "': ", std::strerror(errno), "; hint: check data.train");
-    ST_CHECK(header[1] == kTokenFileVersion, ConfigError, "token file '", path, "' has version ",
-             header[1], ", expected ", kTokenFileVersion,
-             " (uint16 tokens); hint: regenerate it with a GPT-2-style (uint16) tokenizer");
+    ST_CHECK(header[1] == kTokenFileVersion || header[1] == kTokenFileVersionWide, ConfigError,
+             "token file '", path, "' has version ", header[1], ", expected ", kTokenFileVersion,
+             " (uint16 tokens) or ", kTokenFileVersionWide,
+             " (its token width in header word 3); hint: regenerate it with `shardtrain tokenize`");
+    // Version 2 records the width; llm.c's own version-2 files leave it 0 and hold uint32.
+    const int64_t width = header[1] == kTokenFileVersion ? 2 : header[3] == 0 ? 4 : header[3];
+    ST_CHECK(width == 2 || width == 4, ConfigError, "token file '", path, "' has token width ",
+             width, " bytes in its header, expected 2 or 4; hint: regenerate it with `shardtrain tokenize`");
     const int64_t count = header[2];
     ST_CHECK(count > 0, ConfigError, "token file '", path, "' holds ", count,
              " tokens; hint: a training source needs at least one window of tokens");
-    const int64_t expected = kHeaderBytes + count * static_cast<int64_t>(sizeof(uint16_t));
+    const int64_t expected = kHeaderBytes + count * width;
     ST_CHECK(file_size == expected, ConfigError, "token file '", path, "' is ",
              file_size < expected ? "truncated" : "longer than its header says", ": header says ",
              count, " tokens, so expected ", expected, " bytes, found ", file_size,
@@ -207,7 +248,11 @@ TokenSource TokenSource::open(const std::string& path) {
     storage->map = map;
     storage->map_length = static_cast<size_t>(file_size);
     const char* base = static_cast<const char*>(map);
-    storage->words = reinterpret_cast<const uint16_t*>(base + kHeaderBytes);
+    if (width == 4) {
+      storage->wide = reinterpret_cast<const uint32_t*>(base + kHeaderBytes);
+    } else {
+      storage->words = reinterpret_cast<const uint16_t*>(base + kHeaderBytes);
+    }
     storage->size = count;
     return TokenSource(std::move(storage), 0, count, path);
   }
@@ -242,6 +287,9 @@ void TokenSource::copy_to(int64_t start, int64_t count, int64_t* out) const {
   const int64_t first = begin_ + start;
   if (storage_->bytes != nullptr) {
     const uint8_t* src = storage_->bytes + first;
+    for (int64_t i = 0; i < count; ++i) out[i] = src[i];
+  } else if (storage_->wide != nullptr) {
+    const uint32_t* src = storage_->wide + first;
     for (int64_t i = 0; i < count; ++i) out[i] = src[i];
   } else {
     const uint16_t* src = storage_->words + first;

@@ -147,15 +147,15 @@ TEST_F(TokenFiles, TruncatedTokenFileNamesFileAndSizes) {
 }
 
 TEST_F(TokenFiles, ForeignMissingAndEmptyFilesNameThePath) {
-  // Right magic, another version (llm.c's uint32 layout).
-  const auto v2 = path("v2.bin");
+  // Right magic, a version we do not know (1 and 2 are read: test_token_files.cpp).
+  const auto v3 = path("v3.bin");
   std::vector<int32_t> header(256, 0);
   header[0] = shardtrain::data::kTokenFileMagic;
-  header[1] = 2;
+  header[1] = 3;
   header[2] = 1;
   std::string bytes(reinterpret_cast<const char*>(header.data()), 1024);
-  write_bytes(v2, bytes + std::string(4, '\1'));
-  expect_config_error([&] { TokenSource::open(v2); }, {v2, "version 2"});
+  write_bytes(v3, bytes + std::string(4, '\1'));
+  expect_config_error([&] { TokenSource::open(v3); }, {v3, "version 3"});
 
   // Binary without the magic (a header-less nanoGPT .bin): not text either.
   const auto raw = path("raw.bin");

@@ -34,6 +34,9 @@ int checkpoint_main(int argc, char** argv);
 /// `shardtrain report RUN_DIR... [--out FILE.html]`; argv[0] is "report".
 int report_main(int argc, char** argv);
 
+/// `shardtrain tokenize --tokenizer PATH --out FILE INPUT...`: text to a token file.
+int tokenize_main(int argc, char** argv);
+
 /// `shardtrain lora merge --base FILE --adapter DIR --out FILE`.
 int lora_main(int argc, char** argv);
 

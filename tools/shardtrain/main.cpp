@@ -30,6 +30,7 @@ const Command kCommands[] = {
     {"generate", shardtrain::cli::generate_main, "sample text from a trained GPT"},
     {"checkpoint", shardtrain::cli::checkpoint_main, "inspect or export a sharded checkpoint"},
     {"lora", shardtrain::cli::lora_main, "merge a LoRA adapter into its base model"},
+    {"tokenize", shardtrain::cli::tokenize_main, "text files or JSON lines to a token file"},
     {"report", shardtrain::cli::report_main, "an HTML page of a run's metrics and config"},
     {"bench-comm", shardtrain::cli::bench_comm_main, "measure a collective's bandwidth"},
 };

@@ -22,19 +22,30 @@ class ByteTokenizer {
 };
 
 /// The token-file layout of llm.c / nanoGPT: 256 int32 header words (magic
-/// 20240520, version 1, token count, rest zero), then count uint16 tokens.
+/// 20240520, version, token count, token width, rest zero), then count
+/// tokens. Version 1: uint16 tokens (GPT-2 vocabularies; word 3 is zero).
+/// Version 2: word 3 is the token width in bytes, 2 (uint16) or 4 (uint32,
+/// vocabularies past 65,536 ids such as Llama-3's); llm.c's version-2 files
+/// leave it zero and hold uint32 tokens, so zero reads as 4.
 constexpr int32_t kTokenFileMagic = 20240520;
 constexpr int32_t kTokenFileVersion = 1;
+constexpr int32_t kTokenFileVersionWide = 2;
 
-/// Writes `tokens` in the token-file layout (for tools and tests).
+/// Writes `tokens` in the version-1 layout (for tools and tests).
 void write_token_file(const std::string& path, const std::vector<uint16_t>& tokens);
+/// Writes `tokens` in the narrowest layout that holds them: version 1 when
+/// every id is below 65,536 (readable by llm.c and older readers), else
+/// version 2 with 4-byte tokens. Negative ids are an InvalidArgument.
+/// Returns the token width written (2 or 4).
+int write_token_file_v2(const std::string& path, const std::vector<int32_t>& tokens);
 
 /// A read-only sequence of token ids. Token files are memory-mapped; text is
 /// read and byte-tokenized. Copies share the underlying storage.
 class TokenSource {
  public:
-  /// A token file when the first word is kTokenFileMagic, UTF-8 text
-  /// otherwise. A missing, empty or truncated file is a ConfigError naming it.
+  /// A token file (version 1 or 2) when the first word is kTokenFileMagic,
+  /// UTF-8 text otherwise. A missing, empty or truncated file, or a token
+  /// file of another version or width, is a ConfigError naming it.
   static TokenSource open(const std::string& path);
   static TokenSource from_text(const std::string& text);
   static TokenSource from_tokens(std::vector<uint16_t> tokens);
