@@ -2,8 +2,11 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <filesystem>
 
 #include "shardtrain/core/error.h"
+#include "shardtrain/data/lm_data.h"
 #include "shardtrain/dist/env.h"
 #include "shardtrain/models/gpt.h"
 #include "shardtrain/models/mlp.h"
@@ -36,30 +39,34 @@ int64_t count_parameters(torch::nn::Module& model) {
   return n;
 }
 
-// A GPT on token data: the last val_fraction of the tokens is held out.
+// The model directory: model.init_from when it names a directory.
+std::string model_dir(const config::Config& config) {
+  const std::string& from = config.model.init_from;
+  return !from.empty() && std::filesystem::is_directory(from) ? from : "";
+}
+
+// A GPT on the config's data (data::make_lm_data: token windows or samples).
 TrainTask gpt_task(const config::Config& config, const config::BatchPlan& plan, int world_size) {
   const models::GPTConfig g = gpt_config(config.model);
   g.validate();
   torch::manual_seed(config.run.seed);  // same initial weights on every rank
   auto model = std::make_shared<models::GPTImpl>(g);
 
-  const data::TokenSource all = data::TokenSource::open(config.data.train);
-  ST_CHECK(all.max_token() < g.vocab_size, ConfigError, "data.train '", config.data.train,
-           "' holds token id ", all.max_token(), " but model.vocab_size is ", g.vocab_size,
+  const data::LmData data = data::make_lm_data(
+      config.data, *data::load_tokenizer(config.data.tokenizer, model_dir(config)),
+      g.block_size, plan.global, plan.micro * world_size, config.run.seed, model_dir(config));
+  ST_CHECK(data.stats.max_token < g.vocab_size, ConfigError, "data.train '", config.data.train,
+           "' holds token id ", data.stats.max_token, " but model.vocab_size is ", g.vocab_size,
            "; raise model.vocab_size");
-  const int64_t window = g.block_size + 1;
-  const int64_t eval_rows = plan.micro * world_size;
-  int64_t n_val = 0;
-  if (config.data.val_fraction > 0) {
-    n_val = std::max(static_cast<int64_t>(static_cast<double>(all.size()) * config.data.val_fraction),
-                     eval_rows * g.block_size + 1);
-    ST_CHECK(n_val < all.size() - window, ConfigError, "data.val_fraction ",
-             config.data.val_fraction, " leaves too little of '", config.data.train,
-             "' to train on; lower it or use more data");
+  // Until the GPT honours Batch::segment, packed rows would attend across
+  // samples; padded rows are exact (padding comes after the real tokens).
+  ST_CHECK(!config.data.packing, ConfigError,
+           "data.packing=true needs a model that honours packed segments, and the GPT does not "
+           "yet; hint: set data.packing=false");
+  const bool samples = data.stats.format == "jsonl";
+  if (samples && dist::ClusterEnv::detect().rank == 0) {
+    std::fprintf(stderr, "%s\n", data.stats.summary().c_str());
   }
-  const data::TokenSource train = all.slice(0, all.size() - n_val);
-  auto sampler = std::make_shared<data::WindowSampler>(train, g.block_size, plan.global,
-                                                       config.run.seed, config.data.shuffle);
   TrainTask task;
   task.model = model;
   task.tokens_per_sample = g.block_size;
@@ -70,19 +77,11 @@ TrainTask gpt_task(const config::Config& config, const config::BatchPlan& plan, 
                             F::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(kIgnoreIndex));
   };
   task.count_targets = count_non_ignored;
-  task.train_batch = [sampler](int64_t step, int64_t micro_step, int64_t micro, int rank, int world) {
-    return sampler->micro_batch(step, micro_step, micro, rank, world);
-  };
-  task.epoch_of = [sampler](int64_t step) { return sampler->epoch_of(step); };
-  if (n_val > 0) {
-    // Evaluation batch i is the i-th block of micro x world windows, in order.
-    auto val_sampler = std::make_shared<data::WindowSampler>(
-        all.slice(all.size() - n_val, all.size()), g.block_size, eval_rows, config.run.seed, false);
-    task.eval_batch = [val_sampler](int64_t index, int64_t micro, int rank, int world) {
-      return val_sampler->micro_batch(index, 0, micro, rank, world);
-    };
-  }
+  task.train_batch = data.train_batch;
+  task.epoch_of = data.epoch_of;
+  task.eval_batch = data.eval_batch;
   task.static_metrics.set("num_parameters", count_parameters(*model));
+  if (samples) task.static_metrics.set("packing_efficiency", data.stats.packing_efficiency);
   return task;
 }
 
