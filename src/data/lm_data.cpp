@@ -106,7 +106,14 @@ LmData sample_data(const config::DataConfig& c, const Tokenizer& tok, int64_t bl
                    int64_t global_batch, int64_t eval_rows, uint64_t seed,
                    const std::string& model_dir) {
   SampleOptions options;
-  options.chat_template = resolve_chat_template(c.chat_template, model_dir);
+  try {
+    options.chat_template = resolve_chat_template(c.chat_template, model_dir);
+  } catch (const ConfigError& e) {
+    // Only chat records need a template: the first one reports this.
+    if (c.chat_template != ChatTemplateKind::Auto) throw;
+    options.chat_template = ChatTemplateKind::Auto;
+    options.no_template = e.what();
+  }
   options.train_on_inputs = c.train_on_inputs;
   const std::vector<Sample> samples = load_samples(c.train, tok, options);
   const auto n = static_cast<int64_t>(samples.size());

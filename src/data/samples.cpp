@@ -117,6 +117,8 @@ Sample tokenize_record(const Record& record, const Tokenizer& tokenizer,
       if (eos) append(s, {*eos}, true);
       break;
     case Record::Kind::Chat:
+      ST_CHECK(options.chat_template != ChatTemplateKind::Auto, ConfigError, record.origin,
+               ": a chat record needs a chat template, and none was found: ", options.no_template);
       for (const Piece& p : render_chat(options.chat_template, record.messages, record.origin)) {
         append(s, tokenizer.encode(p.text), p.trained || inputs);
       }

@@ -52,17 +52,17 @@ TrainTask gpt_task(const config::Config& config, const config::BatchPlan& plan, 
   torch::manual_seed(config.run.seed);  // same initial weights on every rank
   auto model = std::make_shared<models::GPTImpl>(g);
 
+  // Until the GPT honours Batch::segment, packed rows would attend across
+  // samples; padded rows are exact (padding comes after the real tokens).
+  ST_CHECK(!config.data.packing, ConfigError,
+           "data.packing=true needs a model that honours packed segments, and the GPT does not "
+           "yet; hint: set data.packing=false");
   const data::LmData data = data::make_lm_data(
       config.data, *data::load_tokenizer(config.data.tokenizer, model_dir(config)),
       g.block_size, plan.global, plan.micro * world_size, config.run.seed, model_dir(config));
   ST_CHECK(data.stats.max_token < g.vocab_size, ConfigError, "data.train '", config.data.train,
            "' holds token id ", data.stats.max_token, " but model.vocab_size is ", g.vocab_size,
            "; raise model.vocab_size");
-  // Until the GPT honours Batch::segment, packed rows would attend across
-  // samples; padded rows are exact (padding comes after the real tokens).
-  ST_CHECK(!config.data.packing, ConfigError,
-           "data.packing=true needs a model that honours packed segments, and the GPT does not "
-           "yet; hint: set data.packing=false");
   const bool samples = data.stats.format == "jsonl";
   if (samples && dist::ClusterEnv::detect().rank == 0) {
     std::fprintf(stderr, "%s\n", data.stats.summary().c_str());

@@ -18,6 +18,9 @@
 #include "shardtrain/data/packing.h"
 #include "shardtrain/data/row_sampler.h"
 #include "shardtrain/data/samples.h"
+#include "shardtrain/comm/communicator.h"
+#include "shardtrain/train/task.h"
+#include "shardtrain/train/trainer.h"
 #include "temp_dir.h"
 
 namespace {
@@ -418,6 +421,12 @@ TEST(LmData, Errors) {
   expect_config_error([&] { make_lm_data(jsonl_config(dir / "bad.jsonl", 0), tok, 8, 1, 1, 0); },
                       "bad.jsonl:4: the record has no \"completion\" field");
   EXPECT_FALSE(fs::exists(samples_cache_path(dir / "bad.jsonl", tok, {})));
+  // chat_template auto without a model directory: only a chat record fails.
+  write(dir / "chat.jsonl", records(3) + R"({"messages": [{"role": "user", "content": "x"}]})" "\n");
+  auto chat = jsonl_config(dir / "chat.jsonl", 0);
+  chat.chat_template = ChatTemplateKind::Auto;
+  expect_config_error([&] { make_lm_data(chat, tok, 8, 1, 1, 0); },
+                      "chat.jsonl:4: a chat record needs a chat template");
   write(dir / "empty.jsonl", "");
   expect_config_error([&] { make_lm_data(jsonl_config(dir / "empty.jsonl", 0), tok, 8, 1, 1, 0); },
                       "holds no records");
@@ -481,6 +490,58 @@ TEST(MaskedLoss, AnySplitGivesTheGlobalMeanOverTrainedTargets) {
     }
     EXPECT_NEAR(sum / static_cast<double>(count), mean, 1e-5) << world << "x" << micro;
   }
+}
+
+// ---- through make_task and the Trainer ------------------------------------------------
+// A JSON-lines config trains the GPT (prompt masked, padded rows), and the
+// accumulation split does not change the run: micro 12 x 1 and micro 4 x 3
+// end with the same weights (the loss is normalised over the global batch).
+shardtrain::config::Config tiny_gpt(const std::string& data, const std::string& dir, int64_t micro) {
+  shardtrain::config::Config c;
+  c.run.dir = dir + "/run" + std::to_string(micro);
+  c.model.n_layer = 1;
+  c.model.n_head = 2;
+  c.model.n_embd = 16;
+  c.model.block_size = 24;
+  c.data.train = data;
+  c.data.val_fraction = 0.2;  // 12 held-out rows: one evaluation batch at micro 12
+  c.batch.global = 12;
+  c.batch.micro = micro;
+  c.batch.accumulate.reset();
+  c.trainer.max_steps = 3;
+  c.trainer.eval_every = 3;
+  c.trainer.eval_batches = 1;
+  c.trainer.progress = shardtrain::train::ProgressMode::None;
+  c.trainer.sample_tokens = 0;
+  c.distributed.threads_per_rank(1);
+  return c;
+}
+
+TEST(LmData, JsonlTrainsThroughMakeTaskAndAccumulationDoesNotMatter) {
+  TempDir dir;
+  std::string text;
+  for (int i = 0; i < 60; ++i) {
+    text += "{\"prompt\": \"q" + std::to_string(i) + ": \", \"completion\": \"" +
+            std::string(static_cast<size_t>(i % 7 == 0 ? 30 : 1 + i % 4), 'z') + "\"}\n";
+  }
+  write(dir / "d.jsonl", text);
+  std::vector<std::map<std::string, at::Tensor>> finals;
+  for (const int64_t micro : {12, 4}) {
+    const auto c = tiny_gpt(dir / "d.jsonl", dir.path(), micro);
+    shardtrain::train::Trainer t(c, shardtrain::train::make_task(c, 1),
+                                 shardtrain::comm::Communicator::create(shardtrain::comm::CommOptions()));
+    t.fit();
+    std::map<std::string, at::Tensor> params;
+    for (const auto& p : t.model()->named_parameters()) params[p.key()] = p.value().detach().clone();
+    finals.push_back(std::move(params));
+  }
+  ASSERT_EQ(finals[0].size(), finals[1].size());
+  for (const auto& [name, value] : finals[0]) {
+    EXPECT_TRUE(torch::allclose(value, finals[1].at(name), 1e-4, 2e-5)) << name;
+  }
+  auto packed = tiny_gpt(dir / "d.jsonl", dir.path(), 12);
+  packed.data.packing = true;
+  expect_config_error([&] { shardtrain::train::make_task(packed, 1); }, "data.packing=true needs a model");
 }
 
 }  // namespace

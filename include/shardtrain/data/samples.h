@@ -20,7 +20,10 @@ struct Sample {
 };
 
 struct SampleOptions {
-  ChatTemplateKind chat_template = ChatTemplateKind::Llama3;  // resolved, not Auto
+  /// Resolved; Auto when none could be (a dataset without chat records
+  /// needs none): a chat record is then a ConfigError saying `no_template`.
+  ChatTemplateKind chat_template = ChatTemplateKind::Llama3;
+  std::string no_template;
   bool train_on_inputs = false;  // true: prompt, system and user tokens count too
 };
 
