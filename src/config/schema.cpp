@@ -89,8 +89,28 @@ void declare_run_model_data(std::vector<Key>& keys) {
       .key(ST_FIELD(train), non_empty("a path to a text or token file"),
            "A UTF-8 text file or an llm.c token file; relative to the working directory.")
       .key(ST_FIELD(val_fraction), fraction("a number in [0, 1); 0 disables evaluation data"),
-           "The last fraction of the tokens, held out for evaluation; 0: none.")
-      .key(ST_FIELD(shuffle), "Shuffle the training samples each epoch.");
+           "Held out for evaluation: the last fraction of the tokens (tokens, text), or of the "
+           "whole records (jsonl, never split); 0: none.")
+      .key(ST_FIELD(shuffle), "Shuffle the training samples each epoch.")
+      .key(ST_FIELD(format),
+           "How `train` is read: `auto` (a `.jsonl` name is JSON lines, else a token file by its "
+           "magic, else text), `tokens`, `text`, or `jsonl` (records with text, prompt+completion, "
+           "Alpaca instruction/input/output, or chat messages; docs/data.md).")
+      .key(ST_FIELD(tokenizer), non_empty("`bytes`, `auto` or a path"),
+           "`bytes`; `auto` (the tokenizer of the model directory `model.init_from`); or a path to "
+           "a tokenizer.json, a tokenizer.model or a directory holding one.")
+      .key(ST_FIELD(chat_template),
+           "Template for chat records: a built-in by name, or `auto` (recognised from the model "
+           "directory's tokenizer_config.json).")
+      .key(ST_FIELD(train_on_inputs),
+           "jsonl: also train on prompt, system and user tokens; false: only completions and "
+           "assistant replies (with their end-of-turn token) count in the loss.")
+      .key(ST_FIELD(packing),
+           "jsonl: lay several samples into each row (greedy, next-fit; needs a model that honours "
+           "segments); false: one padded sample per row.")
+      .key(ST_FIELD(overlong),
+           "jsonl: a sample longer than `model.block_size` is cut to it (`truncate`) or left out "
+           "(`drop`); the start-up line counts them.");
 
   section(keys, "batch", [](auto& c) -> auto& { return c.batch; })
       .key(ST_FIELD(global), at_least_or_null(1), "Samples per optimizer step, over all ranks.")

@@ -17,6 +17,7 @@
 
 #include "core/file.h"
 #include "shardtrain/core/error.h"
+#include "shuffle.h"
 
 namespace shardtrain::data {
 
@@ -45,25 +46,6 @@ bool read_exact(int fd, void* buf, size_t n, off_t offset) {
     offset += got;
   }
   return true;
-}
-
-// splitmix64: turns (seed, epoch) into a well-mixed 64-bit seed.
-uint64_t mix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-// Uniform integer in [0, bound) by rejection; unlike
-// std::uniform_int_distribution, the result is the same on every standard
-// library (mt19937_64's output sequence is fixed by the standard).
-uint64_t uniform_below(std::mt19937_64& rng, uint64_t bound) {
-  const uint64_t threshold = (0 - bound) % bound;  // 2^64 mod bound
-  for (;;) {
-    const uint64_t r = rng();
-    if (r >= threshold) return r % bound;
-  }
 }
 
 }  // namespace
@@ -333,14 +315,7 @@ WindowSampler::WindowSampler(TokenSource tokens, int64_t block_size, int64_t glo
 int64_t WindowSampler::window_at(int64_t epoch, int64_t i) const {
   if (!shuffle_) return i;
   if (cached_epoch_ != epoch) {
-    // Fisher–Yates over all windows with a generator seeded from (seed, epoch).
-    std::mt19937_64 rng(mix64(seed_ ^ mix64(static_cast<uint64_t>(epoch))));
-    cached_order_.resize(static_cast<size_t>(num_windows_));
-    for (int64_t w = 0; w < num_windows_; ++w) cached_order_[static_cast<size_t>(w)] = w;
-    for (int64_t w = num_windows_ - 1; w > 0; --w) {
-      const auto other = static_cast<int64_t>(uniform_below(rng, static_cast<uint64_t>(w + 1)));
-      std::swap(cached_order_[static_cast<size_t>(w)], cached_order_[static_cast<size_t>(other)]);
-    }
+    cached_order_ = detail::permutation(num_windows_, seed_, epoch);
     cached_epoch_ = epoch;
   }
   return cached_order_[static_cast<size_t>(i)];

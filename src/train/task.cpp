@@ -2,8 +2,11 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <filesystem>
 
 #include "shardtrain/core/error.h"
+#include "shardtrain/data/lm_data.h"
 #include "shardtrain/dist/env.h"
 #include "shardtrain/models/causal_lm.h"
 #include "shardtrain/models/family.h"
@@ -28,30 +31,28 @@ int64_t count_parameters(torch::nn::Module& model) {
   return n;
 }
 
-// A language model of any family on token data: the last val_fraction of
-// the tokens is held out.
+// The model directory: model.init_from when it names a directory.
+std::string model_dir(const config::Config& config) {
+  const std::string& from = config.model.init_from;
+  return !from.empty() && std::filesystem::is_directory(from) ? from : "";
+}
+
+// A language model of any family on the config's data (data::make_lm_data:
+// token windows or samples, packed rows honoured through Batch::segment).
 TrainTask lm_task(const config::Config& config, std::shared_ptr<models::CausalLMImpl> model,
                   const config::BatchPlan& plan, int world_size) {
   const int64_t vocab_size = config.model.vocab_size;
   const int64_t block_size = config.model.block_size;
-
-  const data::TokenSource all = data::TokenSource::open(config.data.train);
-  ST_CHECK(all.max_token() < vocab_size, ConfigError, "data.train '", config.data.train,
-           "' holds token id ", all.max_token(), " but model.vocab_size is ", vocab_size,
+  const data::LmData data = data::make_lm_data(
+      config.data, *data::load_tokenizer(config.data.tokenizer, model_dir(config)),
+      block_size, plan.global, plan.micro * world_size, config.run.seed, model_dir(config));
+  ST_CHECK(data.stats.max_token < vocab_size, ConfigError, "data.train '", config.data.train,
+           "' holds token id ", data.stats.max_token, " but model.vocab_size is ", vocab_size,
            "; raise model.vocab_size");
-  const int64_t window = block_size + 1;
-  const int64_t eval_rows = plan.micro * world_size;
-  int64_t n_val = 0;
-  if (config.data.val_fraction > 0) {
-    n_val = std::max(static_cast<int64_t>(static_cast<double>(all.size()) * config.data.val_fraction),
-                     eval_rows * block_size + 1);
-    ST_CHECK(n_val < all.size() - window, ConfigError, "data.val_fraction ",
-             config.data.val_fraction, " leaves too little of '", config.data.train,
-             "' to train on; lower it or use more data");
+  const bool samples = data.stats.format == "jsonl";
+  if (samples && dist::ClusterEnv::detect().rank == 0) {
+    std::fprintf(stderr, "%s\n", data.stats.summary().c_str());
   }
-  const data::TokenSource train = all.slice(0, all.size() - n_val);
-  auto sampler = std::make_shared<data::WindowSampler>(train, block_size, plan.global,
-                                                       config.run.seed, config.data.shuffle);
   TrainTask task;
   task.model = model;
   task.tokens_per_sample = block_size;
@@ -62,19 +63,11 @@ TrainTask lm_task(const config::Config& config, std::shared_ptr<models::CausalLM
                             F::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(kIgnoreIndex));
   };
   task.count_targets = count_non_ignored;
-  task.train_batch = [sampler](int64_t step, int64_t micro_step, int64_t micro, int rank, int world) {
-    return sampler->micro_batch(step, micro_step, micro, rank, world);
-  };
-  task.epoch_of = [sampler](int64_t step) { return sampler->epoch_of(step); };
-  if (n_val > 0) {
-    // Evaluation batch i is the i-th block of micro x world windows, in order.
-    auto val_sampler = std::make_shared<data::WindowSampler>(
-        all.slice(all.size() - n_val, all.size()), block_size, eval_rows, config.run.seed, false);
-    task.eval_batch = [val_sampler](int64_t index, int64_t micro, int rank, int world) {
-      return val_sampler->micro_batch(index, 0, micro, rank, world);
-    };
-  }
+  task.train_batch = data.train_batch;
+  task.epoch_of = data.epoch_of;
+  task.eval_batch = data.eval_batch;
   task.static_metrics.set("num_parameters", count_parameters(*model));
+  if (samples) task.static_metrics.set("packing_efficiency", data.stats.packing_efficiency);
   return task;
 }
 

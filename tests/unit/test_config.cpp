@@ -45,6 +45,12 @@ void expect_same(const Config& a, const Config& b) {
   EXPECT_EQ(a.data.train, b.data.train);
   EXPECT_EQ(a.data.val_fraction, b.data.val_fraction);
   EXPECT_EQ(a.data.shuffle, b.data.shuffle);
+  EXPECT_EQ(a.data.format, b.data.format);
+  EXPECT_EQ(a.data.tokenizer, b.data.tokenizer);
+  EXPECT_EQ(a.data.chat_template, b.data.chat_template);
+  EXPECT_EQ(a.data.train_on_inputs, b.data.train_on_inputs);
+  EXPECT_EQ(a.data.packing, b.data.packing);
+  EXPECT_EQ(a.data.overlong, b.data.overlong);
   EXPECT_EQ(a.batch.global, b.batch.global);
   EXPECT_EQ(a.batch.micro, b.batch.micro);
   EXPECT_EQ(a.batch.accumulate, b.batch.accumulate);
@@ -175,6 +181,12 @@ Config every_key_set() {
   c.data.train = "null";  // a string YAML would read as null unless quoted
   c.data.val_fraction = 0.0;
   c.data.shuffle = false;
+  c.data.format = shardtrain::data::DataFormat::Jsonl;
+  c.data.tokenizer = "models/tok dir: #1";
+  c.data.chat_template = shardtrain::data::ChatTemplateKind::Qwen3;
+  c.data.train_on_inputs = true;
+  c.data.packing = true;
+  c.data.overlong = shardtrain::data::Overlong::Drop;
   c.batch = {std::nullopt, 3, 5};
   c.optimizer.name = OptimizerKind::Sgd;
   c.optimizer.lr = 0.1 + 0.2;  // not a short decimal

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "shardtrain/core/options.h"
+#include "shardtrain/data/choices.h"
 #include "shardtrain/models/lora.h"
 #include "shardtrain/precision/precision.h"
 #include "shardtrain/strategy/options.h"
@@ -107,6 +108,12 @@ struct DataConfig {
   std::string train = "data/corpus.txt";
   double val_fraction = 0.05;
   bool shuffle = true;
+  data::DataFormat format = data::DataFormat::Auto;
+  std::string tokenizer = "bytes";
+  data::ChatTemplateKind chat_template = data::ChatTemplateKind::Auto;
+  bool train_on_inputs = false;
+  bool packing = false;
+  data::Overlong overlong = data::Overlong::Truncate;
 };
 
 /// Batch sizes in samples (sequences). Any two of the three may be given;
