@@ -199,7 +199,7 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx, const torch::Tensor& po
     // The checkpoint goes inside the unit, so its recomputation during
     // backward finds the unit's parameters gathered.
     x = strategy::unit_forward(block, [&] {
-      return recompute ? checkpoint([block, &segment](const torch::Tensor& in) { return block->forward(in, segment); },
+      return recompute ? checkpoint([block, segment](const torch::Tensor& in) { return block->forward(in, segment); },
                                     x, block->parameters())
                        : block->forward(x, segment);
     });

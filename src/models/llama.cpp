@@ -267,7 +267,7 @@ at::Tensor LlamaImpl::run(const at::Tensor& idx, const at::Tensor& position, con
     // The checkpoint goes inside the unit, so its recomputation during
     // backward finds the unit's parameters gathered.
     h = strategy::unit_forward(block, [&] {
-      return recompute ? checkpoint([&, block](const at::Tensor& in) { return block->forward(in, cos, sin, segment); },
+      return recompute ? checkpoint([block, cos, sin, segment](const at::Tensor& in) { return block->forward(in, cos, sin, segment); },
                                     h, block->parameters())
                        : block->forward(h, cos, sin, segment);
     });

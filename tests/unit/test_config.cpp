@@ -178,6 +178,22 @@ Config every_key_set() {
   c.model.activation_checkpointing = true;
   c.model.dropout = 0.25;
   c.model.mlp_sizes = {5, 1, 9, 2};
+  c.model.n_kv_head = 3;
+  c.model.head_dim = 12;
+  c.model.intermediate_size = 77;
+  c.model.rope_theta = 500000.0;
+  c.model.rope_scaling = shardtrain::train::RopeScaling::Llama3;
+  c.model.rope_factor = 32.0;
+  c.model.rope_low_freq_factor = 2.0;
+  c.model.rope_high_freq_factor = 8.0;
+  c.model.rope_original_max_position = 4096;
+  c.model.rms_norm_eps = 1e-6;
+  c.model.tie_word_embeddings = true;
+  c.model.attention_bias = shardtrain::train::AttentionBias::Qkv;
+  c.model.mlp_bias = true;
+  c.model.max_position_embeddings = 2048;
+  c.model.hf_model_type = "qwen2";
+  c.checkpoint.export_max_shard_mb = 100.0;
   c.data.train = "null";  // a string YAML would read as null unless quoted
   c.data.val_fraction = 0.0;
   c.data.shuffle = false;
@@ -542,7 +558,7 @@ TEST(ConfigErrors, OutOfRange) {
   const std::vector<Case> cases = {
       {"model: {n_layer: -1}", "model.n_layer: got -1", "an integer >= 1"},
       {"model: {n_head: 3}", "model.n_embd: got 128", "a multiple of model.n_head=3"},
-      {"model: {type: rnn}", "model.type: got 'rnn'", "one of: gpt, mlp"},
+      {"model: {type: rnn}", "model.type: got 'rnn'", "one of: gpt, llama, mlp, auto"},
       {"model: {mlp_sizes: [4]}", "model.mlp_sizes: got [4]", "at least two"},
       {"data: {val_fraction: 1.0}", "data.val_fraction: got 1.0", "[0, 1)"},
       {"data: {val_fraction: -0.1}", "data.val_fraction: got -0.1", "[0, 1)"},

@@ -256,7 +256,7 @@ TEST(Lora, ConfigSectionIsOffByDefaultAndStrict) {
   EXPECT_NE(config_error([] { Config::parse("lora:\n  quantize: fp4\n"); }).find("lora.quantize"),
             std::string::npos);
   EXPECT_NE(config_error([] { Config::parse("lora:\n  r: -1\n"); }).find("lora.r"), std::string::npos);
-  EXPECT_NE(config_error([] { Config::parse("lora:\n  target_modules: []\n"); }).find("lora.target_modules"),
+  EXPECT_NE(config_error([] { Config::parse("lora:\n  target_modules: ['']\n"); }).find("lora.target_modules"),
             std::string::npos);
 }
 
