@@ -654,7 +654,7 @@ TEST(ConfigErrors, UnknownEnumValueNamesTheChoices) {
   // Names are exact: no case folding, no spaces.
   EXPECT_HAS(parse_error("distributed: {sharding: FULL_SHARD}"), "got 'FULL_SHARD'");
   // The docs list the same names.
-  EXPECT_HAS(key_table("model"), "`gpt`, `mlp`");
+  EXPECT_HAS(key_table("model"), "`gpt`, `llama`, `mlp`, `auto`");
 }
 
 TEST(ConfigErrors, MalformedYamlNamesOriginAndLine) {

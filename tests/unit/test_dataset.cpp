@@ -435,16 +435,16 @@ TEST(LmData, Errors) {
                       "fewer than one global batch");
   expect_config_error([&] { make_lm_data(jsonl_config(dir / "few.jsonl", 0.9), tok, 8, 1, 1, 0); },
                       "leaves none to train on");
-  // A token file of 32-bit ids (version 2) is refused by name.
+  // A token file of an unknown version is refused by name.
   std::vector<int32_t> header(256, 0);
   header[0] = kTokenFileMagic;
-  header[1] = 2;
+  header[1] = 7;
   header[2] = 4;
   std::ofstream(dir / "wide.bin", std::ios::binary)
       .write(reinterpret_cast<const char*>(header.data()), 1024)
       .write("\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0", 16);
   auto tc = jsonl_config(dir / "wide.bin", 0);
-  expect_config_error([&] { make_lm_data(tc, tok, 2, 1, 1, 0); }, "has version 2");
+  expect_config_error([&] { make_lm_data(tc, tok, 2, 1, 1, 0); }, "has version 7");
   tc.format = DataFormat::Tokens;
   tc.train = dir / "few.jsonl";
   expect_config_error([&] { make_lm_data(tc, tok, 2, 1, 1, 0); }, "is not a token file");
@@ -539,9 +539,15 @@ TEST(LmData, JsonlTrainsThroughMakeTaskAndAccumulationDoesNotMatter) {
   for (const auto& [name, value] : finals[0]) {
     EXPECT_TRUE(torch::allclose(value, finals[1].at(name), 1e-4, 2e-5)) << name;
   }
-  auto packed = tiny_gpt(dir / "d.jsonl", dir.path(), 12);
+  // Packed rows train too (the segments reach the attention mask).
+  auto packed = tiny_gpt(dir / "d.jsonl", dir.path(), 4);
   packed.data.packing = true;
-  expect_config_error([&] { shardtrain::train::make_task(packed, 1); }, "data.packing=true needs a model");
+  packed.data.val_fraction = 0;
+  packed.trainer.eval_every = 0;
+  shardtrain::train::Trainer t(packed, shardtrain::train::make_task(packed, 1),
+                               shardtrain::comm::Communicator::create(shardtrain::comm::CommOptions()));
+  t.fit();
+  for (const auto& p : t.model()->parameters()) EXPECT_TRUE(torch::isfinite(p).all().item<bool>());
 }
 
 }  // namespace
