@@ -9,19 +9,18 @@ CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 # What the build and the tests need from Debian. libopenblas0-pthread replaces
 # the reference BLAS behind LibTorch's GEMMs (about 5 -> 90 GFLOP/s here).
 # protobuf writes TensorBoard event files; chromium renders the run report
-# in the browser test.
+# in the browser test; python3-torch runs the independent model references
+# (tests/reference) that the model-family tests compare against.
 DEB_PACKAGES := build-essential cmake ninja-build ccache pkg-config \
 	libtorch-dev libgloo-dev libyaml-cpp-dev libgtest-dev libopenblas0-pthread \
 	nlohmann-json3-dev iproute2 libssl-dev tmux \
 	libprotobuf-dev protobuf-compiler chromium \
-	libpcre2-dev libutf8proc-dev libsentencepiece-dev
+	libpcre2-dev libutf8proc-dev libsentencepiece-dev python3-torch
 # Node runs the tokenizer parity test's independent implementation (npm
 # packages installed into the build tree at test time). Installed only when
 # npm is missing: NodeSource's nodejs, where present, ships npm and conflicts
 # with Debian's npm package.
 NODE_PACKAGES := nodejs npm
-# What the benchmarks add: Debian's PyTorch as the peer we compare against.
-BENCH_PACKAGES := python3-torch
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
@@ -49,8 +48,8 @@ deps:
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $(NODE_PACKAGES); \
 	fi
 
+# The benchmarks' peer, Debian's PyTorch, is a test dependency already.
 bench-deps: deps
-	$(call apt_install,$(BENCH_PACKAGES))
 
 $(BUILD_DIR)/build.ninja: | deps
 	cmake -S . -B $(BUILD_DIR) -G Ninja $(CMAKE_FLAGS)

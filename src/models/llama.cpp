@@ -71,9 +71,6 @@ void LlamaConfig::validate() const {
   ST_CHECK(head_dim > 0 && head_dim % 2 == 0, ConfigError, "llama: the head width (model.head_dim, or "
            "n_embd / n_head) is ", head_dim, "; rotary embeddings need an even, positive width");
   ST_CHECK(intermediate_size > 0, ConfigError, "llama: model.intermediate_size must be positive");
-  ST_CHECK(block_size <= max_positions, ConfigError, "model.block_size=", block_size,
-           " exceeds the model's max_position_embeddings=", max_positions,
-           "; hint: lower model.block_size");
 }
 
 int64_t LlamaConfig::num_parameters() const {
@@ -283,7 +280,12 @@ namespace {
 class LlamaFamily final : public ModelFamily {
  public:
   train::ModelType type() const override { return train::ModelType::Llama; }
-  void validate(const config::ModelConfig& m) const override { LlamaConfig::from(m).validate(); }
+  void validate(const config::ModelConfig& m) const override {
+    LlamaConfig::from(m).validate();
+    ST_CHECK(m.max_position_embeddings == 0 || m.block_size <= m.max_position_embeddings, ConfigError,
+             "model.block_size=", m.block_size, " exceeds the model's max_position_embeddings=",
+             m.max_position_embeddings, "; hint: lower model.block_size");
+  }
   std::shared_ptr<torch::nn::Module> build(const config::ModelConfig& m) const override {
     return std::make_shared<LlamaImpl>(LlamaConfig::from(m));
   }

@@ -90,9 +90,7 @@ std::shared_ptr<models::CausalLMImpl> build_lm(const config::Config& config, con
 
 // A Hugging Face directory's model, its architecture from its config.json.
 LoadedModel load_hf(const std::string& dir) {
-  config::Config config = config::Config::parse("model: {type: auto}\n");
-  config.model.init_from = dir;
-  models::resolve_model_config(config.model);
+  config::Config config = config::Config::parse("model: {type: auto, block_size: 1}\n", {"model.init_from=" + dir});
   config.model.block_size = std::max<int64_t>(1, config.model.max_position_embeddings);
   auto model = build_lm(config, dir);
   models::load_hf_weights(*model, models::HfWeights(dir), models::family_of(config.model.type));
@@ -102,7 +100,7 @@ LoadedModel load_hf(const std::string& dir) {
 }  // namespace
 
 LoadedModel load_model(const std::string& path, bool say_source) {
-  if (models::is_hf_dir(path) && !fs::exists(ck::exported_config_path(fs::path(path).parent_path().string()))) {
+  if (models::is_hf_dir(path)) {  // its config.json says everything (a run's RUN_DIR/model too)
     if (say_source) std::fprintf(stderr, "generate: model from Hugging Face directory %s\n", path.c_str());
     return load_hf(path);
   }

@@ -1,0 +1,269 @@
+// The Llama family on its own: its config read from a Hugging Face
+// config.json, its sizes, packed rows, the key/value cache, and Hugging Face
+// directories written and read back. Parity with an independent
+// implementation is tests/models/llama_parity.py.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <set>
+#include <nlohmann/json.hpp>
+
+#include "shardtrain/config/config.h"
+#include "shardtrain/core/error.h"
+#include "shardtrain/models/causal_lm.h"
+#include "shardtrain/models/family.h"
+#include "shardtrain/models/hf_dir.h"
+#include "shardtrain/models/llama.h"
+#include "temp_dir.h"
+#include "test_helpers.h"
+
+namespace st = shardtrain;
+namespace m = shardtrain::models;
+using st::config::ModelConfig;
+using st::train::AttentionBias;
+using st::train::ModelType;
+
+namespace {
+
+ModelConfig tiny(int64_t kv_heads = 2) {
+  ModelConfig c;
+  c.type = ModelType::Llama;
+  c.n_layer = 2;
+  c.n_head = 4;
+  c.n_kv_head = kv_heads;
+  c.n_embd = 32;
+  c.intermediate_size = 48;
+  c.block_size = 16;
+  c.vocab_size = 64;
+  return c;
+}
+
+std::shared_ptr<m::CausalLMImpl> build(const ModelConfig& c, uint64_t seed = 0) {
+  torch::manual_seed(seed);
+  return std::dynamic_pointer_cast<m::CausalLMImpl>(m::family_of(c.type).build(c));
+}
+
+std::vector<std::pair<std::string, at::Tensor>> state(torch::nn::Module& model) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& p : model.named_parameters()) out.emplace_back(p.key(), p.value().detach());
+  return out;
+}
+
+// A Hugging Face directory of model `c` (random weights of `seed`).
+void write_dir(const std::string& dir, const ModelConfig& c, int64_t max_shard_bytes = m::kDefaultMaxShardBytes,
+               uint64_t seed = 0) {
+  auto model = build(c, seed);
+  const auto& family = m::family_of(c.type);
+  m::save_hf_dir(dir, family.hf_config_json(c), state(*model), &family, max_shard_bytes);
+}
+
+nlohmann::json read_json(const std::string& path) {
+  nlohmann::json j;
+  std::ifstream(path) >> j;
+  return j;
+}
+
+void write_json(const std::string& path, const nlohmann::json& j) { std::ofstream(path) << j.dump(2); }
+
+std::string config_error(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const st::ConfigError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected a ConfigError";
+  return {};
+}
+
+#define EXPECT_HAS(text, part) EXPECT_NE((text).find(part), std::string::npos) << (text)
+
+}  // namespace
+
+TEST(LlamaFamily, AutoTakesTheArchitectureFromConfigJson) {
+  st::testing::TempDir tmp("llama");
+  ModelConfig c = tiny(1);
+  c.attention_bias = AttentionBias::Qkv;
+  c.hf_model_type = "qwen2";
+  c.tie_word_embeddings = true;
+  c.rope_theta = 1e6;
+  c.max_position_embeddings = 128;
+  write_dir(tmp / "qwen", c);
+  const auto j = read_json(tmp / "qwen/config.json");
+  EXPECT_EQ(j.at("model_type"), "qwen2");
+  EXPECT_EQ(j.at("architectures")[0], "Qwen2ForCausalLM");
+  EXPECT_EQ(j.at("num_key_value_heads"), 1);
+
+  const auto cfg = st::config::Config::parse("model: {type: auto, block_size: 8}\n",
+                                             {"model.init_from=" + tmp / "qwen"});
+  EXPECT_EQ(cfg.model.type, ModelType::Llama);
+  EXPECT_EQ(cfg.model.n_layer, 2);
+  EXPECT_EQ(cfg.model.n_kv_head, 1);
+  EXPECT_EQ(cfg.model.intermediate_size, 48);
+  EXPECT_EQ(cfg.model.attention_bias, AttentionBias::Qkv);
+  EXPECT_TRUE(cfg.model.tie_word_embeddings);
+  EXPECT_DOUBLE_EQ(cfg.model.rope_theta, 1e6);
+  EXPECT_EQ(cfg.model.block_size, 8);  // the training length stays the config's
+  EXPECT_EQ(cfg.model.hf_model_type, "qwen2");
+}
+
+TEST(LlamaFamily, ConfigJsonErrorsNameTheKeyAndTheFamilies) {
+  st::testing::TempDir tmp("llama");
+  write_dir(tmp / "d", tiny());
+  auto j = read_json(tmp / "d/config.json");
+  const auto parse = [&](const nlohmann::json& edited, const std::string& extra = "") {
+    write_json(tmp / "d/config.json", edited);
+    return config_error([&] {
+      st::config::Config::parse("model: {type: auto, block_size: 16" + extra + "}\n",
+                                {"model.init_from=" + tmp / "d"});
+    });
+  };
+  auto unknown = j;
+  unknown["model_type"] = "gpt_neox";
+  unknown["architectures"] = {"GPTNeoXForCausalLM"};
+  const std::string msg = parse(unknown);
+  EXPECT_HAS(msg, "gpt_neox");
+  EXPECT_HAS(msg, "llama");
+  auto window = j;
+  window["model_type"] = "mistral";
+  window["sliding_window"] = 8;
+  EXPECT_HAS(parse(window), "sliding_window");
+  auto short_context = j;
+  short_context["max_position_embeddings"] = 8;
+  EXPECT_HAS(parse(short_context), "max_position_embeddings");
+  EXPECT_HAS(parse(j, ", type: gpt"), "model.type");
+  // No config.json: `auto` has nothing to read.
+  EXPECT_HAS(config_error([] { st::config::Config::parse("model: {type: auto}\n"); }), "auto");
+}
+
+TEST(LlamaFamily, NumParametersMatchesTheModel) {
+  std::vector<ModelConfig> cases(4, tiny());
+  cases[1].tie_word_embeddings = true;
+  cases[2].attention_bias = AttentionBias::All;
+  cases[2].mlp_bias = true;
+  cases[3].head_dim = 12;
+  cases[3].n_kv_head = 1;
+  for (const auto& c : cases) {
+    auto model = build(c);
+    int64_t n = 0;
+    for (const auto& p : model->parameters()) n += p.numel();
+    EXPECT_EQ(m::family_of(c.type).num_parameters(c), static_cast<double>(n));
+  }
+}
+
+// A packed row computes what its samples compute one by one: attention never
+// crosses a segment and positions restart in each.
+TEST(Llama, PackedRowsEqualTheirSamples) {
+  auto model = build(tiny());
+  model->eval();
+  torch::NoGradGuard no_grad;
+  const at::Tensor ids = torch::randint(0, 64, {1, 15});
+  const std::vector<int64_t> lengths = {6, 1, 8};
+  std::vector<int64_t> seg, pos;
+  for (size_t s = 0; s < lengths.size(); ++s) {
+    for (int64_t i = 0; i < lengths[s]; ++i) {
+      seg.push_back(static_cast<int64_t>(s));
+      pos.push_back(i);
+    }
+  }
+  const at::Tensor packed = model->forward(ids, torch::tensor(pos).view({1, -1}), torch::tensor(seg).view({1, -1}));
+  int64_t start = 0;
+  for (const int64_t n : lengths) {
+    const at::Tensor alone = model->forward(ids.slice(1, start, start + n));
+    EXPECT_TRUE(torch::allclose(packed.slice(1, start, start + n), alone, 1e-5, 1e-6)) << "sample at " << start;
+    start += n;
+  }
+}
+
+TEST(Llama, CachedGenerationEqualsTheFullForward) {
+  auto model = build(tiny());
+  const at::Tensor prompt = torch::randint(0, 64, {1, 5});
+  const auto greedy = m::GenerateOptions().max_new_tokens(9).temperature(0);
+  const at::Tensor cached = m::generate(*model, prompt, greedy);
+  const at::Tensor full = m::generate(*model, prompt, m::GenerateOptions(greedy).use_cache(false));
+  ASSERT_EQ(cached.size(1), 14);
+  EXPECT_TRUE(torch::equal(cached, full)) << cached << full;
+  // A stop token ends generation and is kept.
+  const int64_t stop = cached[0][7].item<int64_t>();
+  const at::Tensor stopped = m::generate(*model, prompt, m::GenerateOptions(greedy).stop_tokens({stop}));
+  int64_t first = 5;
+  while (cached[0][first].item<int64_t>() != stop) ++first;
+  EXPECT_EQ(stopped.size(1), first + 1);
+  // Sampling: the same seed gives the same tokens; top_p 0 is greedy.
+  const auto sample = m::GenerateOptions().max_new_tokens(9).temperature(1.0).seed(3);
+  EXPECT_TRUE(torch::equal(m::generate(*model, prompt, sample), m::generate(*model, prompt, sample)));
+  EXPECT_TRUE(torch::equal(m::generate(*model, prompt, m::GenerateOptions(sample).top_p(1e-9)), cached));
+}
+
+TEST(HfDir, ShardedExportReadsBackBitForBit) {
+  st::testing::TempDir tmp("llama");
+  ModelConfig c = tiny();
+  c.attention_bias = AttentionBias::All;
+  write_dir(tmp / "one", c);
+  write_dir(tmp / "shards", c, 20000);
+  EXPECT_TRUE(std::filesystem::exists(tmp / "one/model.safetensors"));
+  const auto index = read_json(tmp / "shards/model.safetensors.index.json");
+  std::set<std::string> files;
+  for (const auto& [name, file] : index.at("weight_map").items()) files.insert(file.get<std::string>());
+  ASSERT_GT(files.size(), 2u);
+  EXPECT_EQ(*files.begin(), "model-00001-of-0000" + std::to_string(files.size()) + ".safetensors");
+  for (const auto& f : files) {
+    EXPECT_LE(std::filesystem::file_size(tmp / ("shards/" + f)), 20000u + 4096u) << f;
+  }
+  auto model = build(c);
+  for (const std::string dir : {"one", "shards"}) {
+    const m::HfWeights w(tmp / dir);
+    for (const auto& [name, value] : state(*model)) {
+      EXPECT_TRUE(torch::equal(w.read(name), value)) << dir << " " << name;
+      const int64_t first = value.numel() / 3;
+      EXPECT_TRUE(torch::equal(w.read_range(name, first, value.numel() / 2),
+                               value.reshape(-1).slice(0, first, first + value.numel() / 2)))
+          << name;
+    }
+    auto other = build(c, 99);
+    m::load_hf_weights(*other, w, m::family_of(c.type));
+    for (const auto& [name, value] : state(*other)) {
+      EXPECT_TRUE(torch::equal(value, w.read(name))) << name;
+    }
+  }
+}
+
+TEST(HfDir, MismatchesAreOneCheckpointErrorNamingTensorsAndFile) {
+  st::testing::TempDir tmp("llama");
+  const ModelConfig c = tiny();
+  auto model = build(c);
+  auto tensors = state(*model);
+  const auto& family = m::family_of(c.type);
+  // Missing, unexpected and mis-shaped tensors in one message.
+  auto edited = tensors;
+  edited.erase(edited.begin() + 1);
+  edited.emplace_back("model.layers.9.mlp.up_proj.weight", torch::zeros({2}));
+  for (auto& [name, t] : edited) {
+    if (name == "model.norm.weight") t = torch::zeros({31});
+  }
+  m::save_hf_dir(tmp / "bad", family.hf_config_json(c), edited, &family, m::kDefaultMaxShardBytes);
+  std::string msg = st::testing::checkpoint_error([&] { m::load_hf_weights(*model, m::HfWeights(tmp / "bad"), family); });
+  EXPECT_HAS(msg, tensors[1].first);
+  EXPECT_HAS(msg, "model.layers.9.mlp.up_proj.weight");
+  EXPECT_HAS(msg, "model.norm.weight");
+  EXPECT_HAS(msg, "model.safetensors");
+  // An integer tensor where a weight belongs.
+  auto ints = tensors;
+  ints[0].second = torch::zeros(ints[0].second.sizes(), torch::kInt64);
+  m::save_hf_dir(tmp / "ints", "", ints, &family, m::kDefaultMaxShardBytes);
+  msg = st::testing::checkpoint_error([&] { m::load_hf_weights(*model, m::HfWeights(tmp / "ints"), family); });
+  EXPECT_HAS(msg, tensors[0].first);
+  // An index naming a shard that is not there.
+  m::save_hf_dir(tmp / "shards", family.hf_config_json(c), tensors, &family, 20000);
+  const auto index = read_json(tmp / "shards/model.safetensors.index.json");
+  std::string second;
+  for (const auto& [name, file] : index.at("weight_map").items()) {
+    if (file.get<std::string>().rfind("model-00002-", 0) == 0) second = file.get<std::string>();
+  }
+  ASSERT_FALSE(second.empty());
+  std::filesystem::remove(tmp / ("shards/" + second));
+  msg = st::testing::checkpoint_error([&] { m::HfWeights w(tmp / "shards"); });
+  EXPECT_HAS(msg, second);
+}
