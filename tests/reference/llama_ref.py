@@ -9,9 +9,12 @@ transformers, no safetensors package.
 Run it with the system Python: /usr/bin/python3 tests/reference/llama_ref.py ...
 
     make DIR [--key value ...]        write a random tiny HF directory
-    logits DIR --tokens IN.json --out OUT.json
-    generate DIR --tokens IN.json --max-new N [--out OUT.json]
+    make-adapter DIR OUT_DIR --r R --alpha A [--targets q_proj,...] [--seed S] [--b-scale X]
+                                      write a random LoRA adapter (PEFT layout) for DIR's model
+    logits DIR --tokens IN.json --out OUT.json [--adapter ADIR]
+    generate DIR --tokens IN.json --max-new N [--out OUT.json] [--adapter ADIR]
     train DIR --steps N (--batches B.json | --data FILE) [...] --out OUT.json
+          [--adapter ADIR [--out-adapter ODIR]]   (LoRA: only A and B train)
 
 See `llama_ref.py CMD --help` and the JSON formats documented at each
 command below.
@@ -20,6 +23,7 @@ import argparse
 import json
 import math
 import os
+import re
 import struct
 import sys
 
@@ -304,8 +308,9 @@ class LlamaRef(nn.Module):
         self.register_buffer("inv_freq", inverse_frequencies(self.cfg), persistent=False)
 
     def head(self, x):
-        w = self.model.embed_tokens.weight if self.cfg.tie else self.lm_head.weight
-        return F.linear(x, w)
+        if self.cfg.tie:
+            return F.linear(x, self.model.embed_tokens.weight)
+        return self.lm_head(x)  # a module call: "lm_head" may be a LoRA target
 
     def forward(self, idx, position=None, segment=None, cache=None):
         """idx [B, T] -> logits [B, T, V] (fp32 when the weights are).
@@ -382,6 +387,232 @@ def load_model(path, dtype=torch.float32):
     if dtype is None:
         dtype = tensors["model.embed_tokens.weight"].dtype
     return model.to(dtype)
+
+
+# ---- LoRA (Hugging Face PEFT layout) ------------------------------------------------------
+#
+# From the LoRA paper (Hu et al. 2021) with PEFT's conventions: an adapted
+# Linear computes  y = x W^T + b + scale * (x A^T) B^T,  A [r, in], B [out, r],
+# scale = lora_alpha / r (lora_alpha / sqrt(r) with use_rslora); W and b stay
+# frozen, only A and B train. An adapter directory holds
+#
+#   adapter_config.json   {"peft_type": "LORA", "r": R, "lora_alpha": A,
+#                          "target_modules": ["q_proj", ...], "lora_dropout": 0.0,
+#                          "fan_in_fan_out": false, "bias": "none",
+#                          "base_model_name_or_path": "", "task_type": "CAUSAL_LM"}
+#                         (optional: "use_rslora": bool; other PEFT keys ignored)
+#   adapter_model.safetensors
+#                         F32 tensors "base_model.model.<module>.lora_A.weight"
+#                         [r, in_features] and "...lora_B.weight" [out_features, r]
+#                         for every adapted module, e.g.
+#                         base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight
+#
+# A module is adapted when its name equals a target or ends with "." + target
+# (PEFT's rule for a list; a string target_modules is a full-match regex).
+
+PEFT_PREFIX = "base_model.model."
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraLinear(nn.Module):
+    """An nn.Linear with a LoRA branch. It keeps the base's own `weight` and
+    `bias` Parameters under the same names, so the module's parameters are
+    <name>.weight, <name>.bias (if any), <name>.lora_A.weight, <name>.lora_B.weight."""
+
+    def __init__(self, base, r, scale):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.register_parameter("bias", base.bias)
+        dev, dt = base.weight.device, base.weight.dtype
+        self.lora_A = nn.Linear(self.in_features, r, bias=False, device=dev, dtype=dt)
+        self.lora_B = nn.Linear(r, self.out_features, bias=False, device=dev, dtype=dt)
+        self.r, self.scale = r, scale
+
+    def forward(self, x):
+        # dropout 0: the branch sees x itself
+        delta = F.linear(F.linear(x, self.lora_A.weight), self.lora_B.weight)
+        return F.linear(x, self.weight, self.bias) + delta * self.scale
+
+    def merged_weight(self):
+        """W + scale * B A in fp32 (then the base dtype)."""
+        w = self.weight.detach().float()
+        ba = self.lora_B.weight.detach().float() @ self.lora_A.weight.detach().float()
+        return (w + self.scale * ba).to(self.weight.dtype)
+
+
+def lora_scale(config):
+    """lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora."""
+    r, alpha = int(config["r"]), float(config["lora_alpha"])
+    return alpha / math.sqrt(r) if config.get("use_rslora", False) else alpha / r
+
+
+def _is_target(name, targets):
+    if isinstance(targets, str):
+        return re.fullmatch(targets, name) is not None
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def lora_targets(model, targets):
+    """[(module name, nn.Linear)] of the model's modules that `targets`
+    selects, in model order. ValueError when one is not an nn.Linear or
+    nothing matches."""
+    out = []
+    for name, mod in model.named_modules():
+        if not name or not _is_target(name, targets):
+            continue
+        if not isinstance(mod, nn.Linear):
+            raise ValueError(f"LoRA target {name!r} is a {type(mod).__name__}, not a Linear layer")
+        out.append((name, mod))
+    if not out:
+        raise ValueError(f"LoRA target_modules {targets!r} match no module of the model")
+    return out
+
+
+def check_lora_config(config, where=""):
+    """ValueError for an adapter_config.json this reference does not model."""
+    where = f"{where}: " if where else ""
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{where}peft_type {config.get('peft_type')!r} is not LORA")
+    for k in ("r", "lora_alpha", "target_modules"):
+        if k not in config:
+            raise ValueError(f"{where}adapter config has no {k!r}")
+    if int(config["r"]) <= 0:
+        raise ValueError(f"{where}r must be > 0, got {config['r']}")
+    if config.get("fan_in_fan_out", False):
+        raise ValueError(f"{where}fan_in_fan_out true is for Conv1D (GPT-2) layers, not Llama's Linear")
+    if config.get("bias", "none") != "none":
+        raise ValueError(f"{where}bias {config.get('bias')!r}: only 'none' is modelled")
+    for k in ("use_dora", "rank_pattern", "alpha_pattern", "layers_to_transform", "modules_to_save"):
+        if config.get(k):
+            raise ValueError(f"{where}{k} {config[k]!r} is not modelled by this reference")
+
+
+def apply_lora(model, config):
+    """Freezes every parameter of `model`, then replaces each targeted
+    nn.Linear by a LoraLinear (A, B zero-initialised, trainable). Returns the
+    adapted module names in model order."""
+    check_lora_config(config)
+    if any(isinstance(m, LoraLinear) for m in model.modules()):
+        raise ValueError("the model already has a LoRA adapter")
+    r, scale = int(config["r"]), lora_scale(config)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    names = []
+    for name, lin in lora_targets(model, config["target_modules"]):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        wrapped = LoraLinear(lin, r, scale)
+        with torch.no_grad():
+            wrapped.lora_A.weight.zero_()
+            wrapped.lora_B.weight.zero_()
+        setattr(parent, child, wrapped)
+        names.append(name)
+    return names
+
+
+def lora_tensors(model):
+    """{PEFT name: fp32 tensor} of the adapter of a model apply_lora adapted."""
+    out = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, LoraLinear):
+            out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = mod.lora_A.weight.detach().float()
+            out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = mod.lora_B.weight.detach().float()
+    return out
+
+
+def merged_state(model):
+    """{HF name: tensor} with every LoraLinear folded in (W + scale B A) and
+    the lora tensors left out: what the base model with the adapter merged
+    holds."""
+    out = {}
+    for name, p in model.named_parameters():
+        if ".lora_A." in name or ".lora_B." in name:
+            continue
+        mod = model.get_submodule(name.rpartition(".")[0])
+        out[name] = mod.merged_weight() if isinstance(mod, LoraLinear) and name.endswith(".weight") else p.detach()
+    return out
+
+
+def read_adapter(path):
+    """(adapter_config dict, {name: tensor}) of a PEFT adapter directory."""
+    config = _read_json(os.path.join(path, PEFT_CONFIG))
+    check_lora_config(config, os.path.join(path, PEFT_CONFIG))
+    tensors, _ = read_safetensors(os.path.join(path, PEFT_WEIGHTS))
+    return config, tensors
+
+
+def load_adapter(model, path):
+    """Adapts `model` (apply_lora) with the adapter directory `path` and
+    copies its A and B in. ValueError naming every missing tensor (of a
+    targeted module), unexpected tensor or shape mismatch. Returns the
+    adapter's config."""
+    config, tensors = read_adapter(path)
+    apply_lora(model, config)
+    own = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, LoraLinear):
+            own[f"{PEFT_PREFIX}{name}.lora_A.weight"] = mod.lora_A.weight
+            own[f"{PEFT_PREFIX}{name}.lora_B.weight"] = mod.lora_B.weight
+    missing = [n for n in own if n not in tensors]
+    unexpected = sorted(n for n in tensors if n not in own)
+    mismatched = [f"{n} (file {list(tensors[n].shape)}, model {list(p.shape)})"
+                  for n, p in own.items() if n in tensors and tensors[n].shape != p.shape]
+    if missing or unexpected or mismatched:
+        parts = [f"the adapter in {path!r} does not fit the model"]
+        if missing:
+            parts.append(f"missing from the file: {', '.join(missing)}")
+        if unexpected:
+            parts.append(f"unexpected (no such targeted module): {', '.join(unexpected)}")
+        if mismatched:
+            parts.append(f"shapes differ: {', '.join(mismatched)}")
+        raise ValueError("; ".join(parts))
+    with torch.no_grad():
+        for n, p in own.items():
+            p.copy_(tensors[n].to(p.dtype))
+    return config
+
+
+def write_adapter(path, model, config):
+    """Writes `path`/adapter_model.safetensors (F32, PEFT names) and
+    `path`/adapter_config.json (`config` as given) for an adapted model."""
+    os.makedirs(path, exist_ok=True)
+    tensors = lora_tensors(model)
+    if not tensors:
+        raise ValueError("the model has no LoRA adapter to write")
+    write_safetensors(os.path.join(path, PEFT_WEIGHTS), tensors, {"format": "pt", "producer": "llama_ref.py"})
+    with open(os.path.join(path, PEFT_CONFIG), "w") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
+
+
+def adapter_config(r, alpha, targets):
+    """The adapter_config.json make-adapter writes."""
+    return {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(targets),
+            "lora_dropout": 0.0, "fan_in_fan_out": False, "bias": "none",
+            "base_model_name_or_path": "", "task_type": "CAUSAL_LM"}
+
+
+def make_adapter(model_dir, out_dir, r, alpha, targets=None, seed=0, b_scale=0.02):
+    """Writes a random adapter for the model in `model_dir` and returns its
+    config: for each adapted module in model order, A = normal(0, 1) * 0.02
+    then B = normal(0, 1) * b_scale, both drawn from one
+    torch.Generator().manual_seed(seed). B is not zero (unless b_scale is 0),
+    so the adapter changes the model's output."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        model = LlamaRef(json.load(f))
+    config = adapter_config(r, alpha, LORA_TARGETS if targets is None else targets)
+    apply_lora(model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, mod in model.named_modules():
+            if isinstance(mod, LoraLinear):
+                mod.lora_A.weight.copy_(0.02 * torch.randn(mod.lora_A.weight.shape, generator=gen))
+                mod.lora_B.weight.copy_(b_scale * torch.randn(mod.lora_B.weight.shape, generator=gen))
+    write_adapter(out_dir, model, config)
+    return config
 
 
 # ---- tiny directories --------------------------------------------------------------------
@@ -644,7 +875,8 @@ def train(model, step_batches, a):
         assert total > 0, f"step {step + 1} has no targets"
         loss_sum = 0.0
         for b in micro_batches:
-            logits = model(b["input"], b["position"], b["segment"])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=getattr(a, "autocast", "") == "bf16"):
+                logits = model(b["input"], b["position"], b["segment"])
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), b["target"].reshape(-1),
                                    reduction="sum", ignore_index=IGNORE_INDEX)
             (loss * (1.0 / total)).backward()
@@ -728,14 +960,51 @@ def _token_input(path):
             _rows(obj.get("segments", obj.get("segment"))))
 
 
+def _load(a):
+    """The model of a.dir in a.dtype, with the LoRA adapter a.adapter (if given)."""
+    model = load_model(a.dir, _dtype(a.dtype))
+    if getattr(a, "adapter", ""):
+        try:
+            load_adapter(model, a.adapter)
+        except ValueError as e:
+            sys.exit(f"llama_ref.py: {e}")
+    return model
+
+
+def cmd_make_adapter(argv):
+    """Writes OUT_DIR/adapter_model.safetensors and OUT_DIR/adapter_config.json
+    (the PEFT layout described at apply_lora's section) for the model of the
+    HF directory DIR; prints the adapter config."""
+    p = argparse.ArgumentParser(prog="llama_ref.py make-adapter",
+                                description="A random LoRA adapter (PEFT layout, F32) for DIR's model.")
+    p.add_argument("dir", help="HF directory (only its config.json is read)")
+    p.add_argument("out_dir")
+    p.add_argument("--r", type=int, required=True)
+    p.add_argument("--alpha", type=_parse_value, required=True, help="lora_alpha (number)")
+    p.add_argument("--targets", default=",".join(LORA_TARGETS),
+                   help="comma-separated target_modules (a module is adapted when its name ends with one)")
+    p.add_argument("--seed", type=int, default=0, help="torch.Generator seed of A and B")
+    p.add_argument("--b-scale", type=float, default=0.02, help="B = normal * b-scale (0: an identity adapter)")
+    a = p.parse_args(argv)
+    if not isinstance(a.alpha, (int, float)) or isinstance(a.alpha, bool):
+        sys.exit(f"llama_ref.py make-adapter: --alpha must be a number, got {a.alpha!r}")
+    targets = [t for t in a.targets.split(",") if t]
+    try:
+        config = make_adapter(a.dir, a.out_dir, a.r, a.alpha, targets, a.seed, a.b_scale)
+    except ValueError as e:
+        sys.exit(f"llama_ref.py make-adapter: {e}")
+    print(json.dumps(config, sort_keys=True))
+
+
 def cmd_logits(argv):
     p = argparse.ArgumentParser(prog="llama_ref.py logits")
     p.add_argument("dir")
     p.add_argument("--tokens", required=True, help="JSON: {tokens:[[..]], positions?, segments?} or [[..]]")
     p.add_argument("--out", default="-", help="JSON output ('-': stdout)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | stored")
+    p.add_argument("--adapter", default="", help="PEFT LoRA adapter directory applied to the model")
     a = p.parse_args(argv)
-    model = load_model(a.dir, _dtype(a.dtype)).eval()
+    model = _load(a).eval()
     idx, pos, seg = _token_input(a.tokens)
     with torch.no_grad():
         logits = model(idx, pos, seg).float()
@@ -749,8 +1018,9 @@ def cmd_generate(argv):
     p.add_argument("--max-new", type=int, required=True)
     p.add_argument("--out", default="-")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--adapter", default="", help="PEFT LoRA adapter directory applied to the model")
     a = p.parse_args(argv)
-    model = load_model(a.dir, _dtype(a.dtype)).eval()
+    model = _load(a).eval()
     idx, _, _ = _token_input(a.tokens)
     new = model.generate(idx, a.max_new)
     with torch.no_grad():
@@ -790,14 +1060,35 @@ def cmd_train(argv):
     p.add_argument("--eps", type=float, default=1e-8)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default="-", help="JSON: per-step records and chosen tensors")
-    p.add_argument("--out-weights", default="", help="final parameters as one F32 safetensors file")
-    p.add_argument("--dump", default="", help="comma-separated parameter names to put in --out")
+    p.add_argument("--autocast", default="", choices=["", "bf16"],
+                   help="bf16: forward under torch.autocast('cpu', bfloat16), fp32 weights and loss")
+    p.add_argument("--adapter", default="",
+                   help="PEFT LoRA adapter directory: the base is frozen, only its lora_A/lora_B train "
+                        "(AdamW weight decay on them, as on every matrix)")
+    p.add_argument("--out-adapter", default="", help="with --adapter: the trained adapter, same PEFT layout")
+    p.add_argument("--out", default="-",
+                   help="JSON {steps: [{step, loss, lr, grad_norm, targets}], losses: [..], "
+                        "tensors?: {name: {shape, data}}, lora?: {scale, modules, trainable}}")
+    p.add_argument("--out-weights", default="",
+                   help="final parameters as one F32 safetensors file (with --adapter: merged, W + scale B A)")
+    p.add_argument("--dump", default="", help="comma-separated parameter names to put in --out "
+                                               "(lora tensors: <module>.lora_A.weight, PEFT prefix optional)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     model = load_model(a.dir, torch.float32).train()
     if bool(a.batches) == bool(a.data):
         sys.exit("llama_ref.py train: give exactly one of --batches and --data")
+    if a.out_adapter and not a.adapter:
+        sys.exit("llama_ref.py train: --out-adapter needs --adapter (the adapter to start from)")
+    lora = None
+    if a.adapter:
+        try:
+            lora = load_adapter(model, a.adapter)
+        except ValueError as e:
+            sys.exit(f"llama_ref.py train: {e}")
+        if float(lora.get("lora_dropout", 0.0) or 0.0) != 0.0:
+            sys.exit(f"llama_ref.py train: {a.adapter}: lora_dropout {lora['lora_dropout']} is not modelled "
+                     "(its random mask cannot match another implementation); use 0")
     if a.batches:
         steps = _read_json(a.batches)
         steps = steps["steps"] if isinstance(steps, dict) else steps
@@ -820,13 +1111,24 @@ def cmd_train(argv):
             return _split({"input": x, "target": y, "position": None, "segment": None}, a.micro)
     records = train(model, step_batches, a)
     out = {"steps": records, "losses": [r["loss"] for r in records]}
+    if lora is not None:
+        out["lora"] = {"scale": lora_scale(lora),
+                       "modules": [n for n, m in model.named_modules() if isinstance(m, LoraLinear)],
+                       "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
     if a.dump:
         named = dict(model.named_parameters())
-        out["tensors"] = {n: {"shape": list(named[n].shape), "data": named[n].detach().reshape(-1).tolist()}
-                          for n in a.dump.split(",") if n}
+        out["tensors"] = {}
+        for n in filter(None, a.dump.split(",")):
+            key = n[len(PEFT_PREFIX):] if n.startswith(PEFT_PREFIX) and n not in named else n
+            if key not in named:
+                sys.exit(f"llama_ref.py train: --dump {n!r} is not a parameter of the model")
+            out["tensors"][n] = {"shape": list(named[key].shape), "data": named[key].detach().reshape(-1).tolist()}
     if a.out_weights:
-        write_safetensors(a.out_weights, {n: p.detach().float() for n, p in model.named_parameters()},
+        state = merged_state(model) if lora is not None else dict(model.named_parameters())
+        write_safetensors(a.out_weights, {n: p.detach().float() for n, p in state.items()},
                           {"format": "pt", "producer": "llama_ref.py"})
+    if a.out_adapter:
+        write_adapter(a.out_adapter, model, lora)
     _write_json(a.out, out)
 
 
@@ -854,8 +1156,8 @@ def cmd_batches(argv):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    cmds = {"make": cmd_make, "logits": cmd_logits, "generate": cmd_generate,
-            "train": cmd_train, "batches": cmd_batches}
+    cmds = {"make": cmd_make, "make-adapter": cmd_make_adapter, "logits": cmd_logits,
+            "generate": cmd_generate, "train": cmd_train, "batches": cmd_batches}
     if not argv or argv[0] not in cmds:
         sys.exit(__doc__)
     torch.set_num_threads(1) if argv[0] != "train" else None

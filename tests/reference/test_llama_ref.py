@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Self-check of tests/reference/llama_ref.py against hand-computed facts.
 
-    /usr/bin/python3 tests/reference/test_llama_ref.py        (about 10 s)
+    /usr/bin/python3 tests/reference/test_llama_ref.py        (about 20 s)
 """
 import json
 import math
@@ -350,6 +350,228 @@ class Trainer(unittest.TestCase):
                 torch.testing.assert_close(p, q - 0.5 * 0.1 * before[n], rtol=1e-5, atol=1e-6)
             else:
                 torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+class Lora(unittest.TestCase):
+    """LoRA adapters in the Hugging Face PEFT layout (make-adapter, --adapter)."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.dir = self.tmp.name
+        self.model_dir = os.path.join(self.dir, "m")
+        L.make_tiny(self.model_dir, seed=11, attention_bias=True)  # biases: they must stay frozen too
+        self.idx = torch.tensor([[5, 17, 3, 250, 9, 44, 1, 0, 77]])
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def _adapter(self, name, **kw):
+        out = os.path.join(self.dir, name)
+        kw.setdefault("r", 4)
+        kw.setdefault("alpha", 16)
+        L.make_adapter(self.model_dir, out, **kw)
+        return out
+
+    def _adapted(self, adapter_dir):
+        m = L.load_model(self.model_dir)
+        L.load_adapter(m, adapter_dir)
+        return m.eval()
+
+    def test_zero_b_gives_base_logits(self):
+        ad = self._adapter("zero", b_scale=0.0, seed=3)
+        t = L.read_safetensors(os.path.join(ad, L.PEFT_WEIGHTS))[0]
+        self.assertTrue(all(float(v.abs().sum()) == 0 for n, v in t.items() if n.endswith("lora_B.weight")))
+        self.assertTrue(all(float(v.abs().sum()) > 0 for n, v in t.items() if n.endswith("lora_A.weight")))
+        base = L.load_model(self.model_dir).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(self._adapted(ad)(self.idx), base(self.idx), rtol=0, atol=0)
+
+    def _merged_by_hand(self, adapter_dir, scale):
+        config, tensors = L.load_hf_dir(self.model_dir)
+        ad = L.read_safetensors(os.path.join(adapter_dir, L.PEFT_WEIGHTS))[0]
+        merged = {n: t.clone() for n, t in tensors.items()}
+        n_adapted = 0
+        for name in ad:
+            if not name.endswith(".lora_A.weight"):
+                continue
+            module = name[len("base_model.model."):-len(".lora_A.weight")]
+            a, b = ad[name], ad[name.replace("lora_A", "lora_B")]
+            merged[module + ".weight"] = tensors[module + ".weight"] + scale * (b @ a)
+            n_adapted += 1
+        m = L.LlamaRef(config)
+        m.load_state_dict(merged)  # strict: every base tensor present
+        return m.eval(), n_adapted
+
+    def test_scale_equals_hand_merged_weights(self):
+        ad = self._adapter("ad", r=4, alpha=16, seed=5, b_scale=0.05)
+        base = L.load_model(self.model_dir).eval()
+        with torch.no_grad():
+            got = self._adapted(ad)(self.idx)
+            merged, n = self._merged_by_hand(ad, 16 / 4)
+            self.assertEqual(n, 2 * 7)
+            torch.testing.assert_close(got, merged(self.idx), rtol=0, atol=1e-5)
+            self.assertGreater(float((got - base(self.idx)).abs().max()), 1e-2)  # it does change the output
+            # merged_state folds the same W + (alpha/r) B A
+            m = self._adapted(ad)
+            plain = L.LlamaRef(m.cfg)
+            plain.load_state_dict(L.merged_state(m))
+            torch.testing.assert_close(plain.eval()(self.idx), got, rtol=0, atol=1e-5)
+            # use_rslora: alpha / sqrt(r)
+            with open(os.path.join(ad, L.PEFT_CONFIG)) as f:
+                cfg = json.load(f)
+            cfg["use_rslora"] = True
+            with open(os.path.join(ad, L.PEFT_CONFIG), "w") as f:
+                json.dump(cfg, f)
+            merged_rs, _ = self._merged_by_hand(ad, 16 / math.sqrt(4))
+            torch.testing.assert_close(self._adapted(ad)(self.idx), merged_rs(self.idx), rtol=0, atol=1e-5)
+
+    def test_missing_and_unexpected_tensors_are_named(self):
+        ad = self._adapter("ad", targets=["q_proj", "v_proj"])
+        path = os.path.join(ad, L.PEFT_WEIGHTS)
+        t = L.read_safetensors(path)[0]
+        gone = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+        L.write_safetensors(path, {n: v for n, v in t.items() if n != gone})
+        with self.assertRaisesRegex(ValueError, "missing from the file: " + gone.replace(".", r"\.")):
+            self._adapted(ad)
+        extra = "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight"  # up_proj is not a target
+        L.write_safetensors(path, dict(t, **{extra: torch.zeros(4, 64)}))
+        with self.assertRaisesRegex(ValueError, "unexpected.*" + extra.replace(".", r"\.")):
+            self._adapted(ad)
+        L.write_safetensors(path, dict(t, **{gone: torch.zeros(3, 4)}))
+        with self.assertRaisesRegex(ValueError, "shapes differ"):
+            self._adapted(ad)
+
+    def _batches(self):
+        torch.manual_seed(1)
+        rows = torch.randint(0, 256, (4, 9))
+
+        def f(s):  # the same rows each step: the loss must fall
+            return [{"input": rows[:, :-1], "target": rows[:, 1:], "position": None, "segment": None}]
+        return f
+
+    def _args(self, **kw):
+        a = dict(steps=3, lr=1e-2, min_lr=1e-3, warmup=0, schedule="cosine", max_steps=0,
+                 weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, max_grad_norm=1.0, autocast="")
+        a.update(kw)
+        return types.SimpleNamespace(**a)
+
+    def test_training_moves_only_a_and_b(self):
+        ad = self._adapter("ad", seed=2)
+        runs = {}
+        for autocast in ("", "bf16"):
+            m = L.load_model(self.model_dir).train()
+            L.load_adapter(m, ad)
+            before = {n: p.detach().clone() for n, p in m.named_parameters()}
+            trainable = sorted(n for n, p in m.named_parameters() if p.requires_grad)
+            self.assertEqual(len(trainable), 2 * 7 * 2)
+            self.assertTrue(all(".lora_A." in n or ".lora_B." in n for n in trainable))
+            recs = L.train(m, self._batches(), self._args(autocast=autocast))
+            for n, p in m.named_parameters():
+                if ".lora_" in n:
+                    self.assertFalse(torch.equal(p, before[n]), f"{n} did not train ({autocast or 'fp32'})")
+                else:  # base weights, norms, embeddings and the attention biases
+                    self.assertTrue(torch.equal(p, before[n]), f"{n} changed ({autocast or 'fp32'})")
+            self.assertLess(recs[-1]["loss"], recs[0]["loss"])
+            runs[autocast] = recs
+        for a, b in zip(runs[""], runs["bf16"]):
+            self.assertAlmostEqual(a["loss"], b["loss"], delta=0.05)
+
+    def test_weight_decay_applies_to_a_and_b(self):
+        ad = self._adapter("ad", seed=4)
+        got = {}
+        for wd in (0.1, 0.0):
+            m = L.load_model(self.model_dir).train()
+            L.load_adapter(m, ad)
+            before = {n: p.detach().clone() for n, p in m.named_parameters()}
+            L.train(m, self._batches(), self._args(steps=1, lr=0.5, schedule="constant", weight_decay=wd))
+            got[wd] = {n: p.detach().clone() for n, p in m.named_parameters() if ".lora_" in n}
+        for n in got[0.1]:
+            torch.testing.assert_close(got[0.1][n], got[0.0][n] - 0.5 * 0.1 * before[n], rtol=1e-5, atol=1e-6)
+
+    def test_make_adapter_peft_layout(self):
+        script = os.path.join(HERE, "llama_ref.py")
+        ad = os.path.join(self.dir, "cli")
+        subprocess.run([sys.executable, script, "make-adapter", self.model_dir, ad, "--r", "3", "--alpha", "6",
+                        "--seed", "7"], check=True, stdout=subprocess.DEVNULL)
+        self.assertEqual(sorted(os.listdir(ad)), ["adapter_config.json", "adapter_model.safetensors"])
+        with open(os.path.join(ad, "adapter_config.json")) as f:
+            cfg = json.load(f)
+        self.assertEqual(cfg, {"peft_type": "LORA", "r": 3, "lora_alpha": 6,
+                               "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                  "gate_proj", "up_proj", "down_proj"],
+                               "lora_dropout": 0.0, "fan_in_fan_out": False, "bias": "none",
+                               "base_model_name_or_path": "", "task_type": "CAUSAL_LM"})
+        with open(os.path.join(ad, "adapter_model.safetensors"), "rb") as f:
+            raw = f.read()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8:8 + n])
+        header.pop("__metadata__", None)
+        # hidden 64, 4 heads of 16, 2 kv heads, intermediate 160, 2 layers
+        io = {"self_attn.q_proj": (64, 64), "self_attn.k_proj": (64, 32), "self_attn.v_proj": (64, 32),
+              "self_attn.o_proj": (64, 64), "mlp.gate_proj": (64, 160), "mlp.up_proj": (64, 160),
+              "mlp.down_proj": (160, 64)}
+        want = {}
+        for layer in range(2):
+            for mod, (fan_in, fan_out) in io.items():
+                stem = f"base_model.model.model.layers.{layer}.{mod}"
+                want[stem + ".lora_A.weight"] = [3, fan_in]
+                want[stem + ".lora_B.weight"] = [fan_out, 3]
+        self.assertEqual({k: e["shape"] for k, e in header.items()}, want)
+        self.assertTrue(all(e["dtype"] == "F32" for e in header.values()))
+        t = L.read_safetensors(os.path.join(ad, "adapter_model.safetensors"))[0]
+        self.assertAlmostEqual(float(torch.cat([v.reshape(-1) for k, v in t.items() if "lora_A" in k]).std()),
+                               0.02, delta=0.002)
+        self.assertGreater(float(t["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"].abs().max()), 0)
+        # same seed, same adapter; --targets picks modules by name suffix
+        again = os.path.join(self.dir, "again")
+        L.make_adapter(self.model_dir, again, 3, 6, seed=7)
+        t2 = L.read_safetensors(os.path.join(again, "adapter_model.safetensors"))[0]
+        self.assertTrue(all(torch.equal(t[k], t2[k]) for k in t))
+        sub = os.path.join(self.dir, "sub")
+        L.make_adapter(self.model_dir, sub, 2, 4, targets=["q_proj", "down_proj"])
+        names = sorted(L.read_safetensors(os.path.join(sub, "adapter_model.safetensors"))[0])
+        self.assertEqual(names, sorted(f"base_model.model.model.layers.{i}.{m}.lora_{x}.weight"
+                                       for i in range(2) for m in ("mlp.down_proj", "self_attn.q_proj")
+                                       for x in "AB"))
+        with self.assertRaisesRegex(ValueError, "match no module"):
+            L.make_adapter(self.model_dir, os.path.join(self.dir, "bad"), 2, 4, targets=["qkv_proj"])
+
+    def test_cli_train_out_adapter_roundtrip(self):
+        script = os.path.join(HERE, "llama_ref.py")
+        ad, trained = os.path.join(self.dir, "ad"), os.path.join(self.dir, "trained")
+        subprocess.run([sys.executable, script, "make-adapter", self.model_dir, ad, "--r", "2", "--alpha", "4",
+                        "--targets", "q_proj,v_proj,down_proj"], check=True, stdout=subprocess.DEVNULL)
+        batches = os.path.join(self.dir, "b.json")
+        torch.manual_seed(2)
+        with open(batches, "w") as f:
+            json.dump({"steps": [{"tokens": torch.randint(0, 256, (2, 9)).tolist()} for _ in range(2)]}, f)
+        weights = os.path.join(self.dir, "w.safetensors")
+        report = json.loads(subprocess.run(
+            [sys.executable, script, "train", self.model_dir, "--steps", "2", "--batches", batches,
+             "--warmup", "0", "--adapter", ad, "--out-adapter", trained, "--out-weights", weights,
+             "--autocast", "bf16"], check=True, capture_output=True, text=True).stdout)
+        self.assertEqual(len(report["losses"]), 2)
+        self.assertEqual(report["lora"]["scale"], 2.0)
+        with open(os.path.join(ad, L.PEFT_CONFIG)) as f, open(os.path.join(trained, L.PEFT_CONFIG)) as g:
+            self.assertEqual(json.load(f), json.load(g))
+        t0 = L.read_safetensors(os.path.join(ad, L.PEFT_WEIGHTS))[0]
+        t1 = L.read_safetensors(os.path.join(trained, L.PEFT_WEIGHTS))[0]
+        self.assertEqual({k: list(v.shape) for k, v in t0.items()}, {k: list(v.shape) for k, v in t1.items()})
+        self.assertTrue(all(v.dtype == torch.float32 for v in t1.values()))
+        self.assertTrue(all(not torch.equal(t0[k], t1[k]) for k in t0))
+        # the trained adapter on the base == the merged --out-weights
+        tok = os.path.join(self.dir, "t.json")
+        with open(tok, "w") as f:
+            json.dump({"tokens": self.idx.tolist()}, f)
+        out = os.path.join(self.dir, "o.json")
+        subprocess.run([sys.executable, script, "logits", self.model_dir, "--tokens", tok, "--adapter", trained,
+                        "--out", out], check=True)
+        with open(out) as f:
+            got = torch.tensor(json.load(f)["logits"])
+        merged = L.LlamaRef(L.load_hf_dir(self.model_dir)[0])
+        merged.load_state_dict(L.read_safetensors(weights)[0])
+        with torch.no_grad():
+            torch.testing.assert_close(got, merged.eval()(self.idx), rtol=0, atol=1e-5)
 
 
 if __name__ == "__main__":
