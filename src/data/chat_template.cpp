@@ -134,6 +134,28 @@ std::vector<Piece> render_chat(ChatTemplateKind kind, const std::vector<Turn>& m
   return out;
 }
 
+std::string render_generation_prompt(ChatTemplateKind kind, const std::vector<Turn>& messages) {
+  ST_CHECK(!messages.empty() && messages.back().role == Role::User, ConfigError,
+           "a generation prompt ends with the user's message");
+  std::string out;
+  for (const Piece& p : render_chat(kind, messages, "the prompt")) out += p.text;
+  switch (kind) {
+    case ChatTemplateKind::Llama3: return out + "<|start_header_id|>assistant<|end_header_id|>\n\n";
+    case ChatTemplateKind::Chatml:
+    case ChatTemplateKind::Qwen3: return out + "<|im_start|>assistant\n";
+    default: return out;  // llama2 and mistral: the reply follows [/INST]
+  }
+}
+
+std::string end_of_turn(ChatTemplateKind kind) {
+  switch (kind) {
+    case ChatTemplateKind::Llama3: return "<|eot_id|>";
+    case ChatTemplateKind::Chatml:
+    case ChatTemplateKind::Qwen3: return "<|im_end|>";
+    default: return "</s>";
+  }
+}
+
 ChatTemplateKind recognise_chat_template(const std::string& jinja, const std::string& origin) {
   const auto has = [&jinja](const char* marker) { return jinja.find(marker) != std::string::npos; };
   if (has("<|start_header_id|>") && has("<|eot_id|>")) return ChatTemplateKind::Llama3;

@@ -137,4 +137,21 @@ std::shared_ptr<const Tokenizer> load_tokenizer(const std::string& spec, const s
   return detail::load_file(spec);
 }
 
+std::vector<std::string> tokenizer_files(const std::string& spec, const std::string& model_dir) {
+  std::string file;
+  if (spec == "auto") {
+    if (!model_dir.empty() && detail::is_dir(model_dir)) file = detail::find_in_dir(model_dir);
+  } else if (spec != "bytes") {
+    file = detail::is_dir(spec) ? detail::find_in_dir(spec) : spec;
+  }
+  if (file.empty()) return {};
+  std::vector<std::string> files = {file};
+  const size_t slash = file.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "" : file.substr(0, slash + 1);
+  for (const char* extra : {"tokenizer_config.json", "special_tokens_map.json"}) {
+    if (detail::is_file(dir + extra)) files.push_back(dir + extra);
+  }
+  return files;
+}
+
 }  // namespace shardtrain::data

@@ -292,6 +292,7 @@ class GptFamily final : public ModelFamily {
   // HF's GPT2LMHeadModel keeps the blocks under "transformer.".
   std::string peft_prefix() const override { return "base_model.model.transformer."; }
   bool hf_transposed(const std::string& name) const override { return checkpoint::is_conv1d_weight(name); }
+  bool hf_conv1d() const override { return true; }
 };
 
 }  // namespace

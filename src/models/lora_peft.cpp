@@ -3,6 +3,9 @@
 
 #include <torch/torch.h>
 
+#include "shardtrain/models/family.h"
+
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -58,12 +61,23 @@ nlohmann::json read_config(const std::string& dir) {
   return {};
 }
 
+// The adapter's output scale: lora_alpha / r, or lora_alpha / sqrt(r) with
+// use_rslora (rank-stabilised LoRA).
+double adapter_scale(const nlohmann::json& cfg, const std::string& dir) {
+  ST_CHECK(cfg.value("peft_type", "") == "LORA" && cfg.contains("r") && cfg.contains("lora_alpha"),
+           CheckpointError, "'", dir, "/", kPeftConfigFile,
+           "' is not a LoRA adapter config (needs peft_type LORA, r and lora_alpha)");
+  const double r = cfg["r"].get<double>(), alpha = cfg["lora_alpha"].get<double>();
+  return cfg.value("use_rslora", false) ? alpha / std::sqrt(r) : alpha / r;
+}
+
 }  // namespace
 
 void save_peft_adapter(const std::string& dir,
                        const std::vector<std::pair<std::string, at::Tensor>>& state,
-                       const LoraOptions& options, const std::string& prefix,
+                       const LoraOptions& options, const ModelFamily& family,
                        const std::string& base_model) {
+  const std::string prefix = family.peft_prefix();
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   for (const auto& [name, t] : state) {
     const bool bias = options.train_bias() == LoraBias::All && ends_with(name, "bias");
@@ -82,16 +96,15 @@ void save_peft_adapter(const std::string& dir,
                                 {"producer", "shardtrain"},
                                 {kQuantizeKey, enum_name(options.quantize())},
                                 {kDoubleQuantKey, options.double_quant() ? "true" : "false"}});
-  const bool gpt = prefix == kPeftGptPrefix;
   nlohmann::json j;
   j["peft_type"] = "LORA";
-  j["task_type"] = gpt ? nlohmann::json("CAUSAL_LM") : nlohmann::json(nullptr);
+  j["task_type"] = family.language_model() ? nlohmann::json("CAUSAL_LM") : nlohmann::json(nullptr);
   j["r"] = options.r();
   j["lora_alpha"] = options.alpha();
   j["lora_dropout"] = options.dropout();
   j["target_modules"] = options.target_modules();
   // GPT-2's Conv1D stores its weights [in, out]: PEFT transposes B A for it.
-  j["fan_in_fan_out"] = gpt;
+  j["fan_in_fan_out"] = family.hf_conv1d();
   j["bias"] = enum_name(options.train_bias());
   j["base_model_name_or_path"] = base_model;
   j["inference_mode"] = true;
@@ -99,7 +112,18 @@ void save_peft_adapter(const std::string& dir,
   checkpoint::detail::write_file_atomically((fs::path(dir) / kPeftConfigFile).string(), j.dump(2) + "\n");
 }
 
-void load_peft_adapter(torch::nn::Module& model, const std::string& dir, const std::string& prefix) {
+void load_peft_adapter(torch::nn::Module& model, const std::string& dir, const std::string& prefix,
+                       const LoraOptions* options) {
+  if (options != nullptr) {
+    const nlohmann::json cfg = read_config(dir);
+    const double scale = adapter_scale(cfg, dir);
+    ST_CHECK(cfg["r"].get<int64_t>() == options->r() && std::abs(scale - options->alpha() / options->r()) <= 1e-12 * scale,
+             CheckpointError, "the adapter in '", dir, "' has r=", cfg["r"].get<int64_t>(), " and scale ", scale,
+             cfg.value("use_rslora", false) ? " (use_rslora: lora_alpha / sqrt(r))" : " (lora_alpha / r)",
+             ", but lora.r=", options->r(), " and lora.alpha=", options->alpha(), " give scale ",
+             options->alpha() / options->r(), "; hint: set lora.r and lora.alpha to the adapter's (",
+             kPeftConfigFile, ")");
+  }
   const checkpoint::SafetensorsFile file((fs::path(dir) / kPeftAdapterFile).string());
   auto params = model.named_parameters(/*recurse=*/true);
   std::vector<std::string> unexpected, mismatched, missing;
@@ -176,10 +200,7 @@ std::vector<std::pair<std::string, at::Tensor>> merge_lora_state(
 int64_t merge_peft_adapter(const std::string& base_path, const std::string& adapter_dir,
                            const std::string& out) {
   const nlohmann::json cfg = read_config(adapter_dir);
-  ST_CHECK(cfg.value("peft_type", "") == "LORA" && cfg.contains("r") && cfg.contains("lora_alpha"),
-           CheckpointError, "'", adapter_dir, "/", kPeftConfigFile,
-           "' is not a LoRA adapter config (needs peft_type LORA, r and lora_alpha)");
-  const double scale = cfg["lora_alpha"].get<double>() / cfg["r"].get<double>();
+  const double scale = adapter_scale(cfg, adapter_dir);
   const bool fan_in_fan_out = cfg.value("fan_in_fan_out", false);
   const checkpoint::SafetensorsFile adapter((fs::path(adapter_dir) / kPeftAdapterFile).string());
   const HfWeights base(base_path);

@@ -71,6 +71,7 @@ class MlpFamily final : public ModelFamily {
   }
   std::vector<std::string> lora_targets() const override { return {"layers"}; }
   std::string peft_prefix() const override { return "base_model.model."; }
+  bool language_model() const override { return false; }
   std::string unit_type() const override { return "LinearImpl"; }
 };
 

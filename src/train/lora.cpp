@@ -15,6 +15,7 @@
 #include "shardtrain/checkpoint/safetensors.h"
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/config/config.h"
+#include "shardtrain/data/tokenizer.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/family.h"
 #include "shardtrain/models/hf_dir.h"
@@ -107,8 +108,22 @@ std::string write_exported_model(const std::string& run_dir, const config::Confi
     }
     written = (fs::path(dir) / "model.safetensors").string();
     checkpoint::consolidate_to_safetensors(from_checkpoint, written,
-                                           /*transpose_conv1d=*/family.hf_transposed("h.0.attn.c_attn.weight"));
+                                           /*transpose_conv1d=*/family.hf_conv1d());
     models::remove_own_export((fs::path(dir) / "model.safetensors.index.json").string());
+  }
+  // The tokenizer the run read ships with the model, as in any Hugging Face
+  // model directory (so `data.tokenizer: auto` and `generate` find it there).
+  if (!config_json.empty()) {
+    const std::string& from = config.model.init_from;
+    for (const auto& file : data::tokenizer_files(config.data.tokenizer, fs::is_directory(from) ? from : "")) {
+      const fs::path to = fs::path(dir) / fs::path(file).filename();
+      std::error_code ec;
+      if (fs::exists(to, ec) && fs::equivalent(file, to, ec)) continue;
+      std::string bytes, why;
+      ST_CHECK(::shardtrain::detail::read_regular_file(file, int64_t{1} << 30, &bytes, &why), IoError,
+               "cannot read the tokenizer file '", file, "' to export it: ", why);
+      checkpoint::detail::write_file_atomically(to.string(), bytes);
+    }
   }
   link_exported_file(run_dir, written);
   return written;
@@ -132,7 +147,7 @@ bool prepare_lora(torch::nn::Module& model, const config::Config& config) {
   models::apply_lora(model, options);
   if (quantized) malloc_trim(0);
   if (!config.lora.init_from().empty()) {
-    models::load_peft_adapter(model, config.lora.init_from(), peft_prefix(config));
+    models::load_peft_adapter(model, config.lora.init_from(), peft_prefix(config), &options);
   }
   return true;
 }
@@ -204,8 +219,8 @@ void export_lora(strategy::Strategy& strategy, comm::Communicator& comm,
   std::string failure;
   if (comm.rank() == 0) try {
       const models::LoraOptions options = lora_options(config);
-      models::save_peft_adapter(adapter_dir(run_dir), state, options, peft_prefix(config),
-                                config.model.init_from);
+      models::save_peft_adapter(adapter_dir(run_dir), state, options,
+                                models::family_of(config.model.type), config.model.init_from);
       // The exported model is the merged one, so `shardtrain generate` and
       // model.init_from read it as a plain model.
       write_exported_model(run_dir, config, models::merge_lora_state(state, options), "",

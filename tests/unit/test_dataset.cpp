@@ -19,6 +19,9 @@
 #include "shardtrain/data/row_sampler.h"
 #include "shardtrain/data/samples.h"
 #include "shardtrain/comm/communicator.h"
+#include "shardtrain/config/config.h"
+#include "shardtrain/models/causal_lm.h"
+#include "shardtrain/models/family.h"
 #include "shardtrain/train/task.h"
 #include "shardtrain/train/trainer.h"
 #include "temp_dir.h"
@@ -121,6 +124,25 @@ TEST(ChatTemplate, Llama3) {
             "<|start_header_id|>user<|end_header_id|>\n\nMore<|eot_id|>"
             "<|start_header_id|>assistant<|end_header_id|>\n\nSure.<|eot_id|>");
   EXPECT_EQ(joined(p, true), "Hello.<|eot_id|>Sure.<|eot_id|>");
+}
+
+// Generation prompts: the conversation so far, then the opening of the
+// assistant's reply (add_generation_prompt), and the token that ends it.
+TEST(ChatTemplate, GenerationPromptOpensTheReply) {
+  const std::vector<Turn> ask(kChat.begin(), kChat.begin() + 4);  // ends with the user's "More"
+  EXPECT_EQ(render_generation_prompt(ChatTemplateKind::Llama3, ask),
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+            "<|start_header_id|>user<|end_header_id|>\n\nHi?<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\nHello.<|eot_id|>"
+            "<|start_header_id|>user<|end_header_id|>\n\nMore<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n");
+  EXPECT_EQ(render_generation_prompt(ChatTemplateKind::Chatml, {{Role::User, "Hi"}}),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+  EXPECT_EQ(render_generation_prompt(ChatTemplateKind::Llama2, {{Role::User, "Hi"}}), "<s>[INST] Hi [/INST]");
+  EXPECT_EQ(end_of_turn(ChatTemplateKind::Llama3), "<|eot_id|>");
+  EXPECT_EQ(end_of_turn(ChatTemplateKind::Qwen3), "<|im_end|>");
+  EXPECT_EQ(end_of_turn(ChatTemplateKind::Mistral), "</s>");
+  expect_config_error([] { render_generation_prompt(ChatTemplateKind::Llama3, kChat); }, "ends with the user");
 }
 
 TEST(ChatTemplate, ChatmlAndQwen3) {
@@ -489,6 +511,70 @@ TEST(MaskedLoss, AnySplitGivesTheGlobalMeanOverTrainedTargets) {
       }
     }
     EXPECT_NEAR(sum / static_cast<double>(count), mean, 1e-5) << world << "x" << micro;
+  }
+}
+
+// ---- packing equivalence --------------------------------------------------------------
+// Each sample's summed loss in packed rows equals its loss run alone in an
+// unpacked (padded) row, for every language-model family: attention never
+// crosses a sample and positions restart. Samples are told apart by their
+// tokens (every prompt is distinct).
+std::map<std::vector<int64_t>, double> loss_per_sample(shardtrain::models::CausalLMImpl& model,
+                                                       const LmData& d, int64_t rows) {
+  std::map<std::vector<int64_t>, double> out;
+  for (int64_t step = 0; step < rows; ++step) {
+    const Batch b = d.train_batch(step, 0, 1, 0, 1);
+    const at::Tensor loss = torch::nn::functional::cross_entropy(
+        model.forward(b.input, b.position, b.segment).flatten(0, 1), b.target.flatten(),
+        torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100).reduction(torch::kNone));
+    const at::Tensor seg = b.segment[0];
+    for (int64_t s = 0; s <= seg.max().item<int64_t>(); ++s) {
+      const at::Tensor in = seg.eq(s);
+      const at::Tensor ids = b.input[0].masked_select(in).contiguous();
+      std::vector<int64_t> key(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
+      EXPECT_TRUE(out.emplace(key, loss.masked_select(in).sum().item<double>()).second) << "a sample twice";
+    }
+  }
+  return out;
+}
+
+TEST(Packing, EverySampleLosesWhatItLosesAlone) {
+  TempDir dir;
+  std::string text;
+  for (int i = 0; i < 24; ++i) {
+    text += "{\"prompt\": \"q" + std::to_string(i) + "\", \"completion\": \"" +
+            std::string(static_cast<size_t>(1 + (i * 7) % 13), static_cast<char>('a' + i % 5)) + "\"}\n";
+  }
+  write(dir / "d.jsonl", text);
+  const ToyTokenizer tok(std::nullopt, 300);
+  auto c = jsonl_config(dir / "d.jsonl", 0);
+  c.shuffle = false;
+  const LmData alone = make_lm_data(c, tok, 24, 1, 1, 0);
+  c.packing = true;
+  const LmData packed = make_lm_data(c, tok, 24, 1, 1, 0);
+  ASSERT_EQ(alone.stats.train_rows, 24);
+  ASSERT_LE(packed.stats.train_rows, 12);  // two or more samples share each row
+  for (const auto type : {shardtrain::train::ModelType::Gpt, shardtrain::train::ModelType::Llama}) {
+    shardtrain::config::ModelConfig m;
+    m.type = type;
+    m.n_layer = 2;
+    m.n_head = 2;
+    m.n_embd = 32;
+    m.block_size = 24;
+    m.vocab_size = 320;
+    torch::manual_seed(0);
+    auto model = std::dynamic_pointer_cast<shardtrain::models::CausalLMImpl>(
+        shardtrain::models::family_of(type).build(m));
+    torch::NoGradGuard no_grad;
+    const auto a = loss_per_sample(*model, alone, alone.stats.train_rows);
+    const auto p = loss_per_sample(*model, packed, packed.stats.train_rows);
+    ASSERT_EQ(a.size(), 24u);
+    ASSERT_EQ(p.size(), a.size());
+    for (const auto& [key, loss] : a) {
+      ASSERT_TRUE(p.count(key));
+      EXPECT_NEAR(p.at(key), loss, 1e-5 * std::max(1.0, std::abs(loss)))
+          << shardtrain::enum_name(type) << ", a sample of " << key.size() << " tokens";
+    }
   }
 }
 

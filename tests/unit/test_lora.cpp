@@ -22,6 +22,7 @@
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/gpt.h"
 #include "shardtrain/models/lora.h"
+#include "shardtrain/models/family.h"
 #include "shardtrain/models/lora_peft.h"
 #include "shardtrain/models/mlp.h"
 #include "shardtrain/models/quantize.h"
@@ -506,7 +507,7 @@ TEST(LoraPeft, FilesHoldPeftNamesShapesDtypesAndConfigKeys) {
   st::testing::TempDir tmp("lora_peft");
   const auto o = LoraOptions().r(4).alpha(8).dropout(0.05);
   GPT model = trained_lora_gpt(o);
-  m::save_peft_adapter(tmp / "a", state_of(*model), o, m::kPeftGptPrefix, "base.safetensors");
+  m::save_peft_adapter(tmp / "a", state_of(*model), o, m::family_of(st::train::ModelType::Gpt), "base.safetensors");
   const auto raw = read_raw(tmp / "a/adapter_model.safetensors");
   std::set<std::string> names;
   for (auto it = raw.header.begin(); it != raw.header.end(); ++it) {
@@ -549,7 +550,7 @@ TEST(LoraPeft, AdapterRoundTripGivesIdenticalLogits) {
   for (const auto q : {LoraQuantize::None, LoraQuantize::Nf4}) {
     const auto o = LoraOptions().r(4).quantize(q);
     GPT model = trained_lora_gpt(o);
-    m::save_peft_adapter(tmp / "a", state_of(*model), o, m::kPeftGptPrefix);
+    m::save_peft_adapter(tmp / "a", state_of(*model), o, m::family_of(st::train::ModelType::Gpt));
     torch::manual_seed(11);  // the same base
     GPT again(tiny(64));
     apply_lora(*again, LoraOptions(o).seed(12345));  // other A init, overwritten
@@ -563,7 +564,7 @@ TEST(LoraPeft, AdapterForAnotherModelIsACheckpointError) {
   st::testing::TempDir tmp("lora_bad");
   const auto o = LoraOptions().r(4);
   GPT model = trained_lora_gpt(o);
-  m::save_peft_adapter(tmp / "a", state_of(*model), o, m::kPeftGptPrefix);
+  m::save_peft_adapter(tmp / "a", state_of(*model), o, m::family_of(st::train::ModelType::Gpt));
   GPT other_r(tiny(64));
   apply_lora(*other_r, LoraOptions().r(2));
   auto msg = st::testing::checkpoint_error([&] { m::load_peft_adapter(*other_r, tmp / "a", m::kPeftGptPrefix); });
@@ -587,7 +588,7 @@ TEST(LoraPeft, MergedWeightsGiveTheAdaptedLogits) {
     st::checkpoint::save_safetensors(tmp / "base.safetensors", state_of(*base), /*transpose_conv1d=*/true, {});
     const auto o = LoraOptions().r(4).alpha(12).quantize(q).double_quant(q == LoraQuantize::Nf4);
     GPT model = trained_lora_gpt(o);
-    m::save_peft_adapter(tmp / "a", state_of(*model), o, m::kPeftGptPrefix);
+    m::save_peft_adapter(tmp / "a", state_of(*model), o, m::family_of(st::train::ModelType::Gpt));
     // Through the CLI, as a user would.
     const auto run = st::testing::cli("lora merge --base " + tmp / "base.safetensors" + " --adapter " +
                                       tmp / "a" + " --out " + tmp / "merged.safetensors");

@@ -8,6 +8,10 @@
 #include "shardtrain/config/config.h"
 #include "shardtrain/models/causal_lm.h"
 
+namespace shardtrain::data {
+class Tokenizer;
+}
+
 namespace shardtrain::cli {
 
 /// `shardtrain launch ... -- PROGRAM ARGS`; argv[0] is "launch".
@@ -54,9 +58,12 @@ struct LoadedModel {
 /// none or it does not load.
 LoadedModel load_model(const std::string& path, bool say_source = false);
 
-/// Samples after `prompt` (bytes) from a trained byte-level model and returns
-/// prompt + continuation as text.
-std::string sample_text(models::CausalLMImpl& model, const std::string& prompt,
-                        const models::GenerateOptions& options);
+/// The tokenizer a loaded model reads: its run's data.tokenizer (for a
+/// Hugging Face directory, the directory's own tokenizer, else bytes).
+std::shared_ptr<const data::Tokenizer> model_tokenizer(const config::Config& config);
+
+/// Samples after `prompt` and returns prompt + continuation as text.
+std::string sample_text(models::CausalLMImpl& model, const data::Tokenizer& tokenizer,
+                        const std::string& prompt, const models::GenerateOptions& options);
 
 }  // namespace shardtrain::cli

@@ -1,5 +1,7 @@
 // `shardtrain generate --checkpoint PATH --prompt TEXT --max-new-tokens N`:
-// samples text from a GPT trained by `shardtrain train`.
+// samples text from a language model trained by `shardtrain train` or from a
+// Hugging Face model directory, through the model's tokenizer and, with
+// --chat, its chat template.
 #include <torch/torch.h>
 
 #include <cstdio>
@@ -15,7 +17,8 @@
 #include "shardtrain/checkpoint/safetensors.h"
 #include "shardtrain/config/config.h"
 #include "shardtrain/core/error.h"
-#include "shardtrain/data/tokens.h"
+#include "shardtrain/data/chat_template.h"
+#include "shardtrain/data/tokenizer.h"
 #include "shardtrain/models/causal_lm.h"
 #include "shardtrain/models/family.h"
 #include "shardtrain/models/hf_dir.h"
@@ -30,7 +33,8 @@ namespace ck = shardtrain::checkpoint;
 const char kUsage[] =
     "usage: shardtrain generate --checkpoint PATH [--prompt TEXT] [--max-new-tokens N]\n"
     "                           [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
-    "                           [--stop ID[,ID...]] [--no-cache]\n"
+    "                           [--stop ID[,ID...]] [--no-cache] [--tokenizer SPEC]\n"
+    "                           [--chat [--system TEXT] [--chat-template NAME]]\n"
     "\n"
     "PATH is a run directory (its exported model with config.yaml beside it, or\n"
     "its newest complete checkpoint under checkpoints/ when that is newer), a\n"
@@ -39,7 +43,13 @@ const char kUsage[] =
     "config.yaml beside it.\n"
     "Defaults: prompt \"\\n\", 200 new tokens, temperature 0.8 (0: greedy), top-k 40\n"
     "(0: all), top-p 1, seed 0, no stop token; generation keeps a key/value cache\n"
-    "(one token's forward per new token); --no-cache runs the whole context each time.\n";
+    "(one token's forward per new token); --no-cache runs the whole context each time.\n"
+    "--tokenizer: bytes, auto or a path, as data.tokenizer (default: the run's own;\n"
+    "a Hugging Face directory's own tokenizer.json or tokenizer.model).\n"
+    "--chat: the prompt is a user message, rendered with the model's chat template\n"
+    "(--chat-template llama3|chatml|qwen3|mistral|llama2, default: the run's\n"
+    "data.chat_template, auto: recognised from tokenizer_config.json); generation\n"
+    "stops at the end of the assistant's turn and only the reply is printed.\n";
 
 int64_t parse_int(const std::string& flag, const std::string& value) {
   size_t used = 0;
@@ -90,7 +100,8 @@ std::shared_ptr<models::CausalLMImpl> build_lm(const config::Config& config, con
 
 // A Hugging Face directory's model, its architecture from its config.json.
 LoadedModel load_hf(const std::string& dir) {
-  config::Config config = config::Config::parse("model: {type: auto, block_size: 1}\n", {"model.init_from=" + dir});
+  config::Config config = config::Config::parse("model: {type: auto, block_size: 1}\ndata: {tokenizer: auto}\n",
+                                                {"model.init_from=" + dir});
   config.model.block_size = std::max<int64_t>(1, config.model.max_position_embeddings);
   auto model = build_lm(config, dir);
   models::load_hf_weights(*model, models::HfWeights(dir), models::family_of(config.model.type));
@@ -126,23 +137,64 @@ LoadedModel load_model(const std::string& path, bool say_source) {
   return {model, config};
 }
 
-std::string sample_text(models::CausalLMImpl& model, const std::string& prompt,
-                        const models::GenerateOptions& options) {
-  const std::vector<int64_t> ids = data::ByteTokenizer::encode(prompt.empty() ? "\n" : prompt);
-  // A byte beyond the model's vocabulary would reach LibTorch's embedding as
-  // an index error.
-  for (const int64_t byte : ids) {
-    ST_CHECK(byte < model.vocab_size(), ConfigError, "--prompt holds byte ", byte,
-             " but the model's vocabulary has ", model.vocab_size(), " tokens (bytes 0..",
-             model.vocab_size() - 1, "); use a prompt made of those bytes only");
+std::shared_ptr<const data::Tokenizer> model_tokenizer(const config::Config& config) {
+  const std::string& from = config.model.init_from;
+  return data::load_tokenizer(config.data.tokenizer, !from.empty() && fs::is_directory(from) ? from : "");
+}
+
+namespace {
+
+// prompt ids + up to max_new_tokens more, each id checked against the model.
+std::vector<int32_t> continue_ids(models::CausalLMImpl& model, const std::vector<int32_t>& prompt,
+                                  const models::GenerateOptions& options) {
+  ST_CHECK(!prompt.empty(), ConfigError, "the prompt encodes to no tokens; give a non-empty --prompt");
+  std::vector<int64_t> ids(prompt.begin(), prompt.end());
+  for (const int64_t id : ids) {
+    // An id beyond the model's vocabulary would reach LibTorch's embedding as an index error.
+    ST_CHECK(id >= 0 && id < model.vocab_size(), ConfigError, "the prompt holds token ", id,
+             " but the model's vocabulary has ", model.vocab_size(),
+             " tokens; hint: use the model's own tokenizer (--tokenizer)");
   }
   const auto out = models::generate(model, torch::tensor(ids, torch::kLong).view({1, -1}), options);
   const auto* p = out.data_ptr<int64_t>();
-  return data::ByteTokenizer::decode(std::vector<int64_t>(p, p + out.numel()));
+  return std::vector<int32_t>(p, p + out.numel());
 }
 
+}  // namespace
+
+std::string sample_text(models::CausalLMImpl& model, const data::Tokenizer& tokenizer,
+                        const std::string& prompt, const models::GenerateOptions& options) {
+  const std::vector<int32_t> ids =
+      continue_ids(model, tokenizer.encode(prompt.empty() ? "\n" : prompt, /*add_special_tokens=*/true), options);
+  return tokenizer.decode(ids, /*skip_special_tokens=*/true);
+}
+
+namespace {
+
+// The assistant's reply to `user` (after `system` when given), rendered with
+// the chat template; generation ends at the template's end of turn.
+std::string chat_reply(models::CausalLMImpl& model, const data::Tokenizer& tokenizer,
+                       data::ChatTemplateKind kind, const std::string& system, const std::string& user,
+                       models::GenerateOptions options) {
+  std::vector<data::Turn> turns;
+  if (!system.empty()) turns.push_back({data::Role::System, system});
+  turns.push_back({data::Role::User, user});
+  const std::vector<int32_t> prompt = tokenizer.encode(data::render_generation_prompt(kind, turns));
+  std::vector<int64_t> stop = options.stop_tokens();
+  for (const auto id : {tokenizer.token_to_id(data::end_of_turn(kind)), tokenizer.eos_id()}) {
+    if (id) stop.push_back(*id);
+  }
+  options.stop_tokens(stop);
+  const std::vector<int32_t> ids = continue_ids(model, prompt, options);
+  return tokenizer.decode(std::vector<int32_t>(ids.begin() + static_cast<int64_t>(prompt.size()), ids.end()),
+                          /*skip_special_tokens=*/true);
+}
+
+}  // namespace
+
 int generate_main(int argc, char** argv) {
-  std::string checkpoint, prompt = "\n";
+  std::string checkpoint, prompt = "\n", tokenizer_spec, system, chat_template;
+  bool chat = false;
   models::GenerateOptions options;
   options.top_k(40);
   for (int i = 1; i < argc; ++i) {
@@ -155,10 +207,17 @@ int generate_main(int argc, char** argv) {
       options.use_cache(false);
       continue;
     }
+    if (flag == "--chat") {
+      chat = true;
+      continue;
+    }
     ST_CHECK(i + 1 < argc, ConfigError, flag, " needs a value; see shardtrain generate --help");
     const std::string value = argv[++i];
     if (flag == "--checkpoint") checkpoint = value;
     else if (flag == "--prompt") prompt = value;
+    else if (flag == "--tokenizer") tokenizer_spec = value;
+    else if (flag == "--system") system = value;
+    else if (flag == "--chat-template") chat_template = value;
     else if (flag == "--max-new-tokens") options.max_new_tokens(parse_int(flag, value));
     else if (flag == "--temperature") options.temperature(parse_double(flag, value));
     else if (flag == "--top-k") options.top_k(parse_int(flag, value));
@@ -176,8 +235,21 @@ int generate_main(int argc, char** argv) {
   ST_CHECK(options.temperature() >= 0, ConfigError, "--temperature must be >= 0 (0: greedy)");
   ST_CHECK(options.top_p() > 0 && options.top_p() <= 1, ConfigError, "--top-p must be in (0, 1]");
 
-  const LoadedModel loaded = load_model(checkpoint, /*say_source=*/true);
-  std::printf("%s\n", sample_text(*loaded.model, prompt, options).c_str());
+  ST_CHECK(chat || (system.empty() && chat_template.empty()), ConfigError,
+           "--system and --chat-template need --chat; see shardtrain generate --help");
+
+  LoadedModel loaded = load_model(checkpoint, /*say_source=*/true);
+  if (!tokenizer_spec.empty()) loaded.config.data.tokenizer = tokenizer_spec;
+  const auto tokenizer = model_tokenizer(loaded.config);
+  if (!chat) {
+    std::printf("%s\n", sample_text(*loaded.model, *tokenizer, prompt, options).c_str());
+    return 0;
+  }
+  data::ChatTemplateKind kind = loaded.config.data.chat_template;
+  if (!chat_template.empty()) kind = enum_from_name<data::ChatTemplateKind>(chat_template, "--chat-template");
+  const std::string& from = loaded.config.model.init_from;
+  kind = data::resolve_chat_template(kind, fs::is_directory(from) ? from : "");
+  std::printf("%s\n", chat_reply(*loaded.model, *tokenizer, kind, system, prompt, options).c_str());
   return 0;
 }
 

@@ -22,7 +22,9 @@
 #include "shardtrain/dist/env.h"
 #include "shardtrain/core/blas.h"
 #include "shardtrain/dist/launcher.h"
+#include "shardtrain/models/family.h"
 #include "shardtrain/models/gpt.h"
+#include "shardtrain/models/hf_dir.h"
 #include "shardtrain/train/report.h"
 #include "shardtrain/train/task.h"
 #include "shardtrain/train/trainer.h"
@@ -209,16 +211,15 @@ int train_main(int argc, char** argv) {
   if (comm->rank() == 0) {
     // From the exported model: under a sharded strategy no rank holds the
     // whole model, and sampling on rank 0 alone must not communicate.
-    // A byte-level language model's sample; other tokenizers: `shardtrain generate`.
-    if (config.model.vocab_size <= 256 && config.model.type != train::ModelType::Mlp &&
-        config.trainer.sample_tokens > 0) {
-      const LoadedModel lm = load_model(checkpoint::exported_model_path(state.run_dir));
+    if (models::family_of(config.model.type).language_model() && config.trainer.sample_tokens > 0) {
+      const std::string dir = checkpoint::exported_model_dir(state.run_dir);
+      const LoadedModel lm = load_model(models::is_hf_dir(dir) ? dir : checkpoint::exported_model_path(state.run_dir));
       const auto options = models::GenerateOptions()
                                .max_new_tokens(config.trainer.sample_tokens)
                                .seed(config.run.seed)
                                .temperature(0.8)
                                .top_k(40);
-      std::printf("sample:\n%s\n", sample_text(*lm.model, "\n", options).c_str());
+      std::printf("sample:\n%s\n", sample_text(*lm.model, *model_tokenizer(config), "\n", options).c_str());
     }
     std::printf("run directory: %s (metrics.jsonl, report.html, tb/, checkpoints/, model/, config.yaml)\n",
                 state.run_dir.c_str());

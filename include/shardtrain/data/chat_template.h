@@ -26,6 +26,14 @@ struct Piece {
 std::vector<Piece> render_chat(ChatTemplateKind kind, const std::vector<Turn>& messages,
                                const std::string& origin);
 
+/// What a model answers from: `messages` rendered as render_chat() renders
+/// them, then the template's opening of an assistant reply (Hugging Face's
+/// add_generation_prompt). The last message must be the user's.
+std::string render_generation_prompt(ChatTemplateKind kind, const std::vector<Turn>& messages);
+
+/// The text of the token that ends an assistant reply ("<|eot_id|>").
+std::string end_of_turn(ChatTemplateKind kind);
+
 /// The built-in template a Jinja chat template is, recognised by its
 /// distinctive markers; ConfigError naming the built-ins when none matches.
 ChatTemplateKind recognise_chat_template(const std::string& jinja, const std::string& origin);

@@ -47,4 +47,10 @@ class Tokenizer {
 /// ConfigError naming the file and what is supported.
 std::shared_ptr<const Tokenizer> load_tokenizer(const std::string& spec, const std::string& model_dir = "");
 
+/// The files of the tokenizer that load_tokenizer(spec, model_dir) reads:
+/// its tokenizer.json or tokenizer.model, with the tokenizer_config.json and
+/// special_tokens_map.json beside it when present (a model directory's
+/// tokenizer, to ship with an exported model); none for bytes.
+std::vector<std::string> tokenizer_files(const std::string& spec, const std::string& model_dir = "");
+
 }  // namespace shardtrain::data

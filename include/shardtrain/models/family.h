@@ -63,6 +63,12 @@ class ModelFamily {
   /// Whether the Hugging Face file stores this parameter transposed
   /// (GPT-2's Conv1D weights, [in, out]); false for nn.Linear layouts.
   virtual bool hf_transposed(const std::string& name) const { return false; }
+  /// Whether the Hugging Face layout is GPT-2's Conv1D one: weights stored
+  /// [in, out] (PEFT's fan_in_fan_out) and causal masks stored as buffers.
+  virtual bool hf_conv1d() const { return false; }
+  /// Whether the model is a causal language model (PEFT task_type CAUSAL_LM,
+  /// sampled at the end of a run).
+  virtual bool language_model() const { return true; }
   /// The config.json `model_type` values this family reads ("llama", ...).
   virtual std::vector<std::string> hf_model_types() const { return {}; }
   /// Sets the type-specific architecture keys of `m` from a config.json;

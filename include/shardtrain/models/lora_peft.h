@@ -22,6 +22,8 @@
 
 namespace shardtrain::models {
 
+class ModelFamily;
+
 inline constexpr const char* kPeftAdapterFile = "adapter_model.safetensors";
 inline constexpr const char* kPeftConfigFile = "adapter_config.json";
 /// Prefix of a GPT's parameter names in a PEFT file (a GPT2LMHeadModel).
@@ -32,17 +34,21 @@ inline constexpr const char* kPeftModelPrefix = "base_model.model.";
 /// Writes the adapter tensors of `state` (named as named_parameters():
 /// lora_A / lora_B weights, and biases with train_bias all) and the config
 /// into `dir` (created), each file written aside and renamed into place.
-/// `base_model` goes to base_model_name_or_path. CheckpointError on I/O errors.
+/// `base_model` goes to base_model_name_or_path; the family gives the names'
+/// prefix, fan_in_fan_out and task_type. CheckpointError on I/O errors.
 void save_peft_adapter(const std::string& dir,
                        const std::vector<std::pair<std::string, at::Tensor>>& state,
-                       const LoraOptions& options, const std::string& prefix,
+                       const LoraOptions& options, const ModelFamily& family,
                        const std::string& base_model = "");
 
 /// Copies the adapter in `dir` into `model` (already adapted by apply_lora
 /// with matching options). CheckpointError naming the tensors when the file
 /// has a tensor the model lacks, a shape differs (another r, another base
 /// width), or an adapter of the model is missing from the file.
-void load_peft_adapter(torch::nn::Module& model, const std::string& dir, const std::string& prefix);
+/// With `options`, the adapter_config.json's r and scale (lora_alpha / r, or
+/// / sqrt(r) with use_rslora) must be those of the options.
+void load_peft_adapter(torch::nn::Module& model, const std::string& dir, const std::string& prefix,
+                       const LoraOptions* options = nullptr);
 
 /// The state of an adapted model (named as named_parameters()) with every
 /// adapter folded into its layer's weight, W = base + (alpha / r) B A, the
