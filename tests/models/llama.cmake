@@ -31,6 +31,12 @@ foreach(case ${LLAMA_TRAIN_CASES})
   add_test(NAME models.llama.train.${name} COMMAND ${LLAMA_PARITY} train ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR} ${args})
 endforeach()
 
+# LoRA from a PEFT adapter the reference wrote.
+foreach(spec single ddpx2 zero1x2 full_shardx2)
+  string(REPLACE "x2" "_x2" name ${spec})
+  add_test(NAME models.llama.lora.${name} COMMAND ${LLAMA_PARITY} lora ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR} ${spec})
+endforeach()
+
 get_property(llama_tests DIRECTORY PROPERTY TESTS)
 list(FILTER llama_tests INCLUDE REGEX "^models\\.llama\\.")
 set_tests_properties(${llama_tests} PROPERTIES TIMEOUT 600)

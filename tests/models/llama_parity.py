@@ -18,7 +18,7 @@ Hugging Face directories that the reference writes:
         the reference reads it
     llama_parity.py lora CLI SRC STRATEGY[xN]
         a PEFT adapter written by the reference trains 10 steps in both; the
-        saved adapters match and keep the PEFT names
+        saved adapters match, in the PEFT names and config
 
 Every command exits 0 when all checks pass, 1 naming the first that failed.
 Run with the system Python (Debian's python3-torch).
@@ -255,6 +255,60 @@ def cmd_train(cli, src, variant, spec, precision="fp32"):
         shutil.rmtree(work, ignore_errors=True)
 
 
+# ---- LoRA ---------------------------------------------------------------------------------
+
+PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def cmd_lora(cli, src, spec):
+    """An adapter the reference writes (B non-zero, so its scale shows in the
+    first step) trains 10 steps in both; shardtrain reads and writes the PEFT
+    names, and its default targets are Llama's seven projections."""
+    work = tempfile.mkdtemp(prefix="llama_parity_")
+    try:
+        hf = make_variant(work, "gqa_llama3")
+        start = os.path.join(work, "start")
+        ref("make-adapter", hf, start, "--r", "4", "--alpha", "8", "--seed", "5")
+        run_dir = os.path.join(work, "run")
+        world, ours = shardtrain_train(cli, src, hf, run_dir, spec,
+                                       ["lora.r=4", "lora.alpha=8", f"lora.init_from={start}"])
+        out = os.path.join(work, "ref.json")
+        trained = os.path.join(work, "ref_adapter")
+        ref("train", hf, "--steps", str(STEPS), "--data", os.path.join(src, "data/corpus.txt"),
+            "--block-size", str(BLOCK), "--global-batch", str(GLOBAL), "--micro", str(MICRO),
+            "--eval-rows", str(MICRO * world), "--warmup", "2", "--out", out,
+            "--adapter", start, "--out-adapter", trained)
+        with open(out) as f:
+            theirs = json.load(f)["losses"]
+        what = f"lora {spec}"
+        for i, (o, r) in enumerate(zip(ours, theirs)):
+            if abs(o - r) > FP32["loss"]:
+                fail(f"{what}: step {i + 1} loss {o:.7f}, reference {r:.7f}")
+        adapter = os.path.join(run_dir, "adapter")
+        with open(os.path.join(adapter, "adapter_config.json")) as f:
+            config = json.load(f)
+        for key, want in (("peft_type", "LORA"), ("task_type", "CAUSAL_LM"), ("fan_in_fan_out", False),
+                          ("r", 4), ("lora_alpha", 8.0)):
+            if config.get(key) != want:
+                fail(f"{what}: adapter_config.json {key} is {config.get(key)!r}, expected {want!r}")
+        if sorted(config.get("target_modules", [])) != sorted(PEFT_TARGETS):
+            fail(f"{what}: target_modules {config.get('target_modules')}, expected Llama's {PEFT_TARGETS}")
+        a, _ = read_safetensors(os.path.join(adapter, "adapter_model.safetensors"))
+        b, _ = read_safetensors(os.path.join(trained, "adapter_model.safetensors"))
+        example = "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"
+        if example not in a or sorted(a) != sorted(b):
+            fail(f"{what}: adapter names differ from PEFT's: only ours {sorted(set(a) - set(b))[:4]}, "
+                 f"only the reference's {sorted(set(b) - set(a))[:4]}")
+        for name in sorted(b):
+            x, y = a[name].double(), b[name].double()
+            if float(((x - y).abs() - FP32["param_atol"] - FP32["param_rtol"] * y.abs()).max()) > 0:
+                fail(f"{what}: {name} differs by {float((x - y).abs().max()):.3e}")
+        print(f"{what}: {len(a)} adapter tensors in PEFT names and {STEPS} losses match the reference "
+              f"(last loss {ours[-1]:.6f} vs {theirs[-1]:.6f})")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 # ---- export, reload, generate ------------------------------------------------------------
 
 def cmd_export(cli, src):
@@ -322,6 +376,8 @@ def main(argv):
     cmd = argv[0]
     if cmd == "logits":
         cmd_logits(argv[1], argv[2])
+    elif cmd == "lora":
+        cmd_lora(argv[1], argv[2], argv[3])
     elif cmd == "export":
         cmd_export(argv[1], argv[2])
     elif cmd == "train":
