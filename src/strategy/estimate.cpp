@@ -3,6 +3,7 @@
 #include "shardtrain/strategy/estimate.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <limits>
@@ -41,7 +42,7 @@ int64_t saturate(double bytes) {
 
 std::vector<StrategyEstimate> estimate_all(const EstimateInput& in) {
   ST_CHECK(in.num_params >= 0 && in.largest_unit_params >= 0 && in.second_unit_params >= 0 &&
-               in.activation_bytes >= 0,
+               in.activation_bytes >= 0 && in.frozen_bytes >= 0,
            InvalidArgument, "estimate: parameter counts and activation bytes must be >= 0, got Ψ=",
            in.num_params, ", units ", in.largest_unit_params, " and ", in.second_unit_params,
            ", activations ", in.activation_bytes);
@@ -55,8 +56,10 @@ std::vector<StrategyEstimate> estimate_all(const EstimateInput& in) {
   const bool mixed = in.mixed_precision;
   // Bytes per parameter: [replicated, sharded] parts of each ZeRO stage.
   const double compute_bytes = mixed ? 2.0 : 4.0;
-  const auto stage = [&](double whole, double sharded, int n) {
-    return whole * psi + sharded * shard(in.num_params, n);
+  const double frozen = static_cast<double>(in.frozen_bytes);
+  // The trainable state, plus the frozen parameters whole (n = 0) or sharded.
+  const auto stage = [&](double whole, double sharded, int n, int frozen_over = 1) {
+    return whole * psi + sharded * shard(in.num_params, n) + std::ceil(frozen / frozen_over);
   };
   // Two units gathered at once (computing and prefetched), params + grads.
   const double gathered = static_cast<double>(in.largest_unit_params + in.second_unit_params) *
@@ -83,11 +86,11 @@ std::vector<StrategyEstimate> estimate_all(const EstimateInput& in) {
   add(StrategyKind::Ddp, Sharding::FullShard, stage(16, 0, n), 0.0, 2.0, 1);
   add(StrategyKind::Zero1, Sharding::FullShard, mixed ? stage(4, 12, n) : stage(8, 8, n), 0.0, 3.0, 2);
   add(StrategyKind::Fsdp, Sharding::ShardGradOp, mixed ? stage(2, 14, n) : stage(4, 12, n), 0.0, 2.0, 2);
-  add(StrategyKind::Fsdp, Sharding::FullShard, stage(0, 16, n), gathered, 3.0, 3);
+  add(StrategyKind::Fsdp, Sharding::FullShard, stage(0, 16, n, n), gathered, 3.0, 3);
   // hybrid_shard: full_shard within a node, then an all-reduce of each
   // rank's shard (Ψ/N_local) across nodes; on one node there is no such step.
   const bool nodes = n > n_local;
-  add(StrategyKind::Fsdp, Sharding::HybridShard, stage(0, 16, n_local), gathered, nodes ? 3.0 + 2.0 / n_local : 3.0,
+  add(StrategyKind::Fsdp, Sharding::HybridShard, stage(0, 16, n_local, n_local), gathered, nodes ? 3.0 + 2.0 / n_local : 3.0,
       nodes ? 4 : 3);
   add(StrategyKind::Fsdp, Sharding::NoShard, stage(16, 0, n), 0.0, 2.0, 1);
   return out;

@@ -10,11 +10,13 @@
 #include "shardtrain/core/error.h"
 #include "shardtrain/config/config.h"
 #include "shardtrain/models/family.h"
+#include "shardtrain/models/lora.h"
 #include "shardtrain/strategy/estimate.h"
 #include "shardtrain/strategy/strategy.h"
 #include "shardtrain/strategy/wrap.h"
 #include "shardtrain/train/plan.h"
 #include "shardtrain/train/task.h"
+#include "train/lora.h"
 
 namespace shardtrain::train {
 
@@ -48,7 +50,12 @@ strategy::EstimateInput estimate_input(const config::Config& config, torch::nn::
   strategy::EstimateInput in;
   std::unordered_set<const void*> seen;  // tied parameters once
   for (const auto& p : model.parameters()) {
-    if (p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second) in.num_params += p.numel();
+    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    if (p.requires_grad()) {
+      in.num_params += p.numel();
+    } else {
+      in.frozen_bytes += static_cast<int64_t>(p.nbytes());
+    }
   }
   const auto units = strategy::plan_units(
       model, strategy::policy_from_options(options_from(config, strategy::StrategyKind::Fsdp,
@@ -66,6 +73,10 @@ strategy::EstimateInput estimate_input(const config::Config& config, torch::nn::
   in.activation_bytes = static_cast<int64_t>(std::min(
       9.0e18, models::family_of(config.model.type).activation_bytes(config.model, micro, act_bytes)));
   return in;
+}
+
+void attach_lora(torch::nn::Module& model, const config::Config& config) {
+  if (config.lora.r() > 0) models::apply_lora(model, detail::lora_options(config));
 }
 
 double model_parameter_count(const config::ModelConfig& m) {

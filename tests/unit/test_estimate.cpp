@@ -249,3 +249,23 @@ TEST(Estimate, MlpActivationBytes) {
   EXPECT_EQ(mlp_activation_bytes({64, 128, 64}, 8, 4), 8 * 4 * (64 + 128 + 128 + 128));
   EXPECT_EQ(mlp_activation_bytes({3, 5}, 2, 2), 2 * 2 * (3 + 2 * 5));
 }
+
+// A LoRA run: Ψ is the adapters; the frozen base has no gradient or optimizer
+// state and is held whole where parameters are replicated, sharded where
+// they are sharded.
+TEST(Estimate, FrozenBaseIsHeldLikeTheParametersWithoutState) {
+  EstimateInput in;
+  in.num_params = 1000;
+  in.frozen_bytes = 8'000'000;
+  in.world_size = 4;
+  in.local_world_size = 2;
+  const auto all = estimate_all(in);
+  EXPECT_EQ(find(all, "ddp").model_state_bytes, 16'000 + 8e6);
+  EXPECT_EQ(find(all, "zero1").model_state_bytes, 8'000 + 2'000 + 8e6);
+  EXPECT_EQ(find(all, "fsdp/shard_grad_op").model_state_bytes, 4'000 + 3'000 + 8e6);
+  EXPECT_EQ(find(all, "fsdp/full_shard").model_state_bytes, 4'000 + 2e6);
+  EXPECT_EQ(find(all, "fsdp/hybrid_shard").model_state_bytes, 8'000 + 4e6);
+  EXPECT_EQ(find(all, "fsdp/no_shard").model_state_bytes, 16'000 + 8e6);
+  in.frozen_bytes = -1;
+  EXPECT_THROW(estimate_all(in), InvalidArgument);
+}

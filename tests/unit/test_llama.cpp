@@ -17,6 +17,8 @@
 #include "shardtrain/models/family.h"
 #include "shardtrain/models/hf_dir.h"
 #include "shardtrain/models/llama.h"
+#include "shardtrain/models/lora.h"
+#include "shardtrain/train/plan.h"
 #include "temp_dir.h"
 #include "test_helpers.h"
 
@@ -266,4 +268,22 @@ TEST(HfDir, MismatchesAreOneCheckpointErrorNamingTensorsAndFile) {
   std::filesystem::remove(tmp / ("shards/" + second));
   msg = st::testing::checkpoint_error([&] { m::HfWeights w(tmp / "shards"); });
   EXPECT_HAS(msg, second);
+}
+
+// estimate and strategy auto see a LoRA run as it trains: Ψ is the adapters
+// on Llama's seven projections; the int8 base is frozen bytes.
+TEST(LlamaFamily, LoraEstimateCountsTheAdaptersAndTheFrozenBase) {
+  st::config::Config config = st::config::Config::parse("model: {type: llama}\n");
+  config.model = tiny();
+  config.lora.r(4).quantize(m::LoraQuantize::Int8);
+  auto model = build(config.model);
+  const double base = m::family_of(config.model.type).num_parameters(config.model);
+  st::train::attach_lora(*model, config);
+  const auto in = st::train::estimate_input(config, *model, 2, 2);
+  // Per layer: q (32->32), k and v (32->16 each: 2 kv heads of 8), o (32->32),
+  // gate and up (32->48), down (48->32); an adapter has r (in + out).
+  const int64_t per_layer = 4 * ((32 + 32) + (32 + 16) * 2 + (32 + 32) + (32 + 48) * 2 + (48 + 32));
+  EXPECT_EQ(in.num_params, 2 * per_layer);
+  EXPECT_GT(in.frozen_bytes, 0);
+  EXPECT_LT(static_cast<double>(in.frozen_bytes), 0.6 * 4.0 * base);  // int8 projections, fp32 rest
 }

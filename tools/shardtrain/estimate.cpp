@@ -172,6 +172,7 @@ int estimate_main(int argc, char** argv) {
 
   // ---- model, units and the estimator's input (the same as strategy auto uses) ----
   auto model = build_model(config);
+  train::attach_lora(*model, config);
   const std::vector<strategy::UnitPlan> units =
       strategy::plan_units(*model, strategy::policy_from_options(dc));
   strategy::EstimateInput in = train::estimate_input(config, *model, world, nproc);
@@ -191,7 +192,13 @@ int estimate_main(int argc, char** argv) {
   // ---- header ----
   std::printf("model: %s, %s\n", enum_name(config.model.type),
               models::family_of(config.model.type).size_text(config.model).c_str());
-  std::printf("parameters (Ψ): %s trainable\n", grouped(psi).c_str());
+  if (in.frozen_bytes > 0) {
+    std::printf("parameters (Ψ): %s trainable (LoRA adapters); frozen base: %s (%s), no gradients or optimizer state\n",
+                grouped(psi).c_str(), bytes(static_cast<double>(in.frozen_bytes)).c_str(),
+                enum_name(config.lora.quantize()));
+  } else {
+    std::printf("parameters (Ψ): %s trainable\n", grouped(psi).c_str());
+  }
   std::string policy = enum_name(dc.auto_wrap_policy());
   if (dc.auto_wrap_policy() == strategy::AutoWrapPolicy::ModuleType) {
     policy += " [" + join(dc.wrap_module_types(), ", ") + "]";

@@ -50,6 +50,11 @@ struct EstimateInput {
   bool mixed_precision = false;
   /// Activation memory per rank for one micro-batch, in bytes.
   int64_t activation_bytes = 0;
+  /// Bytes of the frozen parameters (a LoRA run's base: fp32, or int8/nf4
+  /// codes and scales): no gradient and no optimizer state, held whole where
+  /// parameters are replicated and sharded where they are (full_shard over N,
+  /// hybrid_shard over the ranks per node).
+  int64_t frozen_bytes = 0;
 };
 
 struct StrategyEstimate {
@@ -59,7 +64,8 @@ struct StrategyEstimate {
   /// Its display name: "ddp", "zero1", "fsdp/shard_grad_op",
   /// "fsdp/full_shard", "fsdp/hybrid_shard" or "fsdp/no_shard".
   std::string strategy;
-  /// Parameters, gradients and Adam state per rank (the table above), bytes.
+  /// Parameters, gradients and Adam state per rank (the table above), plus
+  /// the frozen parameters, bytes.
   double model_state_bytes = 0.0;
   /// fsdp full_shard / hybrid_shard: the two largest units gathered at once
   /// (the one computing and the one prefetched), parameters and gradients in

@@ -12,8 +12,15 @@ class Module;
 
 namespace shardtrain::train {
 
+/// Attaches the config's LoRA adapters to a freshly built model as the
+/// trainer does (the family's default targets when lora.target_modules is
+/// empty; the base frozen and quantized as lora.quantize says), so estimates
+/// see the run's trainable and frozen parameters; nothing without lora.r.
+void attach_lora(torch::nn::Module& model, const config::Config& config);
+
 /// The memory estimator's input (strategy/estimate.h) for `model` trained
-/// as the config says at `world_size` ranks, `local_world_size` per node.
+/// as the config says at `world_size` ranks, `local_world_size` per node
+/// (trainable parameters, and the bytes of frozen ones).
 strategy::EstimateInput estimate_input(const config::Config& config, torch::nn::Module& model,
                                        int world_size, int local_world_size);
 
