@@ -24,7 +24,7 @@ NODE_PACKAGES := nodejs npm
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all deps bench-deps configure build test mutants train bench-comm bench-train bench-sharding bench-multinode bench-precision bench-checkpoint bench-lora bench-tokenize install clean
+.PHONY: all deps bench-deps configure build test mutants train bench-comm bench-train bench-sharding bench-multinode bench-precision bench-checkpoint bench-lora bench-tokenize bench-llama bench-finetune install clean
 
 all: build
 
@@ -109,6 +109,12 @@ bench-lora: build
 # build/npm) on 20 MB of the bundled corpus; a few minutes, mostly the JS side.
 bench-tokenize: build
 	bash bench/tokenize.sh
+
+bench-finetune: build bench-deps
+	bash bench/finetune.sh
+
+bench-llama: build bench-deps
+	BUILD_DIR=$(BUILD_DIR) MODELS=llama-25m SECTION=train-llama bash bench/train.sh
 
 install: build
 	cmake --install $(BUILD_DIR)

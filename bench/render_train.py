@@ -35,7 +35,9 @@ import sys
 
 import benchlib
 
-BEGIN, END = "<!-- train:begin -->", "<!-- train:end -->"
+def markers(section):
+    """The BENCHMARKS.md markers of a section: train (GPT) or train-llama."""
+    return f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
 MODEL_ORDER = ("gpt-25m", "default")
 # Mode name -> (text, the mode of PyTorch's row it is compared with).
 MODES = {
@@ -105,7 +107,7 @@ def summarize(a):
     row = {
         "impl": "shardtrain", "label": a.label, "mode": a.mode, "strategy": last["strategy"],
         "precision": last.get("precision", "fp32"), "world_size": world,
-        "threads_per_rank": a.threads, "n_layer": a.n_layer, "n_embd": a.n_embd,
+        "threads_per_rank": a.threads, "model": a.model_type, "n_layer": a.n_layer, "n_embd": a.n_embd,
         "block_size": a.block_size, "vocab_size": a.vocab_size,
         "num_parameters": last.get("num_parameters"),
         "global_batch": a.global_batch, "micro": a.micro, "accumulate": a.global_batch // (a.micro * world),
@@ -144,6 +146,8 @@ def flops_per_token(r):
     AV: 2 x 2 x T x C per layer)."""
     c, t, l = r["n_embd"], r["block_size"], r["n_layer"]
     v = r.get("vocab_size", 256)
+    if r.get("model") == "llama":  # no wpe; the untied lm_head is a GEMM like any other
+        return 6 * (r["num_parameters"] - v * c) + 3 * (4 * t * c * l)
     non_embedding = r["num_parameters"] - v * c - t * c  # wte (tied, counted once) and wpe
     return 6 * (non_embedding + c * v) + 3 * (4 * t * c * l)
 
@@ -238,7 +242,9 @@ def render(rows, a):
     pt_env = sorted({" ".join(f"{k}={v}" for k, v in sorted(r.get("env", {}).items())) for r in pt.values()})
     quick = m.get("quick")
 
-    out = [BEGIN, "", "## Training throughput (CPU, GPT)", ""]
+    begin, end = markers(a.section)
+    title = "Llama architecture" if a.section == "train-llama" else "GPT"
+    out = [begin, "", f"## Training throughput (CPU, {title})", ""]
     if quick:
         out += ["**QUICK smoke run (QUICK=1): a few steps per run; these figures show that the script "
                 "works, not how fast anything is.**", ""]
@@ -357,7 +363,7 @@ def render(rows, a):
         out.append("| " + " | ".join(cols) + " |")
     out += render_profiles(profs)
     out.append("")
-    out.append(END)
+    out.append(end)
     return "\n".join(out), mismatched
 
 
@@ -427,6 +433,7 @@ def main():
     s.add_argument("--block-size", type=int, required=True)
     s.add_argument("--n-layer", type=int, required=True)
     s.add_argument("--n-embd", type=int, required=True)
+    s.add_argument("--model-type", default="gpt", choices=["gpt", "llama"])
     s.add_argument("--vocab-size", type=int, default=256)
     s.add_argument("--json", required=True)
     s = sub.add_parser("machine")
@@ -457,6 +464,7 @@ def main():
     r = sub.add_parser("render")
     r.add_argument("--results", required=True)
     r.add_argument("--out", required=True)
+    r.add_argument("--section", default="train", choices=["train", "train-llama"])
     a = ap.parse_args()
 
     if a.cmd != "render":
@@ -465,7 +473,7 @@ def main():
         return
 
     section, mismatched = render(benchlib.load_jsonl(a.results, "render_train.py"), a)
-    benchlib.write_section(a.out, BEGIN, END, section, "render_train.py")
+    benchlib.write_section(a.out, *markers(a.section), section, "render_train.py")
     print(section)
     print(f"wrote {a.out}")
     for k, ns, np_ in mismatched:

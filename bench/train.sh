@@ -10,14 +10,20 @@
 #   bash bench/train.sh    (when the build and python3-torch are already there)
 #
 # Modes (ranks x threads per rank is 2x1, or 1x1 for single):
-#   gpt-25m  single fp32, DDP fp32, ZeRO-1 fp32, FULL_SHARD fp32, DDP bf16-mixed
-#   default  single fp32, DDP fp32
-# PyTorch peers: DDP, DDP + ZeroRedundancyOptimizer, DDP under bf16 autocast;
-# FULL_SHARD is compared with shardtrain's own DDP row (PyTorch DDP shown).
+#   gpt-25m    single fp32, DDP fp32, ZeRO-1 fp32, FULL_SHARD fp32, DDP bf16-mixed
+#   llama-25m  DDP fp32, FULL_SHARD fp32, DDP bf16-mixed (8 layers, hidden 512,
+#              8 heads over 2 key/value heads, SwiGLU 1408, untied head)
+#   default    single fp32, DDP fp32
+# PyTorch peers: DDP, DDP + ZeroRedundancyOptimizer, DDP under bf16 autocast
+# (bench/torch_gpt_ddp.py; bench/torch_llama_ddp.py for llama-25m); gpt-25m's
+# FULL_SHARD is compared with shardtrain's own DDP row (PyTorch DDP shown),
+# llama-25m's with PyTorch DDP.
 # bf16 rows run only when the CPU has native bf16 (avx512_bf16 or amx_bf16).
 #
 # Environment: BUILD_DIR (default build), OUT_DIR (default $BUILD_DIR/bench-train),
-# MODELS (subset of "default gpt-25m"), MODES (subset of "single ddp zero1
+# MODELS (subset of "default gpt-25m llama-25m"; default the first two),
+# SECTION (train; train-llama, between <!-- train-llama:begin/end -->, for
+# MODELS=llama-25m: `make bench-llama`), MODES (subset of "single ddp zero1
 # fsdp bf16-ddp"; FULL_SHARD's row needs ddp's beside it), PROFILE (1: profile runs, the default;
 # 0: none), ROUNDS (default 3: each mode's pair of runs is repeated and the
 # median shown, with the range of the per-round ratios), QUICK=1 (a few
@@ -44,6 +50,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 BUILD_DIR=${BUILD_DIR:-build}
 OUT_DIR=${OUT_DIR:-$BUILD_DIR/bench-train}
 MODELS=${MODELS:-"default gpt-25m"}
+SECTION=${SECTION:-train}          # train-llama: `make bench-llama`'s section
 PROFILE=${PROFILE:-1}
 QUICK=${QUICK:-0}
 if [ "$QUICK" = 1 ]; then ROUNDS=${ROUNDS:-1}; else ROUNDS=${ROUNDS:-3}; fi
@@ -82,8 +89,21 @@ TORCH_VERSION=$("$TORCH_PY" -c 'import torch, torch.distributed as d; assert d.i
 model_spec() {
   case $1 in
     default) echo "4 4 128 128 32 8 30 10" ;;
-    gpt-25m) echo "8 8 512 256 8 2 10 3" ;;
-    *) die "unknown model '$1' (known: default gpt-25m)" ;;
+    gpt-25m|llama-25m) echo "8 8 512 256 8 2 10 3" ;;
+    *) die "unknown model '$1' (known: default gpt-25m llama-25m)" ;;
+  esac
+}
+# What else a model sets: shardtrain's --set arguments, then the peer script.
+model_extra() {
+  case $1 in
+    llama-25m) echo "--set model.type=llama --set model.n_kv_head=2 --set model.intermediate_size=1408" ;;
+    *) echo "" ;;
+  esac
+}
+model_peer() {
+  case $1 in
+    llama-25m) echo bench/torch_llama_ddp.py ;;
+    *) echo bench/torch_gpt_ddp.py ;;
   esac
 }
 # Modes per model: name ranks strategy precision peer-flags ("-": plain DDP;
@@ -93,6 +113,7 @@ model_modes() {
     default) printf '%s\n' "single 1 single fp32 -" "ddp 2 ddp fp32 -" ;;
     gpt-25m) printf '%s\n' "single 1 single fp32 -" "ddp 2 ddp fp32 -" "zero1 2 zero1 fp32 --zero1" \
                            "fsdp 2 fsdp fp32 =ddp" "bf16-ddp 2 ddp bf16-mixed --bf16" ;;
+    llama-25m) printf '%s\n' "ddp 2 ddp fp32 -" "fsdp 2 fsdp fp32 -" "bf16-ddp 2 ddp bf16-mixed --bf16" ;;
   esac
 }
 PROFILE_STEPS=7 PROFILE_STEP=6   # profile runs: step 6 of 7 (warm: the first steps still grow the heap; the last saves a checkpoint)
@@ -101,8 +122,8 @@ if [ "$QUICK" = 1 ]; then
   model_spec() {
     case $1 in
       default) echo "4 4 128 128 32 8 5 2" ;;
-      gpt-25m) echo "8 8 512 256 8 2 3 1" ;;
-      *) die "unknown model '$1' (known: default gpt-25m)" ;;
+      gpt-25m|llama-25m) echo "8 8 512 256 8 2 3 1" ;;
+      *) die "unknown model '$1' (known: default gpt-25m llama-25m)" ;;
     esac
   }
 fi
@@ -113,6 +134,7 @@ RESULTS=$OUT_DIR/results.jsonl
 
 # ---- the machine ---------------------------------------------------------------
 COMMAND="make bench-train   # runs: bash bench/train.sh"
+[ "$SECTION" = train-llama ] && COMMAND="make bench-llama   # runs: MODELS=llama-25m SECTION=train-llama bash bench/train.sh"
 [ "$QUICK" = 1 ] && COMMAND="QUICK=1 bash bench/train.sh"
 DATE=$(date -u '+%Y-%m-%d %H:%M UTC')
 LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
@@ -191,7 +213,7 @@ shardtrain_run() {  # shardtrain_run DIR RANKS STRATEGY PRECISION STEPS [--set .
     --set trainer.max_steps="$steps" --set trainer.eval_every=0 --set trainer.sample_tokens=0 \
     --set trainer.progress=plain --set precision="$prec" \
     --set distributed.strategy="$strat" --set distributed.threads_per_rank=1 \
-    --nproc-per-node "$np" "$@"
+    --nproc-per-node "$np" $EXTRA "$@"
   rm -rf "$dir/model.safetensors" "$dir/checkpoints"   # up to a few hundred MB each for gpt-25m
 }
 peer_run() {  # peer_run CORETYPE RANKS ARGS...
@@ -199,7 +221,7 @@ peer_run() {  # peer_run CORETYPE RANKS ARGS...
   shift 2
   local e
   mapfile -t e < <(peer_env "$core")
-  local py=("$TORCH_PY" bench/torch_gpt_ddp.py --n-layer "$L" --n-head "$H" --n-embd "$E"
+  local py=("$TORCH_PY" "$PEER_PY" --n-layer "$L" --n-head "$H" --n-embd "$E"
             --block-size "$T" --global-batch "$G" --micro "$M" --threads 1 "$@")
   if [ "$np" -eq 1 ]; then
     run "${e[@]}" "${py[@]}"
@@ -211,12 +233,14 @@ peer_run() {  # peer_run CORETYPE RANKS ARGS...
 summarize() {  # summarize RUN_DIR MODE: one throughput line for a shardtrain run
   run "${RENDER[@]}" summarize --metrics "$1/metrics.jsonl" --label "$model" --mode "$2" \
     --warmup "$W" --threads 1 --global-batch "$G" --micro "$M" --block-size "$T" \
-    --n-layer "$L" --n-embd "$E" --json "$RESULTS"
+    --n-layer "$L" --n-embd "$E" --model-type "$([[ $model == llama* ]] && echo llama || echo gpt)" --json "$RESULTS"
 }
 
 n_rows=0
 for model in $MODELS; do
   read -r L H E T G M S W <<< "$(model_spec "$model")"
+  EXTRA=$(model_extra "$model")
+  PEER_PY=$(model_peer "$model")
   mapfile -t modes < <(model_modes "$model")
   for mode in "${modes[@]}"; do
     read -r MODE NP STRAT PREC PEER <<< "$mode"
@@ -281,4 +305,4 @@ ELAPSED=$((SECONDS - START))
 LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
 echo "measured in $ELAPSED s; load average $LOAD_START before, $LOAD_END after"
 "${RENDER[@]}" finish --json "$RESULTS" --elapsed "$ELAPSED" --load "$LOAD_END"
-run "${RENDER[@]}" render --results "$RESULTS" --out BENCHMARKS.md
+run "${RENDER[@]}" render --results "$RESULTS" --out BENCHMARKS.md --section "$SECTION"

@@ -310,7 +310,7 @@ TEST(UntrustedCli, RawLibTorchErrorsAreOneLineWithTheBacktraceBehindDebug) {
   // index error inside LibTorch.
   const auto beyond = cli("generate --checkpoint " + tmp.path() + " --prompt \"$(printf '\\377')\"");
   EXPECT_EQ(beyond.code, 2) << beyond.out;
-  EXPECT_HAS(beyond.out, "--prompt holds byte 255 but the model's vocabulary has 240 tokens");
+  EXPECT_HAS(beyond.out, "the prompt holds token 255 but the model's vocabulary has 240 tokens");
   const std::string generate =
       "generate --checkpoint " + tmp.path() + " --prompt x --max-new-tokens 2 --temperature 1e-300";
   const auto plain = cli(generate);

@@ -144,9 +144,10 @@ std::shared_ptr<const data::Tokenizer> model_tokenizer(const config::Config& con
 
 namespace {
 
-// prompt ids + up to max_new_tokens more, each id checked against the model.
+// prompt ids (checked against the model) + up to max_new_tokens more, those
+// the tokenizer knows.
 std::vector<int32_t> continue_ids(models::CausalLMImpl& model, const std::vector<int32_t>& prompt,
-                                  const models::GenerateOptions& options) {
+                                  int64_t tokenizer_vocab, const models::GenerateOptions& options) {
   ST_CHECK(!prompt.empty(), ConfigError, "the prompt encodes to no tokens; give a non-empty --prompt");
   std::vector<int64_t> ids(prompt.begin(), prompt.end());
   for (const int64_t id : ids) {
@@ -156,8 +157,14 @@ std::vector<int32_t> continue_ids(models::CausalLMImpl& model, const std::vector
              " tokens; hint: use the model's own tokenizer (--tokenizer)");
   }
   const auto out = models::generate(model, torch::tensor(ids, torch::kLong).view({1, -1}), options);
+  // A model's vocabulary may be padded past its tokenizer's (Qwen2's is);
+  // ids the tokenizer cannot decode are left out of the text.
+  std::vector<int32_t> kept;
   const auto* p = out.data_ptr<int64_t>();
-  return std::vector<int32_t>(p, p + out.numel());
+  for (int64_t i = 0; i < out.numel(); ++i) {
+    if (p[i] < tokenizer_vocab) kept.push_back(static_cast<int32_t>(p[i]));
+  }
+  return kept;
 }
 
 }  // namespace
@@ -165,7 +172,8 @@ std::vector<int32_t> continue_ids(models::CausalLMImpl& model, const std::vector
 std::string sample_text(models::CausalLMImpl& model, const data::Tokenizer& tokenizer,
                         const std::string& prompt, const models::GenerateOptions& options) {
   const std::vector<int32_t> ids =
-      continue_ids(model, tokenizer.encode(prompt.empty() ? "\n" : prompt, /*add_special_tokens=*/true), options);
+      continue_ids(model, tokenizer.encode(prompt.empty() ? "\n" : prompt, /*add_special_tokens=*/true),
+                   tokenizer.vocab_size(), options);
   return tokenizer.decode(ids, /*skip_special_tokens=*/true);
 }
 
@@ -185,7 +193,7 @@ std::string chat_reply(models::CausalLMImpl& model, const data::Tokenizer& token
     if (id) stop.push_back(*id);
   }
   options.stop_tokens(stop);
-  const std::vector<int32_t> ids = continue_ids(model, prompt, options);
+  const std::vector<int32_t> ids = continue_ids(model, prompt, tokenizer.vocab_size(), options);
   return tokenizer.decode(std::vector<int32_t>(ids.begin() + static_cast<int64_t>(prompt.size()), ids.end()),
                           /*skip_special_tokens=*/true);
 }
