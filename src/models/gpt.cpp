@@ -227,42 +227,6 @@ torch::Tensor GPTImpl::forward_cached(const torch::Tensor& idx, KVCache& cache) 
   return torch::nn::functional::linear(ln_f(x), wte->weight);
 }
 
-torch::Tensor GPTImpl::generate(torch::Tensor idx, int64_t max_new_tokens, double temperature,
-                                int64_t top_k, uint64_t seed) {
-  ST_CHECK(idx.dim() == 2 && idx.size(1) >= 1, InvalidArgument,
-           "GPT::generate expects a non-empty prompt of shape [B, T], got ", idx.sizes(),
-           "; hint: start from at least one token");
-  ST_CHECK(max_new_tokens >= 0, InvalidArgument, "GPT::generate max_new_tokens=", max_new_tokens,
-           " must be >= 0");
-  ST_CHECK(temperature > 0.0, InvalidArgument, "GPT::generate temperature=", temperature,
-           " must be > 0; hint: use a small value such as 1e-3 for near-greedy sampling");
-
-  torch::NoGradGuard no_grad;
-  // No dropout while sampling, whatever mode the caller left the model in.
-  const bool was_training = is_training();
-  eval();
-  // Sampling happens on the CPU with a generator of its own: the same seed
-  // gives the same tokens whatever the model's device and whatever else has
-  // drawn from the global generator.
-  auto gen = at::detail::createCPUGenerator(seed);
-  idx = idx.to(torch::kLong);
-  const int64_t block = config_.block_size;
-  for (int64_t i = 0; i < max_new_tokens; ++i) {
-    const auto context = idx.size(1) <= block ? idx : idx.slice(1, idx.size(1) - block);
-    auto logits = forward(context).select(1, -1).to(torch::kFloat) / temperature;  // [B, V]
-    if (top_k > 0 && top_k < logits.size(-1)) {
-      const auto kth = std::get<0>(torch::topk(logits, top_k, -1)).select(-1, top_k - 1);
-      logits = logits.masked_fill(logits < kth.unsqueeze(-1),
-                                  -std::numeric_limits<double>::infinity());
-    }
-    const auto probs = torch::softmax(logits, -1).to(torch::kCPU);
-    const auto next = torch::multinomial(probs, 1, /*replacement=*/false, gen);  // [B, 1]
-    idx = torch::cat({idx, next.to(idx.device())}, 1);
-  }
-  train(was_training);
-  return idx;
-}
-
 // ---- the family -------------------------------------------------------------------------
 
 namespace {

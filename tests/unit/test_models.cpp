@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "shardtrain/core/error.h"
+#include "shardtrain/models/causal_lm.h"
 #include "shardtrain/models/gpt.h"
 #include "shardtrain/models/mlp.h"
 
@@ -149,14 +150,19 @@ TEST(GPT, OutputProjectionIsTiedToWte) {
 
 // ---- generation -----------------------------------------------------------------------
 
+// Sampling through models::generate (causal_lm.h), which every family shares.
+shardtrain::models::GenerateOptions sampling(int64_t n, double temperature, int64_t top_k, uint64_t seed) {
+  return shardtrain::models::GenerateOptions().max_new_tokens(n).temperature(temperature).top_k(top_k).seed(seed);
+}
+
 TEST(GPT, GenerateIsDeterministicForASeed) {
   torch::manual_seed(3);
   GPT model(tiny_config());
   const auto prompt = torch::tensor({{1, 2, 3}}, torch::kLong);
-  const auto a = model->generate(prompt, 12, 1.0, 0, 42);
+  const auto a = shardtrain::models::generate(*model, prompt, sampling(12, 1.0, 0, 42));
   torch::manual_seed(999);  // the global generator must not matter
-  const auto b = model->generate(prompt, 12, 1.0, 0, 42);
-  const auto c = model->generate(prompt, 12, 1.0, 0, 43);
+  const auto b = shardtrain::models::generate(*model, prompt, sampling(12, 1.0, 0, 42));
+  const auto c = shardtrain::models::generate(*model, prompt, sampling(12, 1.0, 0, 43));
   EXPECT_EQ(a.sizes().vec(), (std::vector<int64_t>{1, 15}));
   EXPECT_TRUE(torch::equal(a, b));
   EXPECT_FALSE(torch::equal(a, c));
@@ -169,18 +175,18 @@ TEST(GPT, GenerateRespectsTopK) {
   GPT model(tiny_config());
   const auto prompt = torch::tensor({{5}}, torch::kLong);
   // top_k = 1 is greedy: every step picks the arg-max of the logits.
-  const auto out = model->generate(prompt, 6, 1.0, 1, 7);
+  const auto out = shardtrain::models::generate(*model, prompt, sampling(6, 1.0, 1, 7));
   for (int64_t t = 1; t < out.size(1); ++t) {
     const auto logits = model->forward(out.slice(1, 0, t)).select(1, -1);
     EXPECT_EQ(out[0][t].item<int64_t>(), logits.argmax(-1)[0].item<int64_t>());
   }
   // top_k = 3: every sampled token is among the 3 most likely ones.
   const auto batch = torch::randint(0, 11, {16, 2}, torch::kLong);
-  const auto sampled = model->generate(batch, 1, 2.0, 3, 11);
   const auto logits = model->forward(batch).select(1, -1);
   const auto top3 = std::get<1>(logits.topk(3, -1));
   for (int64_t b = 0; b < 16; ++b) {
-    const auto tok = sampled[b][2].item<int64_t>();
+    const auto sampled = shardtrain::models::generate(*model, batch.slice(0, b, b + 1), sampling(1, 2.0, 3, 11 + b));
+    const auto tok = sampled[0][2].item<int64_t>();
     EXPECT_TRUE(top3[b].eq(tok).any().item<bool>()) << "row " << b << " token " << tok;
   }
 }
@@ -188,12 +194,14 @@ TEST(GPT, GenerateRespectsTopK) {
 TEST(GPT, GenerateCropsTheContextToBlockSize) {
   torch::manual_seed(5);
   GPT model(tiny_config());  // block_size 8
-  const auto prompt = torch::randint(0, 11, {2, 20}, torch::kLong);
-  const auto out = model->generate(prompt, 10, 1.0, 1, 0);  // would throw without cropping
-  EXPECT_EQ(out.sizes().vec(), (std::vector<int64_t>{2, 30}));
-  // With greedy decoding the first new token depends only on the last 8.
-  const auto expected = model->forward(prompt.slice(1, 12)).select(1, -1).argmax(-1);
-  EXPECT_TRUE(torch::equal(out.select(1, 20), expected));
+  const auto prompt = torch::randint(0, 11, {1, 20}, torch::kLong);
+  for (const bool cache : {true, false}) {
+    const auto out = shardtrain::models::generate(*model, prompt, sampling(10, 1.0, 1, 0).use_cache(cache));
+    EXPECT_EQ(out.sizes().vec(), (std::vector<int64_t>{1, 30}));
+    // With greedy decoding the first new token depends only on the last 8.
+    const auto expected = model->forward(prompt.slice(1, 12)).select(1, -1).argmax(-1);
+    EXPECT_TRUE(torch::equal(out.select(1, 20), expected));
+  }
 }
 
 // Dropout acts in training mode only, with masks from the global generator;
@@ -219,7 +227,8 @@ TEST(GPT, DropoutOnlyWhileTraining) {
   EXPECT_TRUE(torch::equal(y1, y1_again));  // the same generator state, the same masks
 
   const auto prompt = torch::tensor({{1, 2, 3}}, torch::kLong);
-  EXPECT_TRUE(torch::equal(with->generate(prompt, 6, 1.0, 0, 9), without->generate(prompt, 6, 1.0, 0, 9)));
+  EXPECT_TRUE(torch::equal(shardtrain::models::generate(*with, prompt, sampling(6, 1.0, 0, 9)),
+                           shardtrain::models::generate(*without, prompt, sampling(6, 1.0, 0, 9))));
   EXPECT_TRUE(with->is_training());  // generate leaves the mode as it found it
   with->eval();
   without->eval();

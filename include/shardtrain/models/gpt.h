@@ -109,12 +109,6 @@ class GPTImpl : public CausalLMImpl {
   int64_t vocab_size() const override { return config_.vocab_size; }
   int64_t context_size() const override { return config_.block_size; }
 
-  /// Appends `max_new_tokens` sampled tokens to idx [B, T] and returns
-  /// [B, T + max_new_tokens]. temperature > 0; top_k <= 0 means no cut-off.
-  /// Runs without grad; crops the context to block_size.
-  torch::Tensor generate(torch::Tensor idx, int64_t max_new_tokens, double temperature = 1.0,
-                         int64_t top_k = 0, uint64_t seed = 0);
-
   const GPTConfig& config() const { return config_; }
 
   torch::nn::Embedding wte{nullptr};
