@@ -167,11 +167,23 @@ def lr_at(step, a):
     return a.min_lr + 0.5 * (a.lr - a.min_lr) * (1.0 + math.cos(math.pi * p))
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def gpt_args(p):
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
+
+
+def build_gpt(a):
+    """The model and what the JSON line says of it beyond the common keys."""
+    return GPT(a.n_layer, a.n_head, a.n_embd, a.block_size, a.vocab_size), {}
+
+
+def main(prog="torch_gpt_ddp.py", doc=__doc__, model_args=gpt_args, build=build_gpt, **defaults):
+    """The benchmark loop for any model: `model_args` adds the model's flags,
+    `build(a)` returns (model, extra JSON keys), `defaults` override the
+    common flags' defaults (bench/torch_llama_ddp.py runs it this way)."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    model_args(p)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--global-batch", type=int, default=32)
@@ -200,11 +212,12 @@ def main():
                    help="profile this optimizer step (1-based; 0: off) into --profile-out")
     p.add_argument("--profile-out", default="",
                    help="profile JSON path; '{rank}' is replaced by the rank")
+    p.set_defaults(**defaults)
     a = p.parse_args()
     if a.profile_step and not (1 <= a.profile_step <= a.steps and a.profile_out):
-        sys.exit("torch_gpt_ddp.py: --profile-step needs 1 <= N <= --steps and --profile-out")
+        sys.exit(f"{prog}: --profile-step needs 1 <= N <= --steps and --profile-out")
     if a.steps <= a.warmup or a.warmup < 0:
-        sys.exit("torch_gpt_ddp.py: need 0 <= --warmup < --steps")
+        sys.exit(f"{prog}: need 0 <= --warmup < --steps")
 
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -212,12 +225,12 @@ def main():
     threads = a.threads or max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(threads)
     if a.zero1 and world < 2:
-        sys.exit("torch_gpt_ddp.py: --zero1 needs world size > 1; start it under `shardtrain launch`")
+        sys.exit(f"{prog}: --zero1 needs world size > 1; start it under `shardtrain launch`")
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
 
     if a.global_batch % (a.micro * world):
-        sys.exit(f"torch_gpt_ddp.py: global batch {a.global_batch} is not divisible by "
+        sys.exit(f"{prog}: global batch {a.global_batch} is not divisible by "
                  f"micro {a.micro} x world {world}")
     accumulate = a.global_batch // (a.micro * world)
 
@@ -227,7 +240,7 @@ def main():
     n_train = int(len(tokens) * (1.0 - a.val_fraction))
     train = tokens[:n_train]
     if n_train <= a.block_size + 1:
-        sys.exit(f"torch_gpt_ddp.py: {a.data} is too short for block size {a.block_size}")
+        sys.exit(f"{prog}: {a.data} is too short for block size {a.block_size}")
     offsets = torch.arange(a.block_size + 1)
     gen = torch.Generator().manual_seed(a.seed + 1000 * rank)
 
@@ -237,8 +250,8 @@ def main():
         return w[:, :-1], w[:, 1:]
 
     torch.manual_seed(a.seed)  # same weights on every rank (DDP also broadcasts them)
-    model = GPT(a.n_layer, a.n_head, a.n_embd, a.block_size, a.vocab_size)
-    params = list(model.parameters())  # tied wte counted once
+    model, about_model = build(a)
+    params = list(model.parameters())  # tied weights counted once
     n_params = sum(t.numel() for t in params)
     decay = [t for t in params if t.dim() >= 2]
     no_decay = [t for t in params if t.dim() < 2]
@@ -321,6 +334,7 @@ def main():
         "blas_core": blas_core(), "blas_threads": blas_threads(),
         "env": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS",
                                            "OMP_NUM_THREADS", "OMP_WAIT_POLICY") if k in os.environ},
+        **about_model,
     }
     if rank == 0:
         line = json.dumps(result)
