@@ -113,7 +113,7 @@ std::string project_file(const std::string& relative) {
   for (const fs::path& root : {exe.parent_path().parent_path() / "share" / "shardtrain",
                                exe.parent_path().parent_path()}) {
     const fs::path candidate = root / relative;
-    if (fs::is_regular_file(candidate, ec)) return candidate.string();
+    if (fs::exists(candidate, ec)) return candidate.string();
   }
   return "";
 }
@@ -125,13 +125,17 @@ config::Config load_config(const TrainArgs& args, bool say) {
   if (say && args.config.empty()) {
     std::printf("config: none given; the built-in defaults (the same as configs/default.yaml)\n");
   }
-  std::string& data = config.data.train;
-  std::error_code ec;
-  if (!data.empty() && fs::path(data).is_relative() && !fs::exists(data, ec)) {
-    const std::string found = project_file(data);
+  // The data and the tokenizer the example configs name (data/...).
+  for (std::string* path : {&config.data.train, &config.data.tokenizer}) {
+    std::error_code ec;
+    if (path->empty() || *path == "bytes" || *path == "auto" || fs::path(*path).is_absolute() ||
+        fs::exists(*path, ec)) {
+      continue;
+    }
+    const std::string found = project_file(*path);
     if (!found.empty()) {
-      if (say) std::printf("data: '%s' is not under the current directory; using %s\n", data.c_str(), found.c_str());
-      data = found;
+      if (say) std::printf("data: '%s' is not under the current directory; using %s\n", path->c_str(), found.c_str());
+      *path = found;
     }
   }
   std::fflush(stdout);
