@@ -277,9 +277,13 @@ def render(rows, a):
                    f"the best of {p0.get('reps', '?')} timed runs of ≥ {p0.get('min_seconds', '?')} s each "
                    "after a warm-up, the best shape per dtype): " + "; ".join(parts) + ".")
     out.append(
-        "- Method: `shardtrain train` against bench/torch_gpt_ddp.py, the same GPT-2 model "
-        "(pre-LN, fused c_attn, GELU tanh, tied wte, mask built per forward) with the same "
-        "parameter count, byte data from data/corpus.txt, batch, AdamW (betas 0.9/0.95, decay on "
+        "- Method: `shardtrain train` against "
+        + ("bench/torch_llama_ddp.py, the same Llama decoder (tests/reference/llama_ref.py: RMSNorm "
+           "in fp32, rotate-half rotary, grouped-query attention, SwiGLU, untied head) "
+           if a.section == "train-llama" else
+           "bench/torch_gpt_ddp.py, the same GPT-2 model (pre-LN, fused c_attn, GELU tanh, tied "
+           "wte, mask built per forward) ")
+        + "with the same parameter count, byte data from data/corpus.txt, batch, AdamW (betas 0.9/0.95, decay on "
         "dim ≥ 2 only), clipping at 1.0, and 1 thread per rank everywhere. Peers: PyTorch "
         "DistributedDataParallel over Gloo with no_sync() on accumulation micro-steps; ZeRO-1 rows "
         "wrap AdamW in ZeroRedundancyOptimizer; bf16 rows run forward and loss under "

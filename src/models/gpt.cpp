@@ -257,6 +257,13 @@ class GptFamily final : public ModelFamily {
   std::string peft_prefix() const override { return "base_model.model.transformer."; }
   bool hf_transposed(const std::string& name) const override { return checkpoint::is_conv1d_weight(name); }
   bool hf_conv1d() const override { return true; }
+  // Hugging Face GPT-2 files carry causal masks as buffers; ours are built.
+  bool hf_skipped(const std::string& name) const override {
+    const auto ends = [&](const std::string& tail) {
+      return name.size() >= tail.size() && name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+    };
+    return ends(".attn.bias") || ends(".attn.masked_bias");
+  }
 };
 
 }  // namespace

@@ -176,11 +176,7 @@ void load_hf_weights(torch::nn::Module& module, const HfWeights& weights, const 
     }
   }
   for (const auto& name : weights.names()) {
-    // Hugging Face GPT-2 files carry causal masks as buffers; ours are built.
-    const bool mask = family.hf_conv1d() &&
-                      (name.size() > 9 && (name.rfind(".attn.bias") == name.size() - 10 ||
-                                           name.rfind(".attn.masked_bias") == name.size() - 17));
-    if (!wanted.count(name) && !mask) unexpected.push_back(name);
+    if (!wanted.count(name) && !family.hf_skipped(name)) unexpected.push_back(name);
   }
   if (!missing.empty() || !mismatched.empty() || !unexpected.empty()) {
     std::ostringstream os;

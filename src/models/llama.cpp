@@ -319,6 +319,14 @@ class LlamaFamily final : public ModelFamily {
     return {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
   }
   std::string peft_prefix() const override { return "base_model.model."; }
+  // Older files keep each layer's rotary inv_freq buffer (ours is computed
+  // from the config); a tied model's file may also hold lm_head.weight, a
+  // copy of the embedding, which transformers ties away as we do.
+  bool hf_skipped(const std::string& name) const override {
+    const std::string inv = ".rotary_emb.inv_freq";
+    return name == "lm_head.weight" ||
+           (name.size() >= inv.size() && name.compare(name.size() - inv.size(), inv.size(), inv) == 0);
+  }
   std::vector<std::string> hf_model_types() const override { return {"llama", "mistral", "qwen2"}; }
   void read_hf_config(const nlohmann::json& j, config::ModelConfig& m) const override;
   std::string hf_config_json(const config::ModelConfig& m) const override;

@@ -232,6 +232,25 @@ TEST(HfDir, ShardedExportReadsBackBitForBit) {
   }
 }
 
+// What older or other exporters add beside the weights loads: rotary
+// inv_freq buffers and a tied model's lm_head copy are left unloaded.
+TEST(HfDir, RotaryBuffersAndATiedHeadCopyAreSkipped) {
+  st::testing::TempDir tmp("llama");
+  ModelConfig c = tiny();
+  c.tie_word_embeddings = true;
+  auto model = build(c);
+  auto tensors = state(*model);
+  tensors.emplace_back("lm_head.weight", model->named_parameters()["model.embed_tokens.weight"].detach());
+  tensors.emplace_back("model.layers.0.self_attn.rotary_emb.inv_freq", torch::ones({4}));
+  const auto& family = m::family_of(c.type);
+  m::save_hf_dir(tmp / "d", family.hf_config_json(c), tensors, &family, m::kDefaultMaxShardBytes);
+  auto other = build(c, 7);
+  m::load_hf_weights(*other, m::HfWeights(tmp / "d"), family);
+  for (const auto& [name, value] : state(*model)) {
+    EXPECT_TRUE(torch::equal(other->named_parameters()[name], value)) << name;
+  }
+}
+
 TEST(HfDir, MismatchesAreOneCheckpointErrorNamingTensorsAndFile) {
   st::testing::TempDir tmp("llama");
   const ModelConfig c = tiny();

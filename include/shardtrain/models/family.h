@@ -69,6 +69,10 @@ class ModelFamily {
   /// Whether the model is a causal language model (PEFT task_type CAUSAL_LM,
   /// sampled at the end of a run).
   virtual bool language_model() const { return true; }
+  /// Whether a tensor a Hugging Face file holds is left unloaded rather than
+  /// refused as unexpected: buffers the model computes itself (GPT-2's causal
+  /// masks, older Llama files' rotary inv_freq) and a tied head's copy.
+  virtual bool hf_skipped(const std::string& name) const { return false; }
   /// The config.json `model_type` values this family reads ("llama", ...).
   virtual std::vector<std::string> hf_model_types() const { return {}; }
   /// Sets the type-specific architecture keys of `m` from a config.json;
