@@ -26,6 +26,7 @@ Run with the system Python (Debian's python3-torch).
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -174,7 +175,10 @@ def shardtrain_train(cli, src, hf_dir, run_dir, spec, extra_sets=(), port=None):
         env["SHARDTRAIN_JOB_TOKEN"] = os.urandom(16).hex()
         # Two nodes of world/2 ranks on this host: hybrid shards within a node
         # and replicates across the two.
-        port = port or 29500 + os.getpid() % 1000
+        if port is None:  # a port nobody holds now (the launchers bind it at once)
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
         procs = []
         for node in (0, 1):
             cmd = [cli, "train", "configs/default.yaml", *args, "--nnodes", "2", "--node-rank", str(node),
