@@ -114,8 +114,7 @@ std::string write_exported_model(const std::string& run_dir, const config::Confi
   // The tokenizer the run read ships with the model, as in any Hugging Face
   // model directory (so `data.tokenizer: auto` and `generate` find it there).
   if (!config_json.empty()) {
-    const std::string& from = config.model.init_from;
-    for (const auto& file : data::tokenizer_files(config.data.tokenizer, fs::is_directory(from) ? from : "")) {
+    for (const auto& file : data::tokenizer_files(config.data.tokenizer, model_dir(config))) {
       const fs::path to = fs::path(dir) / fs::path(file).filename();
       std::error_code ec;
       if (fs::exists(to, ec) && fs::equivalent(file, to, ec)) continue;

@@ -31,11 +31,6 @@ int64_t count_parameters(torch::nn::Module& model) {
   return n;
 }
 
-// The model directory: model.init_from when it names a directory.
-std::string model_dir(const config::Config& config) {
-  const std::string& from = config.model.init_from;
-  return !from.empty() && std::filesystem::is_directory(from) ? from : "";
-}
 
 // A language model of any family on the config's data (data::make_lm_data:
 // token windows or samples, packed rows honoured through Batch::segment).
@@ -110,6 +105,11 @@ TrainTask regression_task(const config::Config& config, std::shared_ptr<models::
 }
 
 }  // namespace
+
+std::string model_dir(const config::Config& config) {
+  const std::string& from = config.model.init_from;
+  return !from.empty() && std::filesystem::is_directory(from) ? from : "";
+}
 
 TrainTask make_task(const config::Config& config, int world_size) {
   const config::BatchPlan plan = config.resolve_batch(world_size);

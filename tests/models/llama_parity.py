@@ -160,12 +160,12 @@ def strategy_args(spec):
     return world, sets
 
 
-def shardtrain_train(cli, src, hf_dir, run_dir, spec, extra_sets=(), port=None):
+def shardtrain_train(cli, src, hf_dir, run_dir, spec, extra_sets=(), port=None, steps=STEPS):
     world, sets = strategy_args(spec)
     sets = sets + [
         "model.type=auto", f"model.init_from={hf_dir}", f"model.block_size={BLOCK}",
         f"batch.global={GLOBAL}", f"batch.micro={MICRO}", "batch.accumulate=null",
-        f"trainer.max_steps={STEPS}", "trainer.eval_every=0", "trainer.sample_tokens=0",
+        f"trainer.max_steps={steps}", "trainer.eval_every=0", "trainer.sample_tokens=0",
         "trainer.progress=none", "distributed.threads_per_rank=1", "schedule.warmup_steps=2",
         f"run.dir={run_dir}", "data.train=data/corpus.txt",
     ] + list(extra_sets)
@@ -276,14 +276,8 @@ def cmd_lora(cli, src, spec):
         run_dir = os.path.join(work, "run")
         world, ours = shardtrain_train(cli, src, hf, run_dir, spec,
                                        ["lora.r=4", "lora.alpha=8", f"lora.init_from={start}"])
-        out = os.path.join(work, "ref.json")
         trained = os.path.join(work, "ref_adapter")
-        ref("train", hf, "--steps", str(STEPS), "--data", os.path.join(src, "data/corpus.txt"),
-            "--block-size", str(BLOCK), "--global-batch", str(GLOBAL), "--micro", str(MICRO),
-            "--eval-rows", str(MICRO * world), "--warmup", "2", "--out", out,
-            "--adapter", start, "--out-adapter", trained)
-        with open(out) as f:
-            theirs = json.load(f)["losses"]
+        theirs, _ = ref_train(src, hf, work, world, ["--adapter", start, "--out-adapter", trained])
         what = f"lora {spec}"
         for i, (o, r) in enumerate(zip(ours, theirs)):
             if abs(o - r) > FP32["loss"]:
@@ -320,10 +314,8 @@ def cmd_export(cli, src):
     try:
         hf = make_variant(work, "tied_qwen2")
         run_dir = os.path.join(work, "run")
-        global STEPS
-        STEPS = 2
         # 20 kB shards: the tiny model's 0.4 MB go into many files.
-        shardtrain_train(cli, src, hf, run_dir, "single", ["checkpoint.export_max_shard_mb=0.02"])
+        shardtrain_train(cli, src, hf, run_dir, "single", ["checkpoint.export_max_shard_mb=0.02"], steps=2)
         out = os.path.join(run_dir, "model")
         with open(os.path.join(out, "model.safetensors.index.json")) as f:
             index = json.load(f)

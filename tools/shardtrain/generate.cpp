@@ -138,8 +138,7 @@ LoadedModel load_model(const std::string& path, bool say_source) {
 }
 
 std::shared_ptr<const data::Tokenizer> model_tokenizer(const config::Config& config) {
-  const std::string& from = config.model.init_from;
-  return data::load_tokenizer(config.data.tokenizer, !from.empty() && fs::is_directory(from) ? from : "");
+  return data::load_tokenizer(config.data.tokenizer, train::model_dir(config));
 }
 
 namespace {
@@ -255,8 +254,7 @@ int generate_main(int argc, char** argv) {
   }
   data::ChatTemplateKind kind = loaded.config.data.chat_template;
   if (!chat_template.empty()) kind = enum_from_name<data::ChatTemplateKind>(chat_template, "--chat-template");
-  const std::string& from = loaded.config.model.init_from;
-  kind = data::resolve_chat_template(kind, fs::is_directory(from) ? from : "");
+  kind = data::resolve_chat_template(kind, train::model_dir(loaded.config));
   std::printf("%s\n", chat_reply(*loaded.model, *tokenizer, kind, system, prompt, options).c_str());
   return 0;
 }

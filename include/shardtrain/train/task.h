@@ -48,11 +48,15 @@ struct TrainTask {
   Metrics static_metrics;
 };
 
-/// The task for the config's built-in model: a GPT on the config's token data
-/// (train/validation split by data.val_fraction) or an MLP on a synthetic
-/// regression set. The same seed gives the same initial weights on every rank;
+/// The task for the config's model: a language model of any family on the
+/// config's data (data::make_lm_data: tokens, text or JSON-lines samples,
+/// split by data.val_fraction) or an MLP on a synthetic regression set. The same seed gives the same initial weights on every rank;
 /// `world_size` fixes the batch plan the data order is built for.
 TrainTask make_task(const config::Config& config, int world_size);
+
+/// The run's model directory: model.init_from when it names a directory (a
+/// Hugging Face model, whose tokenizer and chat template live there), else "".
+std::string model_dir(const config::Config& config);
 
 /// The GPT described by the config's model section.
 models::GPTConfig gpt_config(const config::ModelConfig& model);
