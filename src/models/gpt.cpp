@@ -11,6 +11,7 @@
 #include <string>
 #include <utility>
 
+#include "shardtrain/core/deferred.h"
 #include "shardtrain/core/error.h"
 #include "models/attention.h"
 #include "models/families.h"
@@ -157,11 +158,16 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& se
 
 GPTImpl::GPTImpl(const GPTConfig& config) : config_(config) {
   config_.validate();
-  wte = register_module("wte", torch::nn::Embedding(config_.vocab_size, config_.n_embd));
-  wpe = register_module("wpe", torch::nn::Embedding(config_.block_size, config_.n_embd));
+  const auto built = [&](auto module) {
+    if (config_.deferred) defer_parameters(*module);
+    return module;
+  };
+  wte = register_module("wte", built(torch::nn::Embedding(config_.vocab_size, config_.n_embd)));
+  wpe = register_module("wpe", built(torch::nn::Embedding(config_.block_size, config_.n_embd)));
   h = register_module("h", torch::nn::ModuleList());
-  for (int64_t i = 0; i < config_.n_layer; ++i) h->push_back(Block(config_));
-  ln_f = register_module("ln_f", make_layer_norm(config_.n_embd));
+  for (int64_t i = 0; i < config_.n_layer; ++i) h->push_back(built(Block(config_)));
+  ln_f = register_module("ln_f", built(make_layer_norm(config_.n_embd)));
+  if (config_.deferred) return;  // the weights come from files
 
   // GPT-2 initialisation. The residual projections get a smaller std so the
   // residual stream's variance does not grow with depth (2 adds per block).
@@ -235,8 +241,10 @@ class GptFamily final : public ModelFamily {
  public:
   train::ModelType type() const override { return train::ModelType::Gpt; }
   void validate(const config::ModelConfig& m) const override { GPTConfig::from(m).validate(); }
-  std::shared_ptr<torch::nn::Module> build(const config::ModelConfig& m) const override {
-    return std::make_shared<GPTImpl>(GPTConfig::from(m));
+  std::shared_ptr<torch::nn::Module> build(const config::ModelConfig& m, bool deferred) const override {
+    GPTConfig c = GPTConfig::from(m);
+    c.deferred = deferred;
+    return std::make_shared<GPTImpl>(c);
   }
   double num_parameters(const config::ModelConfig& m) const override {
     // GPTConfig::num_parameters() in doubles.

@@ -14,6 +14,7 @@
 #include "checkpoint/detail.h"
 #include "core/file.h"
 #include "shardtrain/checkpoint/safetensors.h"
+#include "shardtrain/core/deferred.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/family.h"
 
@@ -143,7 +144,9 @@ at::Tensor HfWeights::read_range(const std::string& name, int64_t first, int64_t
   return files_[it->second]->read_range(name, first, count);
 }
 
-void load_hf_weights(torch::nn::Module& module, const HfWeights& weights, const ModelFamily& family) {
+void load_hf_weights(torch::nn::Module& module, const std::shared_ptr<const HfWeights>& source,
+                     const ModelFamily& family) {
+  const HfWeights& weights = *source;
   std::vector<std::pair<std::string, at::Tensor>> targets;  // each tensor once (tied: first name)
   std::unordered_set<const void*> seen;
   for (const auto& p : module.named_parameters(true)) {
@@ -197,10 +200,22 @@ void load_hf_weights(torch::nn::Module& module, const HfWeights& weights, const 
   }
   at::NoGradGuard no_grad;
   for (auto& [name, t] : targets) {
-    if (t.is_meta()) continue;
-    at::Tensor src = weights.read(name);
-    if (flip(name, t)) src = src.t();
-    t.copy_(src);
+    if (!is_deferred(t)) {
+      at::Tensor src = weights.read(name);
+      if (flip(name, t)) src = src.t();
+      t.copy_(src);
+    } else if (!flip(name, t)) {
+      // Row-major ranges of the model's tensor are ranges of the file's.
+      defer(t, [source, name = name](int64_t first, const at::Tensor& out) {
+        out.copy_(source->read_range(name, first, out.numel()));
+      });
+    } else {
+      // Stored transposed: the range's rows come from columns of the file's
+      // tensor, so the tensor is read whole (one tensor, never the model).
+      defer(t, [source, name = name](int64_t first, const at::Tensor& out) {
+        out.copy_(source->read(name).t().reshape({-1}).narrow(0, first, out.numel()));
+      });
+    }
   }
 }
 

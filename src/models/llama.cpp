@@ -10,6 +10,7 @@
 #include "models/attention.h"
 #include "models/families.h"
 #include "shardtrain/config/config.h"
+#include "shardtrain/core/deferred.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/checkpoint.h"
 #include "shardtrain/models/lora.h"
@@ -189,10 +190,14 @@ at::Tensor BlockImpl::forward(const at::Tensor& x, const at::Tensor& cos, const 
 }
 
 ModelImpl::ModelImpl(const LlamaConfig& c) {
-  embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.hidden_size));
+  const auto built = [&](auto module) {
+    if (c.deferred) defer_parameters(*module);
+    return module;
+  };
+  embed_tokens = register_module("embed_tokens", built(torch::nn::Embedding(c.vocab_size, c.hidden_size)));
   layers = register_module("layers", torch::nn::ModuleList());
-  for (int64_t i = 0; i < c.num_layers; ++i) layers->push_back(Block(c));
-  norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+  for (int64_t i = 0; i < c.num_layers; ++i) layers->push_back(built(Block(c)));
+  norm = register_module("norm", built(RMSNorm(c.hidden_size, c.rms_norm_eps)));
 }
 
 }  // namespace llama
@@ -204,8 +209,10 @@ LlamaImpl::LlamaImpl(const LlamaConfig& config) : config_(config) {
   model = register_module("model", llama::Model(config_));
   if (!config_.tie_word_embeddings) {
     lm_head = register_module("lm_head", linear(config_.hidden_size, config_.vocab_size, false));
+    if (config_.deferred) defer_parameters(*lm_head);
   }
   rotary_ = rotary_tables(config_);
+  if (config_.deferred) return;
   // Hugging Face's initialisation: N(0, 0.02) for every Linear and the
   // embedding, zero biases, norms at one.
   torch::NoGradGuard no_grad;
@@ -286,8 +293,10 @@ class LlamaFamily final : public ModelFamily {
              "model.block_size=", m.block_size, " exceeds the model's max_position_embeddings=",
              m.max_position_embeddings, "; hint: lower model.block_size");
   }
-  std::shared_ptr<torch::nn::Module> build(const config::ModelConfig& m) const override {
-    return std::make_shared<LlamaImpl>(LlamaConfig::from(m));
+  std::shared_ptr<torch::nn::Module> build(const config::ModelConfig& m, bool deferred) const override {
+    LlamaConfig c = LlamaConfig::from(m);
+    c.deferred = deferred;
+    return std::make_shared<LlamaImpl>(c);
   }
   double num_parameters(const config::ModelConfig& m) const override {
     return static_cast<double>(LlamaConfig::from(m).num_parameters());

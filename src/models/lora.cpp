@@ -6,6 +6,7 @@
 
 #include <cmath>
 
+#include "shardtrain/core/deferred.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/quantize.h"
 
@@ -25,6 +26,63 @@ struct ParameterTable : torch::nn::Module {
 };
 
 constexpr const char* kStateName = "lora_state";
+
+QuantizedWeight quantize(const at::Tensor& weight, const LoraOptions& options) {
+  return options.quantize() == LoraQuantize::Int8 ? quantize_int8(weight)
+                                                  : quantize_nf4(weight, options.double_quant());
+}
+
+// The weights most recently quantized for deferred readers. A sharded
+// strategy reads a layer's codes, then its scales (one flat per dtype), so
+// each weight's quantization is kept until the layer's seven projections
+// have passed; the codes are an eighth of the fp32 weight or less.
+class QuantizedCache {
+ public:
+  const QuantizedWeight& get(const at::Tensor& weight, const LoraOptions& options) {
+    const void* key = weight.unsafeGetTensorImpl();
+    for (auto& [k, q] : entries_) {
+      if (k == key) return q;
+    }
+    const at::Tensor values = at::empty(weight.sizes(), weight.options().requires_grad(false));
+    read_deferred(weight, 0, values.view({-1}), "a quantized LoRA base weight");
+    if (entries_.size() >= kKept) entries_.erase(entries_.begin());
+    entries_.emplace_back(key, quantize(values, options));
+    return entries_.back().second;
+  }
+
+ private:
+  static constexpr size_t kKept = 8;
+  std::vector<std::pair<const void*, QuantizedWeight>> entries_;
+};
+
+// Deferred tensors shaped as the quantization of deferred `weight` will be,
+// each reading its part of that quantization: the weight is read and
+// quantized when first asked for, tensor by tensor, never the whole base.
+QuantizedWeight deferred_quantization(const at::Tensor& weight, const LoraOptions& options,
+                                      const std::shared_ptr<QuantizedCache>& cache) {
+  const int64_t out = weight.size(0), in = weight.size(1), numel = weight.numel();
+  const auto make = [&](std::vector<int64_t> shape, at::ScalarType dtype, at::Tensor QuantizedWeight::*part) {
+    return deferred_tensor(shape, dtype, [cache, weight, options, part](int64_t first, const at::Tensor& dst) {
+      const QuantizedWeight& q = cache->get(weight, options);
+      dst.copy_((q.*part).reshape({-1}).narrow(0, first, dst.numel()));
+    });
+  };
+  QuantizedWeight q;
+  if (options.quantize() == LoraQuantize::Int8) {
+    q.codes = make({out, in}, at::kChar, &QuantizedWeight::codes);
+    q.scales = make({out}, at::kFloat, &QuantizedWeight::scales);
+  } else if (!options.double_quant()) {
+    q.codes = make({numel / 2}, at::kByte, &QuantizedWeight::codes);
+    q.scales = make({numel / kNf4Block}, at::kFloat, &QuantizedWeight::scales);
+  } else {
+    const int64_t blocks = numel / kNf4Block;
+    q.codes = make({numel / 2}, at::kByte, &QuantizedWeight::codes);
+    q.scales_q = make({blocks}, at::kChar, &QuantizedWeight::scales_q);
+    q.scales_scale = make({(blocks + kScaleBlock - 1) / kScaleBlock}, at::kFloat, &QuantizedWeight::scales_scale);
+    q.scales_mean = make({1}, at::kFloat, &QuantizedWeight::scales_mean);
+  }
+  return q;
+}
 
 // What the forward of an adapted layer needs besides its parameters. A child
 // module without parameters, so it lives and dies with the layer and never
@@ -165,6 +223,7 @@ LoraSummary apply_lora(torch::nn::Module& model, const LoraOptions& options) {
   }
 
   auto gen = at::detail::createCPUGenerator(options.seed());
+  const auto cache = std::make_shared<QuantizedCache>();
   LoraSummary summary;
   for (auto& [path, layer] : targets) {
     const int64_t in = layer->options.in_features(), out = layer->options.out_features();
@@ -185,9 +244,10 @@ LoraSummary apply_lora(torch::nn::Module& model, const LoraOptions& options) {
     state->b->weight.set_requires_grad(true);
 
     if (options.quantize() != LoraQuantize::None) {
-      const QuantizedWeight q = options.quantize() == LoraQuantize::Int8
-                                    ? quantize_int8(layer->weight)
-                                    : quantize_nf4(layer->weight, options.double_quant());
+      // A deferred base is quantized as it is read, tensor by tensor.
+      const QuantizedWeight q = is_deferred(layer->weight)
+                                    ? deferred_quantization(layer->weight.detach(), options, cache)
+                                    : quantize(layer->weight, options);
       ParameterTable::of(*layer).erase("weight");
       layer->weight = at::Tensor();
       state->qweight = layer->register_parameter("qweight", q.codes, false);

@@ -3,6 +3,7 @@
 
 #include <torch/torch.h>
 
+#include "shardtrain/core/deferred.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/lora.h"
 
@@ -49,8 +50,10 @@ class MlpFamily final : public ModelFamily {
   void validate(const config::ModelConfig& m) const override {
     ST_CHECK(m.mlp_sizes.size() >= 2, ConfigError, "model.mlp_sizes needs at least two widths");
   }
-  std::shared_ptr<torch::nn::Module> build(const config::ModelConfig& m) const override {
-    return std::make_shared<MLPImpl>(m.mlp_sizes);
+  std::shared_ptr<torch::nn::Module> build(const config::ModelConfig& m, bool deferred) const override {
+    auto model = std::make_shared<MLPImpl>(m.mlp_sizes);
+    if (deferred) defer_parameters(*model);  // small: built whole, then deferred
+    return model;
   }
   double num_parameters(const config::ModelConfig& m) const override {
     double n = 0.0;

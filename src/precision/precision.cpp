@@ -19,6 +19,7 @@
 
 #include "precision/detail.h"
 #include "shardtrain/comm/communicator.h"
+#include "shardtrain/core/deferred.h"
 #include "shardtrain/core/error.h"
 
 namespace shardtrain::precision {
@@ -153,7 +154,9 @@ class UnscaledPrecision : public Precision {
     // bool buffers (masks, counters); only floating point tensors change.
     torch::NoGradGuard no_grad;
     for (auto& p : model.parameters(/*recurse=*/true)) {
-      if (p.is_floating_point()) p.set_data(p.to(torch::kBFloat16));
+      if (!p.is_floating_point() || p.scalar_type() == torch::kBFloat16) continue;
+      // Weights still in their files stay there, read as bf16.
+      p.set_data(is_deferred(p) ? deferred_as(p, torch::kBFloat16) : p.to(torch::kBFloat16));
     }
     for (auto& b : model.buffers(/*recurse=*/true)) {
       if (b.is_floating_point()) b.set_data(b.to(torch::kBFloat16));

@@ -23,6 +23,7 @@
 
 #include <chrono>
 
+#include "shardtrain/core/deferred.h"
 #include "shardtrain/core/error.h"
 #include "strategy/detail.h"
 
@@ -311,7 +312,9 @@ void DDPStrategy::setup(torch::nn::Module& model, std::shared_ptr<comm::Communic
   comm_ = std::move(comm);
   model_ = &model;
 
-  // 1. Same starting point on every rank: parameters and buffers from rank 0.
+  // 1. Same starting point on every rank: parameters and buffers from rank 0
+  //    (weights still in their files are read first: every rank keeps them whole).
+  materialize(model);
   {
     std::vector<at::Tensor> tensors;
     std::vector<std::string> names;

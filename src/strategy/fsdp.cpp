@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "shardtrain/core/deferred.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/dist/env.h"
 #include "shardtrain/strategy/unit.h"
@@ -145,6 +146,12 @@ void ShardedStrategy::setup(torch::nn::Module& model, std::shared_ptr<comm::Comm
     std::vector<at::Tensor> tensors;
     std::vector<std::string> names;
     model_tensors(model, tensors, names);
+    // Deferred weights are read from their files by every rank alike.
+    for (size_t i = tensors.size(); i-- > 0;) {
+      if (!is_deferred(tensors[i])) continue;
+      tensors.erase(tensors.begin() + static_cast<long>(i));
+      names.erase(names.begin() + static_cast<long>(i));
+    }
     broadcast_from_rank0(*world_, tensors, names);
   }
   make_groups();
@@ -205,8 +212,10 @@ void ShardedStrategy::build_units(torch::nn::Module& model) {
     unit.persistent = up.name.empty() || !mode_.shard_params;
     units_.push_back(std::move(unit));
     std::vector<std::pair<std::pair<bool, at::ScalarType>, std::vector<FlatMember>>> groups;
+    bool deferred = false;
     for (const auto& name : up.params) {
       const at::Tensor& t = by_name.at(name);
+      deferred = deferred || is_deferred(t);
       ST_CHECK(t.device().is_cpu() && t.layout() == at::kStrided, InvalidArgument,
                "sharded strategies handle dense CPU parameters; '", name, "' is on ", t.device(),
                " with layout ", t.layout());
@@ -216,6 +225,12 @@ void ShardedStrategy::build_units(torch::nn::Module& model) {
       it->second.push_back(FlatMember{name, t, t.sizes().vec(), order_of.at(name), {}});
     }
     for (auto& [key, params] : groups) build_flat(units_.size() - 1, std::move(params), key.first, key.second);
+    // A unit whose weights were read as shards starts sharded.
+    Unit& made = units_.back();
+    if (deferred && !made.persistent) {
+      for (size_t f : made.flats) release_storage(flats_[f].full);
+      made.state = Unit::State::Sharded;
+    }
   }
 }
 
@@ -234,16 +249,33 @@ void ShardedStrategy::build_flat(size_t u, std::vector<FlatMember> params, bool 
   for (size_t i = 0; i < params.size(); ++i) params[i].slot = fl.layout.slots[i];
   const FlatLayout& l = fl.layout;
 
-  // The master values, padded with zeros.
-  at::Tensor master = at::zeros({l.padded}, at::TensorOptions().dtype(dtype));
-  for (const auto& p : params) master.narrow(0, p.slot.offset, p.slot.numel).copy_(p.var.detach().reshape(-1));
+  // Elements [first, first + out.numel()) of parameter p into `out`:
+  // deferred parameters (weights still in their files) read just those.
+  const auto read = [](const FlatMember& p, int64_t first, const at::Tensor& out) {
+    if (is_deferred(p.var)) return read_deferred(p.var, first, out, p.name.c_str());
+    out.copy_(p.var.detach().reshape(-1).narrow(0, first, out.numel()));
+  };
+  const bool deferred = std::any_of(params.begin(), params.end(), [](const FlatMember& p) {
+    return is_deferred(p.var);
+  });
   fl.full = flat_empty(l.padded, fl.compute_dtype);
-  fl.full.copy_(master);
-  const bool shard_in_full = !mode_.shard_params && fl.compute_dtype == dtype;
-  fl.shard = shard_in_full ? fl.full.narrow(0, l.shard_offset, l.shard_numel)
-                           : master.narrow(0, l.shard_offset, l.shard_numel).clone();
+  if (deferred && !units_[u].persistent) {
+    // Only this rank's shard is read; the unit starts sharded, so no rank
+    // ever holds the whole model.
+    fl.shard = at::zeros({l.shard_numel}, at::TensorOptions().dtype(dtype));
+    for (const auto& p : params) {
+      read(p, p.slot.param_offset, fl.shard.narrow(0, p.slot.shard_begin, p.slot.shard_count));
+    }
+  } else {
+    // The master values, padded with zeros.
+    at::Tensor master = at::zeros({l.padded}, at::TensorOptions().dtype(dtype));
+    for (const auto& p : params) read(p, 0, master.narrow(0, p.slot.offset, p.slot.numel));
+    fl.full.copy_(master);
+    const bool shard_in_full = !mode_.shard_params && fl.compute_dtype == dtype;
+    fl.shard = shard_in_full ? fl.full.narrow(0, l.shard_offset, l.shard_numel)
+                             : master.narrow(0, l.shard_offset, l.shard_numel).clone();
+  }
   fl.gather_src = fl.compute_dtype == dtype ? fl.shard : at::empty({l.shard_numel}, fl.full.options());
-  master = at::Tensor();
   for (auto& p : params) p.var.set_data(fl.full.narrow(0, p.slot.offset, p.slot.numel).view(p.shape));
   fl.params = std::move(params);
 

@@ -6,6 +6,7 @@
 #include <unordered_set>
 
 #include "shardtrain/comm/communicator.h"
+#include "shardtrain/core/deferred.h"
 #include "shardtrain/core/error.h"
 #include "strategy/detail.h"
 #include "strategy/fsdp.h"
@@ -22,6 +23,7 @@ class SingleStrategy final : public Strategy {
   void setup(torch::nn::Module& model, std::shared_ptr<comm::Communicator> comm) override {
     comm_ = std::move(comm);
     model_ = &model;
+    materialize(model);  // weights still in their files
     params_.clear();
     for (auto& p : model.parameters()) {
       if (p.requires_grad()) params_.push_back(p);

@@ -63,7 +63,7 @@ models::LoraOptions lora_options(const config::Config& config) {
 
 void load_init_weights(torch::nn::Module& model, const config::Config& config) {
   if (config.model.init_from.empty()) return;
-  models::load_hf_weights(model, models::HfWeights(config.model.init_from),
+  models::load_hf_weights(model, std::make_shared<const models::HfWeights>(config.model.init_from),
                           models::family_of(config.model.type));
 }
 

@@ -38,7 +38,8 @@ namespace shardtrain::train::detail {
 models::LoraOptions lora_options(const config::Config& config);
 
 /// Loads model.init_from (a safetensors file or a Hugging Face directory)
-/// into `model` with the family's names and layouts; a no-op when unset.
+/// into `model` with the family's names and layouts (deferred parameters get
+/// readers of the files instead; core/deferred.h); a no-op when unset.
 void load_init_weights(torch::nn::Module& model, const config::Config& config);
 
 /// The identity of model.init_from (file or directory) as JSON {"path",

@@ -147,13 +147,13 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
   precision_ = precision::Precision::create(config_.precision, config_.loss_scaler,
                                             torch::cuda::is_available());
   // Fine-tuning: weights from a safetensors file or a Hugging Face directory
-  // (the family's names and layouts), before the strategy shards them.
-  // Every rank reads it; setup would broadcast rank 0's anyway.
+  // (the family's names and layouts). Checked here; make_task built the
+  // model deferred, so the strategy reads each tensor, or only the slices a
+  // rank keeps, from the files in its setup (every rank reads them).
   detail::load_init_weights(*task_.model, config_);
   // LoRA: freeze the (loaded) base and attach the adapters before anything
   // plans over the parameters.
   detail::prepare_lora(*task_.model, config_);
-  keep_freed_memory();  // after QLoRA's quantization, which returns the fp32 base first
   {
     detail::FrozenBase base = detail::frozen_base(*task_.model, config_);
     frozen_names_ = std::move(base.names);
@@ -166,6 +166,9 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
       strategy_options(config_, *task_.model, comm_->size(), env.local_world_size);
   strategy_ = strategy::make_strategy(so);
   strategy_->setup(*task_.model, comm_);
+  // After loading, which frees each tensor it read (and QLoRA's fp32 base):
+  // that memory goes back to the system first.
+  keep_freed_memory();
   // After setup: the optimizer must see the parameters as the strategy left them.
   optimizer_ = make_optimizer(strategy_->optimizer_parameters(), config_.optimizer);
 

@@ -53,7 +53,7 @@ int main(int argc, char** argv) {
     config.model.block_size = std::max<int64_t>(1, config.model.max_position_embeddings);
     const auto& family = st::models::family_of(config.model.type);
     auto model = std::dynamic_pointer_cast<st::models::CausalLMImpl>(family.build(config.model));
-    st::models::load_hf_weights(*model, st::models::HfWeights(argv[1]), family);
+    st::models::load_hf_weights(*model, std::make_shared<const st::models::HfWeights>(argv[1]), family);
     model->eval();
     torch::NoGradGuard no_grad;
 

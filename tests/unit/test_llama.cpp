@@ -216,7 +216,8 @@ TEST(HfDir, ShardedExportReadsBackBitForBit) {
   }
   auto model = build(c);
   for (const std::string dir : {"one", "shards"}) {
-    const m::HfWeights w(tmp / dir);
+    const auto source = std::make_shared<const m::HfWeights>(tmp / dir);
+    const m::HfWeights& w = *source;
     for (const auto& [name, value] : state(*model)) {
       EXPECT_TRUE(torch::equal(w.read(name), value)) << dir << " " << name;
       const int64_t first = value.numel() / 3;
@@ -225,7 +226,7 @@ TEST(HfDir, ShardedExportReadsBackBitForBit) {
           << name;
     }
     auto other = build(c, 99);
-    m::load_hf_weights(*other, w, m::family_of(c.type));
+    m::load_hf_weights(*other, source, m::family_of(c.type));
     for (const auto& [name, value] : state(*other)) {
       EXPECT_TRUE(torch::equal(value, w.read(name))) << name;
     }
@@ -245,7 +246,7 @@ TEST(HfDir, RotaryBuffersAndATiedHeadCopyAreSkipped) {
   const auto& family = m::family_of(c.type);
   m::save_hf_dir(tmp / "d", family.hf_config_json(c), tensors, &family, m::kDefaultMaxShardBytes);
   auto other = build(c, 7);
-  m::load_hf_weights(*other, m::HfWeights(tmp / "d"), family);
+  m::load_hf_weights(*other, std::make_shared<const m::HfWeights>(tmp / "d"), family);
   for (const auto& [name, value] : state(*model)) {
     EXPECT_TRUE(torch::equal(other->named_parameters()[name], value)) << name;
   }
@@ -265,7 +266,7 @@ TEST(HfDir, MismatchesAreOneCheckpointErrorNamingTensorsAndFile) {
     if (name == "model.norm.weight") t = torch::zeros({31});
   }
   m::save_hf_dir(tmp / "bad", family.hf_config_json(c), edited, &family, m::kDefaultMaxShardBytes);
-  std::string msg = st::testing::checkpoint_error([&] { m::load_hf_weights(*model, m::HfWeights(tmp / "bad"), family); });
+  std::string msg = st::testing::checkpoint_error([&] { m::load_hf_weights(*model, std::make_shared<const m::HfWeights>(tmp / "bad"), family); });
   EXPECT_HAS(msg, tensors[1].first);
   EXPECT_HAS(msg, "model.layers.9.mlp.up_proj.weight");
   EXPECT_HAS(msg, "model.norm.weight");
@@ -274,7 +275,7 @@ TEST(HfDir, MismatchesAreOneCheckpointErrorNamingTensorsAndFile) {
   auto ints = tensors;
   ints[0].second = torch::zeros(ints[0].second.sizes(), torch::kInt64);
   m::save_hf_dir(tmp / "ints", "", ints, &family, m::kDefaultMaxShardBytes);
-  msg = st::testing::checkpoint_error([&] { m::load_hf_weights(*model, m::HfWeights(tmp / "ints"), family); });
+  msg = st::testing::checkpoint_error([&] { m::load_hf_weights(*model, std::make_shared<const m::HfWeights>(tmp / "ints"), family); });
   EXPECT_HAS(msg, tensors[0].first);
   // An index naming a shard that is not there.
   m::save_hf_dir(tmp / "shards", family.hf_config_json(c), tensors, &family, 20000);

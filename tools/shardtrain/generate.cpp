@@ -104,7 +104,7 @@ LoadedModel load_hf(const std::string& dir) {
                                                 {"model.init_from=" + dir});
   config.model.block_size = std::max<int64_t>(1, config.model.max_position_embeddings);
   auto model = build_lm(config, dir);
-  models::load_hf_weights(*model, models::HfWeights(dir), models::family_of(config.model.type));
+  models::load_hf_weights(*model, std::make_shared<const models::HfWeights>(dir), models::family_of(config.model.type));
   return {model, config};
 }
 
@@ -127,7 +127,7 @@ LoadedModel load_model(const std::string& path, bool say_source) {
              "printed.");
     const config::Config config = config::Config::load(config_path);
     auto model = build_lm(config, source.path);
-    models::load_hf_weights(*model, models::HfWeights(source.path), models::family_of(config.model.type));
+    models::load_hf_weights(*model, std::make_shared<const models::HfWeights>(source.path), models::family_of(config.model.type));
     return {model, config};
   }
   ck::CheckpointReader reader(source.path);

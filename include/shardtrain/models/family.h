@@ -41,8 +41,12 @@ class ModelFamily {
   virtual train::ModelType type() const = 0;
   /// Checks the sizes; ConfigError naming the model.* key otherwise.
   virtual void validate(const config::ModelConfig& m) const = 0;
-  /// A new model with the seed's initial weights (the caller seeds).
-  virtual std::shared_ptr<torch::nn::Module> build(const config::ModelConfig& m) const = 0;
+  /// A new model with the seed's initial weights (the caller seeds). With
+  /// `deferred`, every parameter is deferred (core/deferred.h) as soon as its
+  /// submodule is built, so the whole model's weights never exist at once:
+  /// for a model whose weights come from files, read where they are kept.
+  virtual std::shared_ptr<torch::nn::Module> build(const config::ModelConfig& m,
+                                                   bool deferred = false) const = 0;
 
   // ---- sizes, from the config alone (nothing allocated) -------------------------------
   /// Parameters the model holds (tied weights once), in doubles so absurd

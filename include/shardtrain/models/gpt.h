@@ -38,6 +38,9 @@ struct GPTConfig {
   /// Dropout probability in training mode: on the embeddings, the attention
   /// weights and each residual branch's output (as nanoGPT); 0: none.
   double dropout = 0.0;
+  /// Build with every parameter deferred (core/deferred.h) as each
+  /// submodule is made, and no initialisation: the weights come from files.
+  bool deferred = false;
 
   /// From the config's model section.
   static GPTConfig from(const config::ModelConfig& m);

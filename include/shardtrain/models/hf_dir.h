@@ -63,9 +63,11 @@ class HfWeights {
 /// present, shapes equal after the family's transposes, floating dtypes
 /// F32/BF16/F16 for floating tensors) and throws one CheckpointError listing
 /// missing, unexpected and mismatched tensors with the file; then copies
-/// tensor by tensor. Tensors on the meta device are checked but left for
-/// the caller (a sharded strategy reads only its shards).
-void load_hf_weights(torch::nn::Module& module, const HfWeights& weights, const ModelFamily& family);
+/// tensor by tensor. Deferred tensors (core/deferred.h) are not read: they
+/// get a reader of `weights` instead, so that whoever keeps them (a sharded
+/// strategy keeps slices) reads only what it keeps.
+void load_hf_weights(torch::nn::Module& module, const std::shared_ptr<const HfWeights>& weights,
+                     const ModelFamily& family);
 
 /// Writes `dir`/config.json (unless `config_json` is empty) and the tensors,
 /// one file or shards of at most `max_shard_bytes` with an index; each file

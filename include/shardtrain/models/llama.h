@@ -54,6 +54,9 @@ struct LlamaConfig {
   bool mlp_bias = false;
   double attention_dropout = 0.0;
   bool activation_checkpointing = false;
+  /// Build with every parameter deferred (core/deferred.h) as each
+  /// submodule is made, and no initialisation: the weights come from files.
+  bool deferred = false;
 
   /// From the model section, defaults resolved (n_kv_head 0, head_dim 0, ...).
   static LlamaConfig from(const config::ModelConfig& m);
