@@ -317,16 +317,29 @@ at::Tensor SafetensorsFile::read_range(const std::string& name, int64_t first, i
   const SafetensorsEntry* e = find(name);
   ST_CHECK(e != nullptr, CheckpointError, "safetensors file '", impl_->path, "' has no tensor '",
            name, "'");
+  at::Tensor t = at::empty({count}, at::TensorOptions().dtype(dtype_from_name(e->dtype, name)));
+  read_range_into(name, first, t);
+  return t;
+}
+
+void SafetensorsFile::read_range_into(const std::string& name, int64_t first, const at::Tensor& out) const {
+  const SafetensorsEntry* e = find(name);
+  ST_CHECK(e != nullptr, CheckpointError, "safetensors file '", impl_->path, "' has no tensor '",
+           name, "'");
   const at::ScalarType dtype = dtype_from_name(e->dtype, name);
   const int64_t size = static_cast<int64_t>(c10::elementSize(dtype));
-  ST_CHECK(first >= 0 && count >= 0 && (first + count) * size <= e->end - e->begin, InvalidArgument,
+  const int64_t count = out.numel();
+  ST_CHECK(first >= 0 && (first + count) * size <= e->end - e->begin, InvalidArgument,
            "read_range: elements [", first, ", ", first + count, ") lie outside tensor '", name, "'");
-  at::Tensor t = at::empty({count}, at::TensorOptions().dtype(dtype));
-  if (count > 0) {
-    pread_exact(impl_->fd, t.data_ptr(), static_cast<size_t>(count * size),
-                impl_->data_start + e->begin + first * size, impl_->path);
+  ST_CHECK(out.dim() == 1 && out.is_contiguous(), InvalidArgument,
+           "read_range_into: the destination must be 1-D and contiguous");
+  if (count == 0) return;
+  if (out.scalar_type() != dtype) {
+    out.copy_(read_range(name, first, count));
+    return;
   }
-  return t;
+  pread_exact(impl_->fd, out.data_ptr(), static_cast<size_t>(count * size),
+              impl_->data_start + e->begin + first * size, impl_->path);
 }
 
 void load_safetensors_into(torch::nn::Module& module, const std::string& path,

@@ -15,6 +15,7 @@
 #include "shardtrain/core/error.h"
 #include "models/attention.h"
 #include "models/families.h"
+#include "models/layers.h"
 #include "shardtrain/config/config.h"
 #include "shardtrain/checkpoint/safetensors.h"
 #include "shardtrain/models/checkpoint.h"
@@ -99,8 +100,8 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& config)
     : n_head_(config.n_head), dropout_(config.dropout) {
   config.validate();
   const int64_t c = config.n_embd;
-  c_attn = register_module("c_attn", torch::nn::Linear(torch::nn::LinearOptions(c, 3 * c)));
-  c_proj = register_module("c_proj", torch::nn::Linear(torch::nn::LinearOptions(c, c)));
+  c_attn = register_module("c_attn", detail::make_linear(c, 3 * c, true, config.deferred));
+  c_proj = register_module("c_proj", detail::make_linear(c, c, true, config.deferred));
 }
 
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& segment,
@@ -130,8 +131,8 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x, const tor
 
 MLPBlockImpl::MLPBlockImpl(const GPTConfig& config) : dropout_(config.dropout) {
   const int64_t c = config.n_embd;
-  c_fc = register_module("c_fc", torch::nn::Linear(torch::nn::LinearOptions(c, 4 * c)));
-  c_proj = register_module("c_proj", torch::nn::Linear(torch::nn::LinearOptions(4 * c, c)));
+  c_fc = register_module("c_fc", detail::make_linear(c, 4 * c, true, config.deferred));
+  c_proj = register_module("c_proj", detail::make_linear(4 * c, c, true, config.deferred));
 }
 
 torch::Tensor MLPBlockImpl::forward(const torch::Tensor& x) {
@@ -162,8 +163,8 @@ GPTImpl::GPTImpl(const GPTConfig& config) : config_(config) {
     if (config_.deferred) defer_parameters(*module);
     return module;
   };
-  wte = register_module("wte", built(torch::nn::Embedding(config_.vocab_size, config_.n_embd)));
-  wpe = register_module("wpe", built(torch::nn::Embedding(config_.block_size, config_.n_embd)));
+  wte = register_module("wte", detail::make_embedding(config_.vocab_size, config_.n_embd, config_.deferred));
+  wpe = register_module("wpe", detail::make_embedding(config_.block_size, config_.n_embd, config_.deferred));
   h = register_module("h", torch::nn::ModuleList());
   for (int64_t i = 0; i < config_.n_layer; ++i) h->push_back(built(Block(config_)));
   ln_f = register_module("ln_f", built(make_layer_norm(config_.n_embd)));

@@ -144,6 +144,12 @@ at::Tensor HfWeights::read_range(const std::string& name, int64_t first, int64_t
   return files_[it->second]->read_range(name, first, count);
 }
 
+void HfWeights::read_range_into(const std::string& name, int64_t first, const at::Tensor& out) const {
+  const auto it = where_.find(name);
+  ST_CHECK(it != where_.end(), CheckpointError, "'", path_, "' has no tensor '", name, "'");
+  files_[it->second]->read_range_into(name, first, out);
+}
+
 void load_hf_weights(torch::nn::Module& module, const std::shared_ptr<const HfWeights>& source,
                      const ModelFamily& family) {
   const HfWeights& weights = *source;
@@ -207,7 +213,7 @@ void load_hf_weights(torch::nn::Module& module, const std::shared_ptr<const HfWe
     } else if (!flip(name, t)) {
       // Row-major ranges of the model's tensor are ranges of the file's.
       defer(t, [source, name = name](int64_t first, const at::Tensor& out) {
-        out.copy_(source->read_range(name, first, out.numel()));
+        source->read_range_into(name, first, out);
       });
     } else {
       // Stored transposed: the range's rows come from columns of the file's

@@ -9,6 +9,7 @@
 
 #include "models/attention.h"
 #include "models/families.h"
+#include "models/layers.h"
 #include "shardtrain/config/config.h"
 #include "shardtrain/core/deferred.h"
 #include "shardtrain/core/error.h"
@@ -21,10 +22,6 @@ namespace shardtrain::models {
 namespace {
 
 constexpr double kInitStd = 0.02;  // HF initializer_range
-
-torch::nn::Linear linear(int64_t in, int64_t out, bool bias) {
-  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
-}
 
 int64_t default_intermediate(int64_t hidden) {
   const int64_t raw = (8 * hidden + 2) / 3;
@@ -139,6 +136,9 @@ namespace llama {
 AttentionImpl::AttentionImpl(const LlamaConfig& c)
     : heads_(c.num_heads), kv_heads_(c.num_kv_heads), head_dim_(c.head_dim), dropout_(c.attention_dropout) {
   const bool qkv_bias = c.attention_bias != train::AttentionBias::None;
+  const auto linear = [&](int64_t in, int64_t out, bool bias) {
+    return detail::make_linear(in, out, bias, c.deferred);
+  };
   q_proj = register_module("q_proj", linear(c.hidden_size, heads_ * head_dim_, qkv_bias));
   k_proj = register_module("k_proj", linear(c.hidden_size, kv_heads_ * head_dim_, qkv_bias));
   v_proj = register_module("v_proj", linear(c.hidden_size, kv_heads_ * head_dim_, qkv_bias));
@@ -163,9 +163,12 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, co
 }
 
 MLPImpl::MLPImpl(const LlamaConfig& c) {
-  gate_proj = register_module("gate_proj", linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
-  up_proj = register_module("up_proj", linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
-  down_proj = register_module("down_proj", linear(c.intermediate_size, c.hidden_size, c.mlp_bias));
+  const auto linear = [&](int64_t in, int64_t out) {
+    return detail::make_linear(in, out, c.mlp_bias, c.deferred);
+  };
+  gate_proj = register_module("gate_proj", linear(c.hidden_size, c.intermediate_size));
+  up_proj = register_module("up_proj", linear(c.hidden_size, c.intermediate_size));
+  down_proj = register_module("down_proj", linear(c.intermediate_size, c.hidden_size));
 }
 
 at::Tensor MLPImpl::forward(const at::Tensor& x) {
@@ -194,7 +197,8 @@ ModelImpl::ModelImpl(const LlamaConfig& c) {
     if (c.deferred) defer_parameters(*module);
     return module;
   };
-  embed_tokens = register_module("embed_tokens", built(torch::nn::Embedding(c.vocab_size, c.hidden_size)));
+  embed_tokens =
+      register_module("embed_tokens", detail::make_embedding(c.vocab_size, c.hidden_size, c.deferred));
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.num_layers; ++i) layers->push_back(built(Block(c)));
   norm = register_module("norm", built(RMSNorm(c.hidden_size, c.rms_norm_eps)));
@@ -208,8 +212,8 @@ LlamaImpl::LlamaImpl(const LlamaConfig& config) : config_(config) {
   config_.validate();
   model = register_module("model", llama::Model(config_));
   if (!config_.tie_word_embeddings) {
-    lm_head = register_module("lm_head", linear(config_.hidden_size, config_.vocab_size, false));
-    if (config_.deferred) defer_parameters(*lm_head);
+    lm_head = register_module("lm_head", detail::make_linear(config_.hidden_size, config_.vocab_size,
+                                                             false, config_.deferred));
   }
   rotary_ = rotary_tables(config_);
   if (config_.deferred) return;

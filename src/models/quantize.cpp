@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+
 #include "shardtrain/core/error.h"
 
 namespace shardtrain::models {
@@ -61,16 +63,27 @@ QuantizedWeight quantize_nf4(const at::Tensor& weight, bool double_quant) {
            "quantize_nf4 expects a floating weight with a multiple of ", kNf4Block,
            " elements, got ", weight.sizes(), " ", weight.scalar_type());
   at::NoGradGuard no_grad;
-  const at::Tensor blocks = weight.detach().to(at::kFloat).reshape({-1, kNf4Block});
+  const at::Tensor blocks = weight.detach().reshape({-1, kNf4Block});
+  const int64_t count = blocks.size(0);
   QuantizedWeight q;
-  const at::Tensor absmax = blocks.abs().amax(/*dim=*/1);
-  const at::Tensor x = (blocks / safe(absmax).unsqueeze(1)).reshape({-1});
+  const at::Tensor absmax = at::empty({count}, at::TensorOptions().dtype(at::kFloat));
+  q.codes = at::empty({count * kNf4Block / 2}, at::TensorOptions().dtype(at::kByte));
   // Nearest code value: the code is ascending, so count the midpoints below x.
   const at::Tensor code = nf4_code();
   const at::Tensor mids = (code.slice(0, 0, 15) + code.slice(0, 1, 16)) / 2;
-  const at::Tensor idx = at::bucketize(x, mids, /*out_int32=*/false, /*right=*/false).to(at::kByte);
-  const at::Tensor pairs = idx.view({-1, 2});
-  q.codes = (pairs.select(1, 0) * 16 + pairs.select(1, 1)).to(at::kByte).contiguous();
+  // In chunks of blocks, so the temporaries stay a few MB whatever the
+  // weight's size (and are reused, not mapped afresh for each weight).
+  constexpr int64_t kChunk = 8192;
+  for (int64_t first = 0; first < count; first += kChunk) {
+    const int64_t n = std::min(kChunk, count - first);
+    const at::Tensor b = blocks.narrow(0, first, n).to(at::kFloat);
+    at::Tensor a = absmax.narrow(0, first, n);
+    at::amax_out(a, b.abs(), /*dim=*/1);
+    const at::Tensor x = (b / safe(a).unsqueeze(1)).reshape({-1});
+    const at::Tensor pairs = at::bucketize(x, mids, /*out_int32=*/true, /*right=*/false).view({-1, 2});
+    q.codes.narrow(0, first * kNf4Block / 2, n * kNf4Block / 2)
+        .copy_(pairs.select(1, 0) * 16 + pairs.select(1, 1));
+  }
   if (!double_quant) {
     q.scales = absmax;
     return q;

@@ -98,13 +98,18 @@ void give_back_block(size_t bytes) {  // a failed mapping is not live
   p.live_bytes -= bytes;
 }
 
+// flat_empty(..., populate=false) asks the allocator for a mapping whose
+// pages are not faulted in up front.
+thread_local bool t_populate = true;
+
 class FlatAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t bytes) const override {
     if (bytes == 0) return {nullptr, nullptr, &c10::detail::deleteNothing, c10::Device(c10::kCPU)};
     void* data = take_block(bytes);  // reused as it is: every user writes before it reads
     if (data == nullptr) {
-      data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+      data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                  MAP_PRIVATE | MAP_ANONYMOUS | (t_populate ? MAP_POPULATE : 0), -1, 0);
       if (data == MAP_FAILED) give_back_block(bytes);
     }
     ST_CHECK(data != MAP_FAILED, Error, "out of memory: cannot map ", bytes,
@@ -145,10 +150,12 @@ void trim_flat_memory() {
   for (const auto& [ptr, size] : blocks) munmap(ptr, size);
 }
 
-at::Tensor flat_empty(int64_t numel, at::ScalarType dtype) {
+at::Tensor flat_empty(int64_t numel, at::ScalarType dtype, bool populate) {
   const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+  t_populate = populate;
   c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, &flat_allocator(),
                        /*resizable=*/true);
+  t_populate = true;
   return at::empty({0}, at::TensorOptions().dtype(dtype)).set_(storage, 0, {numel}, {1});
 }
 

@@ -25,7 +25,9 @@ void reset_flat_memory_peak();
 
 /// A 1-D tensor of `numel` elements in mmap'd storage. Its contents are
 /// undefined (a reused mapping keeps what it held): write before reading.
-at::Tensor flat_empty(int64_t numel, at::ScalarType dtype);
+/// A new mapping has its pages faulted in at once unless `populate` is
+/// false (a buffer that is released before it is used).
+at::Tensor flat_empty(int64_t numel, at::ScalarType dtype, bool populate = true);
 
 /// Returns the kept released mappings to the system (a strategy that ends).
 void trim_flat_memory();

@@ -258,14 +258,21 @@ void ShardedStrategy::build_flat(size_t u, std::vector<FlatMember> params, bool 
   const bool deferred = std::any_of(params.begin(), params.end(), [](const FlatMember& p) {
     return is_deferred(p.var);
   });
-  fl.full = flat_empty(l.padded, fl.compute_dtype);
-  if (deferred && !units_[u].persistent) {
+  const bool shard_only = deferred && !units_[u].persistent;
+  // A unit read as shards releases `full` before anything uses it.
+  fl.full = flat_empty(l.padded, fl.compute_dtype, /*populate=*/!shard_only);
+  if (shard_only) {
     // Only this rank's shard is read; the unit starts sharded, so no rank
     // ever holds the whole model.
-    fl.shard = at::zeros({l.shard_numel}, at::TensorOptions().dtype(dtype));
+    // Mapped with its pages faulted in at once (faulting them one by one as
+    // the reads land costs more than the reads), then every element written.
+    fl.shard = flat_empty(l.shard_numel, dtype);
+    int64_t filled = 0;
     for (const auto& p : params) {
       read(p, p.slot.param_offset, fl.shard.narrow(0, p.slot.shard_begin, p.slot.shard_count));
+      filled = std::max(filled, p.slot.shard_begin + p.slot.shard_count);
     }
+    fl.shard.narrow(0, filled, l.shard_numel - filled).zero_();  // the padding
   } else {
     // The master values, padded with zeros.
     at::Tensor master = at::zeros({l.padded}, at::TensorOptions().dtype(dtype));
@@ -284,7 +291,7 @@ void ShardedStrategy::build_flat(size_t u, std::vector<FlatMember> params, bool 
     if (!mode_.shard_grads) fl.adopt_grads();
     fl.grad_shard_is_view = !mode_.shard_grads && fl.compute_dtype == dtype;
     fl.grad_shard = fl.grad_shard_is_view ? fl.grad_full.narrow(0, l.shard_offset, l.shard_numel)
-                                          : at::zeros({l.shard_numel}, at::TensorOptions().dtype(dtype));
+                                          : flat_empty(l.shard_numel, dtype).zero_();
     for (size_t i = 0; i < fl.params.size(); ++i) {
       at::Tensor slice = fl.shard_slice(i, shard_n_ == 1);
       at::Tensor grad = alias_of(fl.grad_shard, fl.params[i].slot.shard_begin, slice.sizes());

@@ -1,5 +1,4 @@
 // make_task: the built-in models with their data, as a TrainTask.
-#include <malloc.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -124,11 +123,6 @@ TrainTask make_task(const config::Config& config, int world_size) {
   // strategy reads them where they are kept (a sharded one, only its
   // shards), so no rank holds the whole model on the way.
   const bool deferred = !config.model.init_from.empty();
-  // Each module's weights are freed as soon as it is built, between small
-  // allocations that would split the freed space on the heap: mapped
-  // directly, they go back to the system whole. (The trainer sets its own
-  // thresholds once the weights are in place.)
-  if (deferred) mallopt(M_MMAP_THRESHOLD, 1 << 20);
   const std::shared_ptr<torch::nn::Module> model = family.build(config.model, deferred);
   if (auto lm = std::dynamic_pointer_cast<models::CausalLMImpl>(model)) {
     return lm_task(config, std::move(lm), plan, world_size);

@@ -154,6 +154,10 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
   // LoRA: freeze the (loaded) base and attach the adapters before anything
   // plans over the parameters.
   detail::prepare_lora(*task_.model, config_);
+  // After QLoRA's quantization of a base built whole, which returns the
+  // fp32 base first; before the strategy reads deferred weights, whose
+  // per-tensor scratch memory is then reused instead of mapped afresh.
+  keep_freed_memory();
   {
     detail::FrozenBase base = detail::frozen_base(*task_.model, config_);
     frozen_names_ = std::move(base.names);
@@ -166,9 +170,6 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
       strategy_options(config_, *task_.model, comm_->size(), env.local_world_size);
   strategy_ = strategy::make_strategy(so);
   strategy_->setup(*task_.model, comm_);
-  // After loading, which frees each tensor it read (and QLoRA's fp32 base):
-  // that memory goes back to the system first.
-  keep_freed_memory();
   // After setup: the optimizer must see the parameters as the strategy left them.
   optimizer_ = make_optimizer(strategy_->optimizer_parameters(), config_.optimizer);
 

@@ -96,6 +96,10 @@ class SafetensorsFile {
   /// Reads elements [first, first + count) of tensor `name` (row-major) as a
   /// 1-D tensor of its stored dtype: only those bytes.
   at::Tensor read_range(const std::string& name, int64_t first, int64_t count) const;
+  /// Reads elements [first, first + out.numel()) of tensor `name` into `out`
+  /// (1-D contiguous, any floating dtype): straight into it when the dtypes
+  /// agree, through a staging copy otherwise.
+  void read_range_into(const std::string& name, int64_t first, const at::Tensor& out) const;
 
  private:
   struct Impl;

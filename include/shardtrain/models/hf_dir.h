@@ -51,6 +51,9 @@ class HfWeights {
   /// Elements [first, first + count) of tensor `name` in row-major order,
   /// stored dtype, as a 1-D tensor; only those bytes are read.
   at::Tensor read_range(const std::string& name, int64_t first, int64_t count) const;
+  /// The same range into `out` (1-D contiguous, any floating dtype, cast
+  /// when it is not the stored one), without a staging copy when it is.
+  void read_range_into(const std::string& name, int64_t first, const at::Tensor& out) const;
   const std::string& path() const { return path_; }
 
  private:
