@@ -61,11 +61,13 @@ class QuantizedCache {
 QuantizedWeight deferred_quantization(const at::Tensor& weight, const LoraOptions& options,
                                       const std::shared_ptr<QuantizedCache>& cache) {
   const int64_t out = weight.size(0), in = weight.size(1), numel = weight.numel();
-  const auto make = [&](std::vector<int64_t> shape, at::ScalarType dtype, at::Tensor QuantizedWeight::*part) {
-    return deferred_tensor(shape, dtype, [cache, weight, options, part](int64_t first, const at::Tensor& dst) {
+  using Part = at::Tensor QuantizedWeight::*;
+  const auto make = [&](std::vector<int64_t> shape, at::ScalarType dtype, Part part) {
+    auto reader = [cache, weight, options, part](int64_t first, const at::Tensor& dst) {
       const QuantizedWeight& q = cache->get(weight, options);
       dst.copy_((q.*part).reshape({-1}).narrow(0, first, dst.numel()));
-    });
+    };
+    return deferred_tensor(shape, dtype, std::move(reader));
   };
   QuantizedWeight q;
   if (options.quantize() == LoraQuantize::Int8) {
@@ -78,7 +80,8 @@ QuantizedWeight deferred_quantization(const at::Tensor& weight, const LoraOption
     const int64_t blocks = numel / kNf4Block;
     q.codes = make({numel / 2}, at::kByte, &QuantizedWeight::codes);
     q.scales_q = make({blocks}, at::kChar, &QuantizedWeight::scales_q);
-    q.scales_scale = make({(blocks + kScaleBlock - 1) / kScaleBlock}, at::kFloat, &QuantizedWeight::scales_scale);
+    const int64_t groups = (blocks + kScaleBlock - 1) / kScaleBlock;
+    q.scales_scale = make({groups}, at::kFloat, &QuantizedWeight::scales_scale);
     q.scales_mean = make({1}, at::kFloat, &QuantizedWeight::scales_mean);
   }
   return q;

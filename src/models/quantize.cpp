@@ -2,8 +2,10 @@
 #include "shardtrain/models/quantize.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "shardtrain/core/error.h"
 
@@ -63,27 +65,38 @@ QuantizedWeight quantize_nf4(const at::Tensor& weight, bool double_quant) {
            "quantize_nf4 expects a floating weight with a multiple of ", kNf4Block,
            " elements, got ", weight.sizes(), " ", weight.scalar_type());
   at::NoGradGuard no_grad;
-  const at::Tensor blocks = weight.detach().reshape({-1, kNf4Block});
-  const int64_t count = blocks.size(0);
+  const at::Tensor w = weight.detach().to(at::kFloat).contiguous();
+  const int64_t count = w.numel() / kNf4Block;
   QuantizedWeight q;
   const at::Tensor absmax = at::empty({count}, at::TensorOptions().dtype(at::kFloat));
   q.codes = at::empty({count * kNf4Block / 2}, at::TensorOptions().dtype(at::kByte));
-  // Nearest code value: the code is ascending, so count the midpoints below x.
-  const at::Tensor code = nf4_code();
-  const at::Tensor mids = (code.slice(0, 0, 15) + code.slice(0, 1, 16)) / 2;
-  // In chunks of blocks, so the temporaries stay a few MB whatever the
-  // weight's size (and are reused, not mapped afresh for each weight).
-  constexpr int64_t kChunk = 8192;
-  for (int64_t first = 0; first < count; first += kChunk) {
-    const int64_t n = std::min(kChunk, count - first);
-    const at::Tensor b = blocks.narrow(0, first, n).to(at::kFloat);
-    at::Tensor a = absmax.narrow(0, first, n);
-    at::amax_out(a, b.abs(), /*dim=*/1);
-    const at::Tensor x = (b / safe(a).unsqueeze(1)).reshape({-1});
-    const at::Tensor pairs = at::bucketize(x, mids, /*out_int32=*/true, /*right=*/false).view({-1, 2});
-    q.codes.narrow(0, first * kNf4Block / 2, n * kNf4Block / 2)
-        .copy_(pairs.select(1, 0) * 16 + pairs.select(1, 1));
-  }
+  // Nearest code value: the code is ascending, so count the midpoints below
+  // x (what bucketize over the midpoints gives), block by block in one pass:
+  // the same float operations as the tensor form, at a fraction of its time.
+  float mids[15];
+  for (int i = 0; i < 15; ++i) mids[i] = (kNf4[i] + kNf4[i + 1]) / 2.0f;
+  const float* src = w.data_ptr<float>();
+  float* amax = absmax.data_ptr<float>();
+  uint8_t* codes = q.codes.data_ptr<uint8_t>();
+  at::parallel_for(0, count, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float* x = src + b * kNf4Block;
+      float m = 0.0f;
+      for (int64_t i = 0; i < kNf4Block; ++i) m = std::max(m, std::abs(x[i]));
+      amax[b] = m;
+      const float scale = m > 0.0f ? m : 1.0f;
+      uint8_t* out = codes + b * kNf4Block / 2;
+      for (int64_t i = 0; i < kNf4Block; i += 2) {
+        uint8_t hi = 0, lo = 0;
+        const float a = x[i] / scale, c = x[i + 1] / scale;
+        for (const float mid : mids) {
+          hi = static_cast<uint8_t>(hi + (a > mid));
+          lo = static_cast<uint8_t>(lo + (c > mid));
+        }
+        out[i / 2] = static_cast<uint8_t>(hi * 16 + lo);
+      }
+    }
+  });
   if (!double_quant) {
     q.scales = absmax;
     return q;

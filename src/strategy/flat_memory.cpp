@@ -2,6 +2,7 @@
 
 #include <ATen/native/Resize.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <ATen/ATen.h>
 
@@ -157,6 +158,17 @@ at::Tensor flat_empty(int64_t numel, at::ScalarType dtype, bool populate) {
                        /*resizable=*/true);
   t_populate = true;
   return at::empty({0}, at::TensorOptions().dtype(dtype)).set_(storage, 0, {numel}, {1});
+}
+
+at::Tensor populated_empty(int64_t numel, at::ScalarType dtype) {
+  at::Tensor t = at::empty({numel}, at::TensorOptions().dtype(dtype));
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t first = (begin + page - 1) / page * page;
+  const uintptr_t end = (begin + t.nbytes()) / page * page;
+  // Best effort: a kernel without it (before Linux 5.14) faults on first use.
+  if (end > first) (void)madvise(reinterpret_cast<void*>(first), end - first, MADV_POPULATE_WRITE);
+  return t;
 }
 
 void release_storage(const at::Tensor& flat) {

@@ -29,6 +29,13 @@ void reset_flat_memory_peak();
 /// false (a buffer that is released before it is used).
 at::Tensor flat_empty(int64_t numel, at::ScalarType dtype, bool populate = true);
 
+/// A 1-D tensor of `numel` elements from the CPU allocator (not a flat
+/// buffer: flat_memory_stats() does not count it) whose pages are faulted
+/// in at once where the kernel can (MADV_POPULATE_WRITE): filling a large
+/// buffer faults it in 4 KiB at a time otherwise, which costs more than the
+/// filling on some machines. Contents undefined.
+at::Tensor populated_empty(int64_t numel, at::ScalarType dtype);
+
 /// Returns the kept released mappings to the system (a strategy that ends).
 void trim_flat_memory();
 

@@ -264,9 +264,9 @@ void ShardedStrategy::build_flat(size_t u, std::vector<FlatMember> params, bool 
   if (shard_only) {
     // Only this rank's shard is read; the unit starts sharded, so no rank
     // ever holds the whole model.
-    // Mapped with its pages faulted in at once (faulting them one by one as
-    // the reads land costs more than the reads), then every element written.
-    fl.shard = flat_empty(l.shard_numel, dtype);
+    // Its pages faulted in at once (one by one as the reads land costs more
+    // than the reads), then every element written.
+    fl.shard = populated_empty(l.shard_numel, dtype);
     int64_t filled = 0;
     for (const auto& p : params) {
       read(p, p.slot.param_offset, fl.shard.narrow(0, p.slot.shard_begin, p.slot.shard_count));
@@ -291,7 +291,7 @@ void ShardedStrategy::build_flat(size_t u, std::vector<FlatMember> params, bool 
     if (!mode_.shard_grads) fl.adopt_grads();
     fl.grad_shard_is_view = !mode_.shard_grads && fl.compute_dtype == dtype;
     fl.grad_shard = fl.grad_shard_is_view ? fl.grad_full.narrow(0, l.shard_offset, l.shard_numel)
-                                          : flat_empty(l.shard_numel, dtype).zero_();
+                                          : populated_empty(l.shard_numel, dtype).zero_();
     for (size_t i = 0; i < fl.params.size(); ++i) {
       at::Tensor slice = fl.shard_slice(i, shard_n_ == 1);
       at::Tensor grad = alias_of(fl.grad_shard, fl.params[i].slot.shard_begin, slice.sizes());

@@ -195,7 +195,8 @@ Loaded load_and_train(const config::Config& c) {
 }
 
 std::string data_file() {
-  const fs::path path = fs::temp_directory_path() / ("shardtrain_loading_" + std::to_string(getpid()) + ".txt");
+  const fs::path path =
+      fs::temp_directory_path() / ("shardtrain_loading_" + std::to_string(getpid()) + ".txt");
   std::ofstream out(path);
   for (int i = 0; i < 200; ++i) out << "line " << i << " of the loading test's text\n";
   return path.string();

@@ -35,7 +35,8 @@ TEST(Deferred, PlaceholderKeepsShapeDtypeAndIdentityButNotTheStorage) {
   EXPECT_FALSE(st::is_deferred(at::Tensor()));
   {
     torch::NoGradGuard no_grad;
-    EXPECT_ANY_THROW(weight.copy_(torch::ones({200, 300})));  // one element stands for all: writes are refused
+    // One element stands for all: writes are refused.
+    EXPECT_ANY_THROW(weight.copy_(torch::ones({200, 300})));
     EXPECT_ANY_THROW(weight.normal_());
   }
 }
