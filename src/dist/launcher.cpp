@@ -270,19 +270,41 @@ class Rendezvous {
   }
 
   /// After a failed round: node 0 decides whether the job restarts and tells
-  /// the others, who follow. False: stop.
+  /// the others, who follow. False: stop. The store leaves with node 0's
+  /// launcher, so on a stop node 0 first waits until the other nodes have
+  /// read the decision (and so the failure, whose exit code they end with).
   bool restart_after(int round, bool node0_wants) {
     if (lost_store_) return false;
     if (options_.node_rank() == 0) {
       kv_->set(launch_key(round, "next"), node0_wants ? "restart" : "stop");
+      if (!node0_wants) wait_until_stopped(round);
       return node0_wants;
     }
     try {
       const auto next = wait_for(launch_key(round, "next"), "node 0 to decide on a restart");
-      return next && *next == "restart";
+      const bool restart = next && *next == "restart";
+      if (!restart) kv_->set(launch_key(round, "stopped/" + std::to_string(options_.node_rank())), "1");
+      return restart;
     } catch (const std::exception& e) {
       say(::shardtrain::detail::str_cat("lost the job's store on node 0: ", e.what()));
       return false;
+    }
+  }
+
+  /// Node 0, after deciding to stop: waits until every other node has read
+  /// that, for as long as a node takes to stop its ranks and a little more
+  /// (a lost node never answers).
+  void wait_until_stopped(int round) {
+    if (options_.nnodes() == 1) return;
+    std::vector<std::string> keys;
+    for (int n = 1; n < options_.nnodes(); ++n) keys.push_back(launch_key(round, "stopped/" + std::to_string(n)));
+    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                             std::chrono::duration<double>(options_.stop_grace_s() + kDrainSeconds + 10.0));
+    try {
+      while (!kv_->wait(keys, std::chrono::milliseconds(500))) {
+        if (take_stop_signal() != 0 || Clock::now() >= deadline) return;
+      }
+    } catch (const std::exception&) {
     }
   }
 

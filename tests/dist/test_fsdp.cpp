@@ -34,6 +34,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <fstream>
 
 #include "shardtrain/comm/communicator.h"
@@ -112,7 +113,8 @@ struct Case {
            (param_dtype.empty() ? "" : " param_dtype=" + param_dtype) + " acc=" +
            std::to_string(accumulate) + "(" + accumulation + ")" + (freeze ? " frozen-l2" : "") +
            " prefetch=" + prefetch + (forward_prefetch ? "+fwd" : "") +
-           " limit_all_gathers=" + std::to_string(limit_all_gathers) + " reduce=" + reduce_dtype;
+           " limit_all_gathers=" + std::to_string(limit_all_gathers) + " reduce=" + reduce_dtype +
+           (local_world_size > 0 ? " ranks_per_node=" + std::to_string(local_world_size) : "");
   }
 };
 
@@ -195,10 +197,18 @@ struct StepComm {
   int64_t gathered_bytes = 0;
 };
 
+// Ranks per node of a hybrid_shard case: the case's own, else the
+// launcher's LOCAL_WORLD_SIZE.
+int ranks_per_node(const Case& c) {
+  if (c.local_world_size > 0) return c.local_world_size;
+  const char* local = std::getenv("LOCAL_WORLD_SIZE");
+  return local != nullptr ? std::atoi(local) : 1;
+}
+
 StepComm expected_comm(const Case& c, int n, int64_t step) {
   const bool no_shard = c.name == "fsdp" && c.sharding == "no_shard";
-  const bool hybrid = c.sharding == "hybrid_shard";  // tested as 2 nodes x 2 ranks
-  const int shards = no_shard ? 1 : hybrid ? 2 : n;
+  const bool hybrid = c.sharding == "hybrid_shard";  // shards within a node, replicas across
+  const int shards = no_shard ? 1 : hybrid ? ranks_per_node(c) : n;
   const auto padded = [shards](int64_t numel) { return (numel + shards - 1) / shards * shards; };
   const bool sharded_grads = c.name == "fsdp" && !no_shard;
   const int64_t times = sharded_grads && c.accumulation == "sharded" ? c.accumulate : 1;
@@ -460,6 +470,24 @@ TEST(Sharded, HybridShardTwoNodesOfTwo) {
   c.bf16 = false;
   c.accumulate = 2;
   run_parity(c);
+}
+
+// Meshes where the node count and the ranks per node differ, 2 x 3 and
+// 3 x 2 (nodes x ranks per node) on 6 ranks: a shard group is one node's
+// ranks (0-2 and 3-5; or 0-1, 2-3, 4-5), a replica group the ranks holding
+// the same shard on every node (0,3 1,4 2,5; or 0,2,4 1,3,5). Groups built
+// with nodes and ranks per node swapped would average different shards,
+// which a 2 x 2 mesh cannot show.
+TEST(Sharded, HybridShardOnMeshesThatAreNotSquare) {
+  if (world_size() != 6) GTEST_SKIP() << "the uneven meshes are tested on 6 ranks";
+  for (const int per_node : {3, 2}) {
+    Case c;
+    c.sharding = "hybrid_shard";
+    c.local_world_size = per_node;
+    run_parity(c);
+    c.accumulate = 2;
+    run_parity(c);
+  }
 }
 
 // ---- memory --------------------------------------------------------------------------------

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -470,6 +471,59 @@ TEST(LmData, Errors) {
   tc.format = DataFormat::Tokens;
   tc.train = dir / "few.jsonl";
   expect_config_error([&] { make_lm_data(tc, tok, 2, 1, 1, 0); }, "is not a token file");
+}
+
+// Token data: the last val_fraction of the tokens is held out, and no
+// training window may read one of them. Token p of the file is p, so a batch
+// says which positions it read. 2000 tokens, val_fraction 0.11: positions
+// 1780..1999 are held out (220 > one evaluation batch, 6 x 8 + 1). The
+// training part, 1780 tokens, holds 222 windows of 8 + 1 (one every 8
+// tokens), the last 1768..1776; the held-out part 27, the first at 1780.
+TEST(LmData, TokenTrainingWindowsNeverReadTheHeldOutTokens) {
+  TempDir dir;
+  std::vector<uint16_t> tokens(2000);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>(i);
+  const std::string path = dir / "positions.bin";
+  write_token_file(path, tokens);
+  shardtrain::config::DataConfig c;
+  c.train = path;
+  c.format = DataFormat::Tokens;
+  c.val_fraction = 0.11;
+  c.shuffle = true;
+  ToyTokenizer tok;
+  constexpr int64_t kHeldOutFrom = 1780, kBlock = 8, kGlobal = 6, kMicro = 2;
+  for (const int world : {1, 3}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    const LmData d = make_lm_data(c, tok, kBlock, kGlobal, kMicro * world, 7);
+    ASSERT_TRUE(d.eval_batch);
+    EXPECT_EQ(d.stats.train_samples, 222);
+    EXPECT_EQ(d.stats.val_samples, 27);
+    const int64_t accumulate = kGlobal / (kMicro * world);
+    int64_t train_min = 1 << 30, train_max = -1;
+    // Three shuffled epochs of 37 steps, every micro-batch of every rank.
+    for (int64_t step = 0; step < 3 * 37; ++step) {
+      for (int64_t j = 0; j < accumulate; ++j) {
+        for (int rank = 0; rank < world; ++rank) {
+          const Batch b = d.train_batch(step, j, kMicro, rank, world);
+          train_min = std::min({train_min, b.input.min().item<int64_t>(), b.target.min().item<int64_t>()});
+          train_max = std::max({train_max, b.input.max().item<int64_t>(), b.target.max().item<int64_t>()});
+        }
+      }
+    }
+    EXPECT_LT(train_max, kHeldOutFrom) << "a training window read held-out tokens";
+    EXPECT_EQ(train_max, 1776);  // and the training part is used to its end
+    EXPECT_EQ(train_min, 0);
+    int64_t val_min = 1 << 30, val_max = -1;
+    for (int64_t i = 0; i < 27 / (kMicro * world); ++i) {
+      for (int rank = 0; rank < world; ++rank) {
+        const Batch b = d.eval_batch(i, kMicro, rank, world);
+        val_min = std::min({val_min, b.input.min().item<int64_t>(), b.target.min().item<int64_t>()});
+        val_max = std::max({val_max, b.input.max().item<int64_t>(), b.target.max().item<int64_t>()});
+      }
+    }
+    EXPECT_EQ(val_min, kHeldOutFrom) << "validation read a training token";
+    EXPECT_LT(val_max, 2000);
+  }
 }
 
 // ---- masked-loss exactness -----------------------------------------------------------

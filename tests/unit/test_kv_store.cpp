@@ -1,10 +1,16 @@
-// The job's store: what peers see over TCP, and who it lets in.
+// The job's store: what peers see over TCP, and who it lets in; the
+// challenge-response handshake checked from both sides against HMACs the
+// test computes itself.
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <functional>
 #include <thread>
 
 #include "comm/kv_store.h"
@@ -190,4 +196,195 @@ TEST(KvStore, TokensAreFreshAndHex) {
   EXPECT_EQ(a.size(), 64u);
   EXPECT_NE(a, b);
   EXPECT_EQ(a.find_first_not_of("0123456789abcdef"), std::string::npos);
+}
+
+// ---- the handshake from both sides ------------------------------------------------------
+// What each side must send is computed here with OpenSSL directly, from the
+// protocol (src/comm/kv_store.cpp, "the wire"): the store greets with
+// "STSTORE1" and a 32-byte challenge; the client answers
+// HMAC-SHA256(token, "client" + challenge) and a challenge of its own; the
+// store proves itself with HMAC-SHA256(token, "server" + that challenge).
+
+namespace {
+
+std::string hmac(const std::string& token, const std::string& role, const std::string& nonce) {
+  const std::string message = role + nonce;
+  unsigned char out[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  static const unsigned char kNoKey = 0;
+  HMAC(EVP_sha256(), token.empty() ? &kNoKey : reinterpret_cast<const unsigned char*>(token.data()),
+       static_cast<int>(token.size()), reinterpret_cast<const unsigned char*>(message.data()),
+       message.size(), out, &len);
+  return std::string(reinterpret_cast<const char*>(out), len);
+}
+
+bool send_all(int fd, const std::string& bytes) {
+  return ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size());
+}
+
+// Up to `n` bytes, fewer when the peer closes or 5 s pass.
+std::string recv_up_to(int fd, size_t n) {
+  timeval tv{5, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  std::string got;
+  char buf[256];
+  while (got.size() < n) {
+    const ssize_t k = ::recv(fd, buf, std::min(sizeof buf, n - got.size()), 0);
+    if (k <= 0) break;
+    got.append(buf, static_cast<size_t>(k));
+  }
+  return got;
+}
+
+int connect_to(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  return fd;
+}
+
+const std::string kChallenge(32, '\x5a');
+
+// A store impostor for one connection: greets with `challenge`, reads the
+// client's answer, and sends proof(client's challenge) as its proof. Keeps
+// what the client sent.
+class FakeStore {
+ public:
+  explicit FakeStore(std::function<std::string(const std::string&)> proof,
+                     std::string challenge = kChallenge)
+      : proof_(std::move(proof)), challenge_(std::move(challenge)) {
+    listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    EXPECT_EQ(::listen(listen_fd_, 4), 0);
+    socklen_t len = sizeof addr;
+    ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+    port_ = ntohs(addr.sin_port);
+    thread_ = std::thread([this] {
+      const int fd = ::accept(listen_fd_, nullptr, nullptr);
+      if (fd < 0) return;
+      send_all(fd, std::string("STSTORE1", 8) + challenge_);
+      answer_ = recv_up_to(fd, 64);
+      if (answer_.size() == 64) send_all(fd, proof_(answer_.substr(32)));
+      recv_up_to(fd, 1);  // until the client closes (or 5 s)
+      ::close(fd);
+    });
+  }
+  ~FakeStore() {
+    ::shutdown(listen_fd_, SHUT_RDWR);
+    thread_.join();
+    ::close(listen_fd_);
+  }
+  int port() const { return port_; }
+  /// The client's answer: its MAC of the challenge, then its own challenge.
+  /// Complete once connect_store has returned or thrown.
+  std::string answer() {
+    thread_.join();
+    thread_ = std::thread([] {});
+    return answer_;
+  }
+
+ private:
+  std::function<std::string(const std::string&)> proof_;
+  std::string challenge_;
+  int listen_fd_ = -1;
+  int port_ = 0;
+  std::string answer_;
+  std::thread thread_;
+};
+
+// connect_store against an impostor sending proof(client's challenge):
+// "" when let in, else the CommError's message.
+std::string client_verdict(const std::function<std::string(const std::string&)>& proof) {
+  FakeStore fake(proof);
+  try {
+    auto client = connect_store("127.0.0.1", fake.port(), "secret", 5s);
+    return "";
+  } catch (const CommError& e) {
+    return e.what();
+  }
+}
+
+}  // namespace
+
+// The client's half: it answers the challenge as the protocol says and lets
+// itself in only with the store's exact proof. A wrong token, the client's
+// own MAC sent back (a reflection), and the true proof with any single byte
+// changed are each refused.
+TEST(KvStoreHandshake, TheClientAcceptsOnlyTheStoresExactProof) {
+  {
+    FakeStore fake([](const std::string& nonce) { return hmac("secret", "server", nonce); });
+    EXPECT_NO_THROW(connect_store("127.0.0.1", fake.port(), "secret", 5s));
+    const std::string answer = fake.answer();
+    ASSERT_EQ(answer.size(), 64u);
+    EXPECT_EQ(answer.substr(0, 32), hmac("secret", "client", kChallenge));
+  }
+  const std::string refused = "could not prove that it knows the job token";
+  EXPECT_NE(client_verdict([](const std::string& n) { return hmac("guess", "server", n); }).find(refused),
+            std::string::npos);
+  EXPECT_NE(client_verdict([](const std::string& n) { return hmac("secret", "client", n); }).find(refused),
+            std::string::npos);
+  EXPECT_NE(client_verdict([](const std::string&) { return std::string(32, '\0'); }).find(refused),
+            std::string::npos);
+  for (size_t at = 0; at < 32; ++at) {
+    const std::string verdict = client_verdict([at](const std::string& n) {
+      std::string p = hmac("secret", "server", n);
+      p[at] = static_cast<char>(p[at] ^ 0x01);
+      return p;
+    });
+    EXPECT_NE(verdict.find(refused), std::string::npos) << "byte " << at << " changed: " << verdict;
+  }
+}
+
+// The store's half: a MAC differing from the true one in one byte, at every
+// position, gets no proof and is refused; the true one gets the proof the
+// protocol defines.
+TEST(KvStoreHandshake, TheStoreLetsInOnlyTheExactMac) {
+  Hosted h;
+  const std::string mine(32, '\x21');  // this client's challenge
+  for (size_t at = 0; at <= 32; ++at) {  // 32: no byte changed
+    SCOPED_TRACE("byte " + std::to_string(at));
+    const int fd = connect_to(h.server.port());
+    const std::string hello = recv_up_to(fd, 40);
+    ASSERT_EQ(hello.size(), 40u);
+    ASSERT_EQ(hello.substr(0, 8), "STSTORE1");
+    std::string answer = hmac("secret", "client", hello.substr(8));
+    if (at < 32) answer[at] = static_cast<char>(answer[at] ^ 0x80);
+    ASSERT_TRUE(send_all(fd, answer + mine));
+    const std::string proof = recv_up_to(fd, 32);
+    ::close(fd);
+    if (at < 32) {
+      EXPECT_EQ(proof.size(), 0u) << "the store answered a wrong MAC";
+    } else {
+      EXPECT_EQ(proof, hmac("secret", "server", mine));
+    }
+  }
+  for (int i = 0; i < 100 && h.server.refused() < 32; ++i) std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(h.server.refused(), 32);
+}
+
+// For one challenge, the store's proof and a client's answer differ (each
+// is keyed by its role), so neither side can replay the other's.
+TEST(KvStoreHandshake, TheTwoSidesAnswerOneChallengeDifferently) {
+  const std::string challenge(32, '\x42');
+  FakeStore fake([](const std::string& n) { return hmac("secret", "server", n); }, challenge);
+  auto client = connect_store("127.0.0.1", fake.port(), "secret", 5s);
+  client.reset();
+  const std::string client_answer = fake.answer().substr(0, 32);
+  Hosted h;
+  const int fd = connect_to(h.server.port());
+  const std::string hello = recv_up_to(fd, 40);
+  ASSERT_EQ(hello.size(), 40u);
+  ASSERT_TRUE(send_all(fd, hmac("secret", "client", hello.substr(8)) + challenge));
+  const std::string store_proof = recv_up_to(fd, 32);
+  ::close(fd);
+  ASSERT_EQ(store_proof.size(), 32u);
+  EXPECT_EQ(client_answer, hmac("secret", "client", challenge));
+  EXPECT_EQ(store_proof, hmac("secret", "server", challenge));
+  EXPECT_NE(client_answer, store_proof);
 }

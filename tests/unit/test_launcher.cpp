@@ -324,6 +324,59 @@ TEST(Launcher, BadInputIsNotRestarted) {
   EXPECT_EQ(count_of(other.err, "restarting all 2 ranks"), 1) << other.err;
 }
 
+// A job of two launchers on this machine, nodes 0 and 1 of 2 ranks each
+// (ranks 0-1 and 2-3), running launch_probe with `probe` and --max-restarts
+// `restarts`; the results of node 0 and node 1.
+std::pair<Result, Result> two_nodes(const std::vector<std::string>& probe, int restarts) {
+  const std::string port = std::to_string(shardtrain::dist::find_free_port());
+  const std::vector<std::string> env = {"SHARDTRAIN_JOB_TOKEN=two-node-failures"};
+  auto node = [&](const char* rank) {
+    std::vector<std::string> args = {"launch", "--nproc-per-node", "2", "--nnodes", "2",
+                                     "--node-rank", rank, "--master-addr", "127.0.0.1",
+                                     "--master-port", port, "--max-restarts",
+                                     std::to_string(restarts), "--", kProbe};
+    args.insert(args.end(), probe.begin(), probe.end());
+    return args;
+  };
+  Cli node0(node("0"), env), node1(node("1"), env);
+  Result r0 = node0.finish(120);
+  Result r1 = node1.finish(120);
+  return {r0, r1};
+}
+
+// Bad input (exit 2) on one node is not restarted on any node, and every
+// node exits 2: the node whose rank failed and the node that only heard of
+// it, whichever of the two decides on restarts (node 0).
+TEST(Launcher, BadInputOnOneNodeEndsEveryNodeWith2) {
+  for (const int failing : {2, 0}) {  // a rank of node 1, then of node 0
+    SCOPED_TRACE("rank " + std::to_string(failing) + " exits 2");
+    const auto [r0, r1] = two_nodes({"fail-rank", std::to_string(failing), "2"}, 2);
+    EXPECT_EQ(r0.code, 2) << r0.err;
+    EXPECT_EQ(r1.code, 2) << r1.err;
+    const std::string& failed_out = failing == 2 ? r1.out : r0.out;
+    const std::string start = "[rank " + std::to_string(failing) + "] rank " +
+                              std::to_string(failing) + " starting\n";
+    EXPECT_EQ(count_of(failed_out, start), 1) << "the failing rank was started again\n" << failed_out;
+    EXPECT_EQ(count_of(r0.err, "restarting all"), 0) << r0.err;
+    EXPECT_EQ(count_of(r1.err, "restarting all"), 0) << r1.err;
+    EXPECT_TRUE(contains(r0.err, "not restarting")) << r0.err;
+  }
+}
+
+// A rank that fails every time on node 1: after the one restart allowed,
+// both nodes give up and exit with its code, node 0 naming the node and rank.
+TEST(Launcher, RestartsRunOutOnEveryNode) {
+  const auto [r0, r1] = two_nodes({"fail-rank", "3", "5"}, 1);
+  EXPECT_EQ(r0.code, 5) << r0.err;
+  EXPECT_EQ(r1.code, 5) << r1.err;
+  EXPECT_EQ(count_of(r0.err, "restarting all 4 ranks"), 1) << r0.err;
+  EXPECT_EQ(count_of(r1.err, "restarting all 4 ranks"), 1) << r1.err;
+  EXPECT_EQ(count_of(r1.out, "[rank 3] rank 3 starting\n"), 2) << r1.out;
+  EXPECT_TRUE(contains(r0.err, "node 1: rank 3 failed with exit code 5")) << r0.err;
+  EXPECT_TRUE(contains(r0.err, "giving up after 1 restart")) << r0.err;
+  EXPECT_TRUE(contains(r1.err, "rank 3 failed with exit code 5")) << r1.err;
+}
+
 // Exit 77 is a skip (a test whose precondition does not hold), which ctest's
 // SKIP_RETURN_CODE maps to "skipped": not a failure that stops the others or
 // restarts the job, and the launcher's result only when nothing failed.

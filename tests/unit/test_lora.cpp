@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -345,6 +346,87 @@ TEST(Quantize, Nf4MatchesAReferenceLoop) {
       EXPECT_EQ(q.scales_q.scalar_type(), torch::kChar);
       EXPECT_LT((scales - m::quantize_nf4(w, false).scales).abs().max().item<double>(), 2e-4);
     }
+  }
+}
+
+// Double quantization over several groups of kScaleBlock (256) scales,
+// against a reference quantizer written here from the format's definition
+// (quantize.h): the block absmaxes less their mean, int8 per group of 256
+// with the group's own absmax, the last group partial. Blocks of each group
+// get magnitudes of their own (x1, x5, x0.2), so a scale read through the
+// wrong group's absmax is far off. Sizes: 1 block, exactly one group, one
+// group and one scale, and 2 groups and a partial third (600 blocks).
+TEST(Quantize, Nf4DoubleQuantizationMatchesAReferenceAcrossScaleGroups) {
+  const auto code = reference_nf4_code();
+  torch::manual_seed(8);
+  for (const int64_t blocks : {1, 256, 257, 600}) {
+    SCOPED_TRACE(std::to_string(blocks) + " blocks");
+    const double factor[3] = {1.0, 5.0, 0.2};
+    auto w = torch::randn({blocks, 64}) * 0.02;
+    for (int64_t b = 0; b < blocks; ++b) w[b].mul_(factor[(b / 256) % 3]);
+    const auto q = m::quantize_nf4(w, true);
+    // The reference, in double from the float weights.
+    auto wa = w.accessor<float, 2>();
+    std::vector<double> absmax(static_cast<size_t>(blocks), 0.0);
+    double mean = 0;
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int64_t j = 0; j < 64; ++j) absmax[b] = std::max(absmax[b], std::abs(double(wa[b][j])));
+      mean += absmax[b] / double(blocks);
+    }
+    const int64_t groups = (blocks + 255) / 256;
+    std::vector<double> group_scale(static_cast<size_t>(groups), 0.0);
+    for (int64_t b = 0; b < blocks; ++b) {
+      group_scale[b / 256] = std::max(group_scale[b / 256], std::abs(absmax[b] - mean));
+    }
+    ASSERT_EQ(q.scales_mean.numel(), 1);
+    EXPECT_NEAR(q.scales_mean.item<double>(), mean, 1e-6 * mean);
+    ASSERT_EQ(q.scales_scale.numel(), groups);
+    ASSERT_EQ(q.scales_q.numel(), blocks);
+    for (int64_t g = 0; g < groups; ++g) {
+      EXPECT_NEAR(q.scales_scale[g].item<double>(), group_scale[g], 1e-6 * mean) << "group " << g;
+    }
+    const auto scales = m::nf4_scales(q);
+    ASSERT_EQ(scales.numel(), blocks);
+    const auto deq = m::dequantize_nf4(q.codes, scales, {blocks, 64});
+    auto qa = q.scales_q.accessor<int8_t, 1>();
+    auto sa = scales.accessor<float, 1>();
+    auto ca = q.codes.accessor<uint8_t, 1>();
+    auto da = deq.accessor<float, 2>();
+    int wrong_codes = 0;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const double gs = group_scale[b / 256];
+      const double exact = gs == 0 ? 0 : 127.0 * (absmax[b] - mean) / gs;
+      const double want_q = std::clamp(std::nearbyint(exact), -127.0, 127.0);
+      // A value within rounding noise of a .5 may go either way.
+      const bool tie = std::abs(std::abs(exact - std::trunc(exact)) - 0.5) < 1e-4;
+      if (tie) {
+        EXPECT_NEAR(qa[b], want_q, 1.0) << "block " << b;
+      } else {
+        EXPECT_EQ(int(qa[b]), int(want_q)) << "block " << b;
+      }
+      // The scale as stored: its code times its own group's step, plus the
+      // mean; within half a step of the true absmax.
+      const double want_scale = qa[b] * gs / 127.0 + mean;
+      EXPECT_NEAR(sa[b], want_scale, 1e-6 * (mean + gs)) << "block " << b;
+      EXPECT_LE(std::abs(sa[b] - absmax[b]), gs / 127.0 / 2 * (1 + 1e-4) + 1e-6 * mean)
+          << "block " << b;
+      for (int64_t j = 0; j < 64; ++j) {
+        const double x = absmax[b] == 0 ? 0 : double(wa[b][j] / float(absmax[b]));
+        int best = 0;
+        for (int k = 1; k < 16; ++k) {
+          if (std::abs(x - code[k]) < std::abs(x - code[best])) best = k;
+        }
+        const int64_t e = b * 64 + j;
+        const int got = e % 2 == 0 ? ca[e / 2] >> 4 : ca[e / 2] & 15;
+        // Only a value at a midpoint of two code values may take either.
+        const bool midpoint = std::abs(got - best) == 1 &&
+                              std::abs(x - (code[got] + code[best]) / 2) < 1e-6;
+        if (got != best && !midpoint) ++wrong_codes;
+        // The reference code values agree with the built-in ones to 2e-6.
+        EXPECT_NEAR(da[b][j], code[got] * sa[b], 3e-6 * sa[b]) << "block " << b << " element " << j;
+      }
+    }
+    EXPECT_EQ(wrong_codes, 0);
   }
 }
 

@@ -1,11 +1,17 @@
 // The trainer in one process: event order, control flags, early stopping,
-// schedules, the metrics file and accumulation through the loop.
+// schedules, the metrics file and accumulation through the loop; the
+// learning rate each step applies, dropout around evaluations and the best
+// checkpoint across a restart, against expectations the tests work out
+// themselves.
 #include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <map>
+#include <nlohmann/json.hpp>
 
 #include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/checkpoint/safetensors.h"
@@ -597,3 +603,206 @@ TEST(TrainerExport, GptExportHasHuggingFaceLayout) {
   check(gathered, *fresh.model());
 }
 
+
+// ---- what the loop applies, seen from outside ---------------------------------------------
+// Expected values here come from the test itself (numbers worked out by hand,
+// scores it chooses), never from the trainer or the schedule function: a bug
+// in the trainer would otherwise sit on both sides of the comparison.
+
+namespace {
+
+// After each optimizer step: the learning rate of every parameter group as
+// the optimizer holds it, and the one the update actually used. Plain SGD
+// (no momentum, no weight decay, no clipping) moves p by -lr * grad, so the
+// applied rate is the least-squares fit of (before - after) against grad.
+class AppliedLr : public train::Callback {
+ public:
+  explicit AppliedLr(train::Trainer& t) : trainer_(t) {}
+  std::vector<std::vector<double>> group_lrs;  // per step, per group
+  std::vector<double> applied;                 // per step
+  void on_pre_optimizer_step(train::TrainerState&, train::TrainerControl&) override {
+    before_.clear();
+    grads_.clear();
+    for (const auto& p : trainer_.model()->parameters()) {
+      before_.push_back(p.detach().clone().to(torch::kDouble));
+      grads_.push_back(p.grad().detach().clone().to(torch::kDouble));
+    }
+  }
+  void on_optimizer_step(train::TrainerState&, train::TrainerControl&) override {
+    std::vector<double> lrs;
+    for (auto& g : trainer_.optimizer().param_groups()) lrs.push_back(g.options().get_lr());
+    group_lrs.push_back(lrs);
+    double num = 0, den = 0;
+    const auto params = trainer_.model()->parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto moved = before_[i] - params[i].detach().to(torch::kDouble);
+      num += (moved * grads_[i]).sum().item<double>();
+      den += (grads_[i] * grads_[i]).sum().item<double>();
+    }
+    applied.push_back(den > 0 ? num / den : std::numeric_limits<double>::quiet_NaN());
+  }
+
+ private:
+  train::Trainer& trainer_;
+  std::vector<torch::Tensor> before_, grads_;
+};
+
+}  // namespace
+
+// Warm-up over 4 steps to lr 0.1, then linear decay to min_lr 0.01 at step 8
+// (docs: "linear warmup over warmup_steps to lr, then ... linear decay to
+// min_lr at max_steps"). Step s (0-based) of the warm-up uses 0.1 (s+1)/4;
+// decay step s uses 0.1 - 0.09 (s-4)/4. Worked out by hand:
+TEST(TrainerLr, TheRateAppliedAtEachStepIsTheScheduledOne) {
+  const std::vector<double> want = {0.025, 0.05, 0.075, 0.1, 0.1, 0.0775, 0.055, 0.0325};
+  auto c = mlp_config("applied_lr");
+  c.optimizer.lr = 0.1;
+  c.optimizer.momentum = 0.0;
+  c.schedule.name = train::LrSchedule::Linear;
+  c.schedule.warmup_steps = 4;
+  c.schedule.min_lr = 0.01;
+  c.trainer.max_steps = 8;
+  c.trainer.eval_every = 0;
+  c.trainer.max_grad_norm = 0.0;
+  train::Trainer trainer(c, train::make_task(c, 1), world_of_one());
+  auto seen = std::make_shared<AppliedLr>(trainer);
+  trainer.add_callback(seen);
+  trainer.fit();
+  ASSERT_EQ(seen->applied.size(), want.size());
+  for (size_t s = 0; s < want.size(); ++s) {
+    ASSERT_EQ(seen->group_lrs[s].size(), 2u) << "weights and biases are two groups";
+    for (double lr : seen->group_lrs[s]) EXPECT_NEAR(lr, want[s], 1e-12) << "step " << s;
+    // fp32 parameters: the fit is good to about 1e-6 relative.
+    EXPECT_NEAR(seen->applied[s], want[s], 1e-4 * want[s]) << "step " << s;
+  }
+}
+
+namespace {
+
+// A model whose dropout the test can watch: every input element is 1 (2 in
+// evaluation batches), so after dropout an element is 0 exactly when dropout
+// dropped it.
+struct WatchedDropoutImpl : torch::nn::Module {
+  WatchedDropoutImpl() {
+    drop = register_module("drop", torch::nn::Dropout(0.5));
+    fc = register_module("fc", torch::nn::Linear(64, 2));
+  }
+  torch::nn::Dropout drop{nullptr};
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(WatchedDropout);
+
+struct DropoutCall {
+  bool eval_batch;  // input was an evaluation batch
+  bool dropped;     // some element was zeroed
+};
+
+train::TrainTask watched_dropout_task(std::vector<DropoutCall>* calls) {
+  torch::manual_seed(3);
+  WatchedDropout model;
+  train::TrainTask task;
+  task.model = model.ptr();
+  task.loss_sum = [model, calls](const data::Batch& b) mutable {
+    const at::Tensor h = model->drop->forward(b.input);
+    const bool eval_batch = b.input[0][0].item().toFloat() == 2.0f;
+    calls->push_back({eval_batch, (h == 0).any().item().toBool()});
+    return (model->fc->forward(h) - b.target).pow(2).sum();
+  };
+  task.count_targets = [](const data::Batch& b) { return b.target.size(0); };
+  task.train_batch = [](int64_t, int64_t, int64_t micro, int, int) {
+    return data::Batch{torch::ones({micro, 64}), torch::zeros({micro, 2})};
+  };
+  task.eval_batch = [](int64_t, int64_t micro, int, int) {
+    return data::Batch{torch::full({micro, 64}, 2.0), torch::zeros({micro, 2})};
+  };
+  return task;
+}
+
+}  // namespace
+
+// Dropout is on in every training step, also after an evaluation, and off
+// during evaluation. (Dropout 0.5 leaves 4 x 64 elements all standing with
+// probability 2^-256.)
+TEST(TrainerModes, DropoutTrainsAfterEvaluationAndIsOffDuringIt) {
+  auto c = mlp_config("dropout_modes");
+  c.batch.global = 4;
+  c.batch.micro = 4;
+  c.trainer.max_steps = 4;
+  c.trainer.eval_every = 1;
+  c.trainer.eval_batches = 2;
+  std::vector<DropoutCall> calls;
+  train::Trainer trainer(c, watched_dropout_task(&calls), world_of_one());
+  trainer.fit();
+  // Per step: one training forward, then two evaluation forwards.
+  ASSERT_EQ(calls.size(), 12u);
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const bool want_eval = i % 3 != 0;
+    ASSERT_EQ(calls[i].eval_batch, want_eval) << "call " << i;
+    if (want_eval) {
+      EXPECT_FALSE(calls[i].dropped) << "dropout ran in evaluation, call " << i;
+    } else {
+      EXPECT_TRUE(calls[i].dropped) << "training step " << i / 3 + 1 << " ran without dropout";
+    }
+  }
+  EXPECT_TRUE(trainer.model()->is_training());
+}
+
+namespace {
+
+// Scores the test gives each step's evaluation ("score", mode max): the best
+// is step 2, before the restart; every later one is worse than it but better
+// than the one before, so a trainer that forgot the best would take step 4.
+const std::map<int64_t, double> kScores = {{1, 0.5}, {2, 0.9}, {3, 0.3},
+                                           {4, 0.6}, {5, 0.7}, {6, 0.4}};
+
+class ScoreEvaluations : public train::Callback {
+ public:
+  std::vector<int64_t> evaluated;
+  void on_evaluate(train::TrainerState& s, train::TrainerControl&, const train::Metrics&) override {
+    evaluated.push_back(s.step);
+    s.eval_metrics.set("score", kScores.at(s.step));
+  }
+};
+
+std::vector<int64_t> complete_steps(const std::string& run_dir) {
+  std::vector<int64_t> steps;
+  for (const auto& e : checkpoint::list_complete(run_dir)) steps.push_back(e.step);
+  return steps;
+}
+
+}  // namespace
+
+// checkpoint.monitor with keep 1: a run stopped after step 3 keeps step 3
+// (newest) and step 2 (best). Resumed to step 6, it must still know step 2
+// is best: never prune it, and record it as best in later checkpoints.
+TEST(TrainerCheckpoints, AResumedRunKeepsTheBestCheckpointOfBeforeTheRestart) {
+  auto c = mlp_config("monitor_resume");
+  c.trainer.max_steps = 3;
+  c.trainer.eval_every = 1;
+  c.checkpoint.every_n_steps = 1;
+  c.checkpoint.keep = 1;
+  c.checkpoint.monitor = "score";
+  c.checkpoint.mode = train::MonitorMode::Max;
+  {
+    train::Trainer first(c, train::make_task(c, 1), world_of_one());
+    auto scores = std::make_shared<ScoreEvaluations>();
+    first.add_callback(scores);
+    first.fit();
+    EXPECT_EQ(scores->evaluated, (std::vector<int64_t>{1, 2, 3}));
+  }
+  ASSERT_EQ(complete_steps(c.run.dir), (std::vector<int64_t>{3, 2}));
+  c.trainer.max_steps = 6;
+  c.checkpoint.resume = "auto";
+  train::Trainer resumed(c, train::make_task(c, 1), world_of_one());
+  auto scores = std::make_shared<ScoreEvaluations>();
+  resumed.add_callback(scores);
+  resumed.fit();
+  EXPECT_EQ(scores->evaluated, (std::vector<int64_t>{4, 5, 6}));
+  EXPECT_EQ(complete_steps(c.run.dir), (std::vector<int64_t>{6, 2}));
+  checkpoint::CheckpointReader last(checkpoint::checkpoint_dir(c.run.dir, 6));
+  const auto state = nlohmann::json::parse(last.train_state());
+  ASSERT_TRUE(state.contains("best")) << state.dump();
+  EXPECT_EQ(state["best"]["step"], 2) << state.dump();
+  EXPECT_EQ(state["best"]["value"], 0.9) << state.dump();
+  EXPECT_EQ(state["best"]["monitor"], "score") << state.dump();
+}
