@@ -71,8 +71,9 @@ endif
 
 # The mutation check (docs/testing.md): each deliberate bug of tools/mutants/
 # is planted in a copy of the tree under $(BUILD_DIR)/mutants and must be
-# caught by the tests its patch names. Minutes per mutant, so not part of
-# `test`; MUTANTS=name,... runs a subset.
+# caught by the tests its patch names. 30 to 80 s per mutant once the copy
+# is built (about 25 minutes for all at JOBS=2), so not part of `test`;
+# MUTANTS=name,... runs a subset.
 mutants: build
 	BUILD_DIR=$(BUILD_DIR) JOBS=$(JOBS) bash tools/mutants/run.sh
 

@@ -292,20 +292,37 @@ class Rendezvous {
   }
 
   /// Node 0, after deciding to stop: waits until every other node has read
-  /// that, for as long as a node takes to stop its ranks and a little more
-  /// (a lost node never answers).
+  /// that, for as long as a node takes to stop its ranks and a little more,
+  /// but not for a node whose ranks all went silent (a lost host never
+  /// answers, and its ranks' heartbeats stop).
   void wait_until_stopped(int round) {
     if (options_.nnodes() == 1) return;
-    std::vector<std::string> keys;
-    for (int n = 1; n < options_.nnodes(); ++n) keys.push_back(launch_key(round, "stopped/" + std::to_string(n)));
     const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                              std::chrono::duration<double>(options_.stop_grace_s() + kDrainSeconds + 10.0));
     try {
-      while (!kv_->wait(keys, std::chrono::milliseconds(500))) {
+      for (;;) {
+        std::vector<std::string> keys;
+        for (int n = 1; n < options_.nnodes(); ++n) {
+          if (!node_silent(round, n)) keys.push_back(launch_key(round, "stopped/" + std::to_string(n)));
+        }
+        if (keys.empty() || kv_->wait(keys, std::chrono::milliseconds(500))) return;
         if (take_stop_signal() != 0 || Clock::now() >= deadline) return;
       }
     } catch (const std::exception&) {
     }
+  }
+
+  /// Whether the ranks of `node` in `round` beat and all went stale (ranks
+  /// that never beat, programs without a communicator, say nothing).
+  bool node_silent(int round, int node) {
+    const int per = options_.nproc_per_node();
+    bool beat = false;
+    for (int r = node * per; r < (node + 1) * per; ++r) {
+      const auto age = kv_->age_ms(comm::detail::heartbeat_key(round, r));
+      if (age && *age < comm::detail::kStaleHeartbeatMs) return false;
+      beat = beat || age.has_value();
+    }
+    return beat;
   }
 
   /// This node's ranks all succeeded in `round`. Node 0 then waits for the
