@@ -37,6 +37,20 @@ struct Hosted {
   }
 };
 
+// A socket listening on a free loopback port, which it writes to `port`.
+int listen_on_loopback(int* port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  EXPECT_EQ(::listen(fd, 4), 0);
+  socklen_t len = sizeof addr;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  *port = ntohs(addr.sin_port);
+  return fd;
+}
+
 }  // namespace
 
 TEST(KvStore, PeersSeeWhatEachOtherSet) {
@@ -137,16 +151,10 @@ TEST(KvStore, ARequestWithoutTheHandshakeGetsNothing) {
 
 TEST(KvStore, SomethingElseOnThePortIsNamed) {
   // A listening socket that never speaks: not a store.
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-  ASSERT_EQ(::listen(fd, 4), 0);
-  socklen_t len = sizeof addr;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  int port = 0;
+  const int fd = listen_on_loopback(&port);
   try {
-    connect_store("127.0.0.1", ntohs(addr.sin_port), "secret", 1s);
+    connect_store("127.0.0.1", port, "secret", 1s);
     FAIL() << "connected to something that is not a store";
   } catch (const CommError& e) {
     EXPECT_NE(std::string(e.what()).find("not a shardtrain rendezvous store"), std::string::npos)
@@ -256,15 +264,7 @@ class FakeStore {
   explicit FakeStore(std::function<std::string(const std::string&)> proof,
                      std::string challenge = kChallenge)
       : proof_(std::move(proof)), challenge_(std::move(challenge)) {
-    listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    EXPECT_EQ(::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-    EXPECT_EQ(::listen(listen_fd_, 4), 0);
-    socklen_t len = sizeof addr;
-    ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
-    port_ = ntohs(addr.sin_port);
+    listen_fd_ = listen_on_loopback(&port_);
     thread_ = std::thread([this] {
       const int fd = ::accept(listen_fd_, nullptr, nullptr);
       if (fd < 0) return;
