@@ -159,6 +159,10 @@ Loaded load_and_train(const config::Config& c) {
   malloc_trim(0);
   reset_peak();
   const int64_t before = status_bytes("VmRSS");
+  // Every rank starts the clock together: rank 0 has just timed the plain
+  // reads, and a rank that started alone would count its wait for rank 0 at
+  // the setup's first collective as loading.
+  g_world->barrier();
   const auto t0 = std::chrono::steady_clock::now();
   auto task = train::make_task(c, g_world->size());
   train::Trainer trainer(c, std::move(task), g_world);
