@@ -11,6 +11,7 @@
 #include "shardtrain/config/config.h"
 #include "shardtrain/models/family.h"
 #include "shardtrain/models/lora.h"
+#include "shardtrain/models/quantize.h"
 #include "shardtrain/strategy/estimate.h"
 #include "shardtrain/strategy/strategy.h"
 #include "shardtrain/strategy/wrap.h"
@@ -100,11 +101,46 @@ std::string bytes_text(double b) {
 
 }  // namespace
 
+namespace {
+
+// The weights' bytes per parameter that one rank keeps, and what they are.
+// A model built from nothing draws its initial weights whole in fp32 on
+// every rank. A model read from files is built deferred (make_task): a rank
+// reads only what its strategy keeps, its shard under full_shard or
+// hybrid_shard (a strategy still to be chosen may be full_shard), and a
+// quantized LoRA base as codes and scales.
+std::pair<double, std::string> kept_weight_bytes(const config::Config& config, int world_size,
+                                                 int local_world_size) {
+  if (config.model.init_from.empty()) return {4.0, "fp32 weights"};
+  double bytes = 4.0;
+  std::string what = "fp32 weights";
+  if (config.lora.r() > 0 && config.lora.quantize() == models::LoraQuantize::Nf4) {
+    bytes = 0.5 + 4.0 / models::kNf4Block;
+    what = "nf4 base weights";
+  } else if (config.lora.r() > 0 && config.lora.quantize() == models::LoraQuantize::Int8) {
+    bytes = 1.0;
+    what = "int8 base weights";
+  }
+  const strategy::StrategyOptions& d = config.distributed;
+  const bool fsdp = d.strategy() == strategy::StrategyKind::Fsdp;
+  if (d.strategy() == strategy::StrategyKind::Auto ||
+      (fsdp && d.sharding() == strategy::Sharding::FullShard)) {
+    return {bytes / world_size, ::shardtrain::detail::str_cat(what, ", 1/", world_size, " of them")};
+  }
+  if (fsdp && d.sharding() == strategy::Sharding::HybridShard) {
+    return {bytes / local_world_size, ::shardtrain::detail::str_cat(what, ", 1/", local_world_size, " of them")};
+  }
+  return {bytes, what};
+}
+
+}  // namespace
+
 void check_model_fits(const config::Config& config, int world_size, int local_world_size) {
   const config::ModelConfig& m = config.model;
   const models::ModelFamily& family = models::family_of(m.type);
   const double params = family.num_parameters(m);
-  const double weights = 4.0 * params;  // built in fp32 on every rank
+  const auto [per_param, kept] = kept_weight_bytes(config, world_size, local_world_size);
+  const double weights = per_param * params;
   const int64_t micro = estimate_micro_batch(config, world_size);
   const int act_bytes = activation_element_bytes(config);
   const double activations = family.activation_bytes(m, micro, act_bytes);
@@ -117,7 +153,7 @@ void check_model_fits(const config::Config& config, int world_size, int local_wo
   char count[32];
   std::snprintf(count, sizeof(count), "%.3g", params);
   ST_CHECK(false, ConfigError, "the model cannot fit in memory: ", sizes, " gives about ", count,
-           " parameters, so each rank needs at least ", bytes_text(need), " (fp32 weights ",
+           " parameters, so each rank needs at least ", bytes_text(need), " (", kept, " ",
            bytes_text(weights), " + activations of a micro-batch of ", micro, ": ",
            bytes_text(activations), ") but has ", bytes_text(have), " available (",
            budget_mb > 0.0 ? "distributed.memory_budget_mb"

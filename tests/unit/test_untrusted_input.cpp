@@ -28,6 +28,7 @@
 #include "shardtrain/config/config.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/data/tokens.h"
+#include "shardtrain/models/family.h"
 #include "shardtrain/models/mlp.h"
 #include "shardtrain/train/callbacks.h"
 #include "shardtrain/train/plan.h"
@@ -155,6 +156,36 @@ TEST(UntrustedConfig, ModelsThatCannotFitAreRefusedWithTheirBytes) {
   } catch (const ConfigError& e) {
     EXPECT_HAS(std::string(e.what()), "distributed.memory_budget_mb");
   }
+}
+
+// A model read from files is built deferred: a rank holds only what its
+// strategy keeps, so a model whose fp32 weights exceed a rank's memory is
+// refused when drawn from nothing or kept whole, and passes sharded over four
+// ranks or as a quantized LoRA base.
+TEST(UntrustedConfig, AModelReadFromFilesNeedsOnlyWhatARankKeeps) {
+  Config c = Config::parse("distributed: {strategy: fsdp}", {}, "test.yaml");
+  const auto& family = shardtrain::models::family_of(c.model.type);
+  const double params = family.num_parameters(c.model);
+  const double act = family.activation_bytes(c.model, shardtrain::train::estimate_micro_batch(c, 4), 4);
+  // Twice a quarter of the fp32 weights: a full_shard rank's share fits, the whole does not.
+  c.distributed.memory_budget_mb((2.0 * params + act) / (1024.0 * 1024.0));
+  const auto fits = [](const Config& config) {
+    try {
+      shardtrain::train::check_model_fits(config, 4, 4);
+      return std::string();
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+  };
+  EXPECT_HAS(fits(c), "fp32 weights");  // drawn from nothing: whole on every rank
+  c.model.init_from = "/models/base";
+  EXPECT_EQ(fits(c), "");  // read from files: a quarter per rank
+  c.distributed.strategy(shardtrain::strategy::StrategyKind::Ddp);
+  EXPECT_HAS(fits(c), "fp32 weights");  // ddp keeps the whole model
+  c.lora.r(8).quantize(shardtrain::models::LoraQuantize::Nf4);
+  EXPECT_EQ(fits(c), "");  // nf4 codes and scales: about an eighth
+  c.distributed.memory_budget_mb(0.01);
+  EXPECT_HAS(fits(c), "nf4 base weights");
 }
 
 // ---- FIFOs and other files that are not regular -------------------------------------

@@ -39,10 +39,14 @@ int64_t estimate_micro_batch(const config::Config& config, int world_size);
 double model_parameter_count(const config::ModelConfig& model);
 
 /// Refuses, with a ConfigError naming the estimated bytes and the memory
-/// available, a model this machine cannot build: every rank builds the whole
-/// model in fp32 before a strategy shards it, so 4 bytes per parameter plus
-/// the activations of one micro-batch must fit in what one rank may use
+/// available, a model this machine cannot build: the weights a rank holds
+/// plus the activations of one micro-batch must fit in what one rank may use
 /// (distributed.memory_budget_mb, else MemAvailable / `local_world_size`).
+/// A model built from nothing is drawn whole in fp32 on every rank (4 bytes
+/// per parameter); one read from files (model.init_from) costs a rank only
+/// what its strategy keeps: 1/N under full_shard (or a strategy still "auto"),
+/// 1/(ranks per node) under hybrid_shard, and a quantized LoRA base as codes
+/// and scales.
 /// A lower bound: a model that passes may still not fit once gradients and
 /// optimizer state are added (`shardtrain estimate` shows those).
 void check_model_fits(const config::Config& config, int world_size, int local_world_size);
