@@ -24,7 +24,7 @@ NODE_PACKAGES := nodejs npm
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all deps bench-deps configure build test mutants train bench-comm bench-train bench-sharding bench-multinode bench-precision bench-checkpoint bench-lora bench-tokenize bench-llama bench-finetune bench-loading install clean
+.PHONY: all deps bench-deps configure build test mutants train bench-comm bench-train bench-sharding bench-multinode bench-precision bench-checkpoint bench-lora bench-tokenize bench-llama bench-finetune bench-loading bench-first-step install clean
 
 all: build
 
@@ -121,6 +121,11 @@ bench-loading: build
 
 bench-llama: build bench-deps
 	BUILD_DIR=$(BUILD_DIR) MODELS=llama-25m SECTION=train-llama bash bench/train.sh
+
+# Time to the first step against PyTorch's (process start, library load,
+# rendezvous, model build, data, first step); into BENCHMARKS.md.
+bench-first-step: build bench-deps
+	BUILD_DIR=$(BUILD_DIR) python3 bench/first_step.py
 
 install: build
 	cmake --install $(BUILD_DIR)

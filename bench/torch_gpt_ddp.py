@@ -210,6 +210,8 @@ def main(prog="torch_gpt_ddp.py", doc=__doc__, model_args=gpt_args, build=build_
                    help="forward and loss under torch.autocast('cpu', dtype=torch.bfloat16)")
     p.add_argument("--profile-step", type=int, default=0,
                    help="profile this optimizer step (1-based; 0: off) into --profile-out")
+    p.add_argument("--first-step-line", action="store_true",
+                   help="rank 0 prints a line as soon as the first step is done (bench/first_step.py)")
     p.add_argument("--profile-out", default="",
                    help="profile JSON path; '{rank}' is replaced by the rank")
     p.set_defaults(**defaults)
@@ -313,6 +315,9 @@ def main(prog="torch_gpt_ddp.py", doc=__doc__, model_args=gpt_args, build=build_
             stat[1] /= world
         times.append(stat[0].item())
         losses.append(stat[1].item())
+        if step == 0 and rank == 0 and a.first_step_line:
+            # bench/first_step.py times the job from its start to this line.
+            print(f"first step done in {times[0]:.4f} s", flush=True)
 
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
     if world > 1:
