@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "models/activation_kernels.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/causal_lm.h"
 #include "shardtrain/models/gpt.h"
@@ -308,6 +309,118 @@ TEST(GPT, AFewStepsReduceTheLossOnARepeatedPattern) {
   const double last = loss_of().item<double>();
   EXPECT_NEAR(first, std::log(11.0), 0.3);  // small init: close to uniform
   EXPECT_LT(last, 0.25 * first) << "first " << first << " last " << last;
+}
+
+// ---- the fused GELU (models/activation_kernels.h) against LibTorch's ----------------------------
+
+namespace gk = shardtrain::models::detail;
+
+// Inputs across GELU's range: both tails, where tanh saturates, the bend
+// around zero, tiny and exact zeros, and random values.
+at::Tensor gelu_inputs() {
+  torch::manual_seed(7);
+  const std::vector<float> fixed = {0.0f, -0.0f, 1e-30f, -1e-30f, 1e-4f, -1e-4f, 0.01f, -0.01f, 0.5f, -0.5f,
+                                    1.0f, -1.0f, 2.0f, -2.0f, 3.0f, -3.0f, 4.5f, -4.5f, 5.7f, -5.7f,
+                                    8.9f, -8.9f, 9.1f, -9.1f, 12.0f, -12.0f, 30.0f, -30.0f, 1e4f, -1e4f};
+  return torch::cat({torch::tensor(fixed), torch::randn({4096}) * 3.0f, torch::randn({1000})});
+}
+
+// fp32: within a few ulps of LibTorch's, forward and backward (its tanh is
+// another approximation; what the two agree to is what either is worth).
+TEST(FusedGelu, Fp32MatchesLibTorchForwardAndBackward) {
+  const at::Tensor x = gelu_inputs();
+  const at::Tensor dy = torch::randn(x.sizes());
+  const int64_t n = x.numel();
+  at::Tensor y = torch::empty_like(x), dx = torch::empty_like(x);
+  gk::gelu_tanh_forward(x.data_ptr<float>(), y.data_ptr<float>(), n);
+  gk::gelu_tanh_backward(x.data_ptr<float>(), dy.data_ptr<float>(), dx.data_ptr<float>(), n);
+  const at::Tensor xr = x.clone().requires_grad_(true);
+  const at::Tensor want = torch::gelu(xr, "tanh");
+  want.backward(dy);
+  const at::Tensor scale = torch::clamp_min(x.abs(), 1.0);
+  EXPECT_LE(((y - want.detach()).abs() / scale).max().item<float>(), 4e-7f);
+  EXPECT_LE(((dx - xr.grad()).abs() / (scale * torch::clamp_min(dy.abs(), 1.0))).max().item<float>(), 1e-6f);
+  // Not finite in, not finite out (LibTorch: NaN for -inf, its -inf * 0).
+  const at::Tensor odd = torch::tensor({std::nanf(""), INFINITY, -INFINITY});
+  at::Tensor odd_y = torch::empty_like(odd);
+  gk::gelu_tanh_forward(odd.data_ptr<float>(), odd_y.data_ptr<float>(), 3);
+  EXPECT_TRUE(std::isnan(odd_y[0].item<float>()));
+  EXPECT_EQ(odd_y[1].item<float>(), INFINITY);
+  EXPECT_FALSE(std::isfinite(odd_y[2].item<float>()));
+  EXPECT_STRNE(gk::activation_kernel_variant(), "");
+}
+
+// bf16: computed in fp32 and rounded once, so the exact value rounded to
+// bf16, but where the fp32 value straddles a rounding boundary: one bf16 ulp. (LibTorch's own bf16 GELU rounds its intermediates: 45% of
+// its results differ from the exact value rounded once, some by 100%.)
+TEST(FusedGelu, Bf16IsTheExactValueRoundedOnce) {
+  const at::Tensor x = gelu_inputs().to(at::kBFloat16);
+  const at::Tensor dy = torch::randn(x.sizes()).to(at::kBFloat16);
+  const int64_t n = x.numel();
+  at::Tensor y = torch::empty_like(x), dx = torch::empty_like(x);
+  const auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+  gk::gelu_tanh_forward(bits(x), bits(y), n);
+  gk::gelu_tanh_backward(bits(x), bits(dy), bits(dx), n);
+  // The exact values in fp64, with 1 + tanh(u) as 2 / (1 + e^(-2u)): the
+  // plain form cancels in the left tail, where GELU is 1e-15 and less.
+  const at::Tensor xd = x.to(at::kDouble);
+  const double c = std::sqrt(2.0 / M_PI), k = 0.044715;
+  const at::Tensor u = c * (xd + k * xd.pow(3));
+  const at::Tensor one_plus_tanh = 2.0 / (1.0 + torch::exp(-2.0 * u));
+  const at::Tensor slope = 0.5 * one_plus_tanh +
+                           0.5 * xd * one_plus_tanh * (2.0 - one_plus_tanh) * c * (1.0 + 3.0 * k * xd * xd);
+  const at::Tensor want_y = (0.5 * xd * one_plus_tanh).to(at::kBFloat16);
+  const at::Tensor want_dx = (dy.to(at::kDouble) * slope).to(at::kBFloat16);
+  // Within one bf16 ulp, plus for the gradient what fp32 arithmetic loses
+  // near the slope's zero (x about -0.75), where two O(1) terms cancel.
+  const auto close = [](const at::Tensor& got, const at::Tensor& ref, const at::Tensor& slack) {
+    const at::Tensor g = got.to(at::kDouble), r = ref.to(at::kDouble);
+    const at::Tensor ulp = torch::clamp_min(r.abs(), 1e-30) * std::ldexp(1.0, -7);
+    return ((g - r).abs() <= ulp + slack).all().item<bool>();
+  };
+  EXPECT_TRUE(close(y, want_y, torch::zeros_like(xd)));
+  EXPECT_TRUE(close(dx, want_dx, 1e-6 * dy.to(at::kDouble).abs() * torch::clamp_min(xd.abs(), 1.0)));
+  EXPECT_GT(torch::eq(y, want_y).to(at::kFloat).mean().item<float>(), 0.99f);
+  EXPECT_GT(torch::eq(dx, want_dx).to(at::kFloat).mean().item<float>(), 0.99f);
+}
+
+// SwiGLU's gate silu(g) * u, fp32: within a few ulps of LibTorch's ops,
+// forward and backward; bf16: the exact value rounded once (one ulp, plus
+// what fp32 loses where silu' crosses zero, g about -1.28).
+TEST(FusedSwiGlu, MatchesLibTorchInFp32AndTheExactValueInBf16) {
+  const at::Tensor g = gelu_inputs(), u = torch::randn(g.sizes()) * 2.0, dy = torch::randn(g.sizes());
+  const int64_t n = g.numel();
+  {
+    at::Tensor y = torch::empty_like(g), dg = torch::empty_like(g), du = torch::empty_like(g);
+    gk::swiglu_forward(g.data_ptr<float>(), u.data_ptr<float>(), y.data_ptr<float>(), n);
+    gk::swiglu_backward(g.data_ptr<float>(), u.data_ptr<float>(), dy.data_ptr<float>(), dg.data_ptr<float>(),
+                        du.data_ptr<float>(), n);
+    const at::Tensor gr = g.clone().requires_grad_(true), ur = u.clone().requires_grad_(true);
+    const at::Tensor want = torch::silu(gr) * ur;
+    want.backward(dy);
+    const at::Tensor scale = torch::clamp_min(g.abs(), 1.0) * torch::clamp_min(u.abs(), 1.0);
+    const at::Tensor dscale = scale * torch::clamp_min(dy.abs(), 1.0);
+    EXPECT_LE(((y - want.detach()).abs() / scale).max().item<float>(), 4e-7f);
+    EXPECT_LE(((dg - gr.grad()).abs() / dscale).max().item<float>(), 1e-6f);
+    EXPECT_LE(((du - ur.grad()).abs() / dscale).max().item<float>(), 1e-6f);
+  }
+  const at::Tensor gb = g.to(at::kBFloat16), ub = u.to(at::kBFloat16), dyb = dy.to(at::kBFloat16);
+  at::Tensor y = torch::empty_like(gb), dg = torch::empty_like(gb), du = torch::empty_like(gb);
+  const auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+  gk::swiglu_forward(bits(gb), bits(ub), bits(y), n);
+  gk::swiglu_backward(bits(gb), bits(ub), bits(dyb), bits(dg), bits(du), n);
+  const at::Tensor gd = gb.to(at::kDouble), ud = ub.to(at::kDouble), dd = dyb.to(at::kDouble);
+  const at::Tensor sig = torch::sigmoid(gd);
+  const auto close = [](const at::Tensor& got, const at::Tensor& exact, const at::Tensor& slack) {
+    const at::Tensor r = exact.to(at::kBFloat16).to(at::kDouble), d = got.to(at::kDouble);
+    const at::Tensor ulp = torch::clamp_min(r.abs(), 1e-30) * std::ldexp(1.0, -7);
+    return ((d - r).abs() <= ulp + slack).all().item<bool>();
+  };
+  const at::Tensor none = torch::zeros_like(gd);
+  EXPECT_TRUE(close(y, gd * sig * ud, none));
+  EXPECT_TRUE(close(du, dd * gd * sig, none));
+  EXPECT_TRUE(close(dg, dd * ud * sig * (1.0 + gd * (1.0 - sig)),
+                    1e-6 * (dd * ud).abs() * torch::clamp_min(gd.abs(), 1.0)));
 }
 
 }  // namespace
