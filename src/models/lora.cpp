@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstring>
 
 #include "shardtrain/core/deferred.h"
 #include "shardtrain/core/error.h"
@@ -32,27 +33,96 @@ QuantizedWeight quantize(const at::Tensor& weight, const LoraOptions& options) {
                                                   : quantize_nf4(weight, options.double_quant());
 }
 
-// The weights most recently quantized for deferred readers. A sharded
-// strategy reads a layer's codes, then its scales (one flat per dtype), so
-// each weight's quantization is kept until the layer's seven projections
-// have passed; the codes are an eighth of the fp32 weight or less.
+// What the deferred readers of quantized bases read from. int8 quantizes a
+// weight whole, on first read. nf4 makes one streamed pass over a weight for
+// each block's absmax and the scales they give (the double quantization's
+// mean needs every block), then encodes codes only for the blocks a reader
+// asks for: a sharded strategy reads its slice, and each rank encodes its
+// slice alone. A sharded strategy reads a layer's codes, then its scales (one
+// flat per dtype), so each weight's entry is kept until the layer's seven
+// projections have passed; an nf4 entry is a 64th of the fp32 weight.
 class QuantizedCache {
  public:
   const QuantizedWeight& get(const at::Tensor& weight, const LoraOptions& options) {
-    const void* key = weight.unsafeGetTensorImpl();
-    for (auto& [k, q] : entries_) {
-      if (k == key) return q;
+    return entry(weight, options).q;
+  }
+
+  // nf4 codes [first, first + dst.numel()) (bytes, two elements each) of
+  // deferred `weight` into dst, encoding only the blocks they lie in.
+  void nf4_codes(const at::Tensor& weight, const LoraOptions& options, int64_t first, const at::Tensor& dst) {
+    const float* absmax = entry(weight, options).absmax.data_ptr<float>();
+    constexpr int64_t kBytesPerBlock = kNf4Block / 2;
+    uint8_t* out = dst.data_ptr<uint8_t>();
+    const int64_t end = first + dst.numel();
+    for (int64_t pos = first; pos < end;) {
+      const int64_t block = pos / kBytesPerBlock;
+      const int64_t n = std::min(kChunkBlocks, (end + kBytesPerBlock - 1) / kBytesPerBlock - block);
+      if (codes_.numel() < n * kBytesPerBlock) codes_ = at::empty({n * kBytesPerBlock}, at::kByte);
+      uint8_t* codes = codes_.data_ptr<uint8_t>();
+      const float* x = read_blocks(weight, block, n);
+      at::parallel_for(0, n, 1024, [&](int64_t b, int64_t e) {
+        nf4_encode(x + b * kNf4Block, absmax + block + b, e - b, codes + b * kBytesPerBlock);
+      });
+      const int64_t take = std::min(end, (block + n) * kBytesPerBlock) - pos;
+      std::memcpy(out + (pos - first), codes + (pos - block * kBytesPerBlock), static_cast<size_t>(take));
+      pos += take;
     }
-    const at::Tensor values = at::empty(weight.sizes(), weight.options().requires_grad(false));
-    read_deferred(weight, 0, values.view({-1}), "a quantized LoRA base weight");
-    if (entries_.size() >= kKept) entries_.erase(entries_.begin());
-    entries_.emplace_back(key, quantize(values, options));
-    return entries_.back().second;
   }
 
  private:
   static constexpr size_t kKept = 8;
-  std::vector<std::pair<const void*, QuantizedWeight>> entries_;
+  static constexpr int64_t kChunkBlocks = 16384;  // 1M elements, 4 MB of fp32 at a time
+  static constexpr const char* kWhat = "a quantized LoRA base weight";
+
+  struct Entry {
+    QuantizedWeight q;  // nf4: the scales alone; codes come from nf4_codes
+    at::Tensor absmax;  // nf4: each block's
+  };
+
+  Entry& entry(const at::Tensor& weight, const LoraOptions& options) {
+    const void* key = weight.unsafeGetTensorImpl();
+    for (auto& [k, e] : entries_) {
+      if (k == key) return e;
+    }
+    Entry e;
+    if (options.quantize() == LoraQuantize::Int8) {
+      const at::Tensor values = at::empty(weight.sizes(), weight.options().requires_grad(false));
+      read_deferred(weight, 0, values.view({-1}), kWhat);
+      e.q = quantize(values, options);
+    } else {
+      const int64_t blocks = weight.numel() / kNf4Block;
+      e.absmax = at::empty({blocks}, at::TensorOptions().dtype(at::kFloat));
+      for (int64_t b = 0; b < blocks; b += kChunkBlocks) {
+        const int64_t n = std::min(kChunkBlocks, blocks - b);
+        const float* x = read_blocks(weight, b, n);
+        float* amax = e.absmax.data_ptr<float>() + b;
+        at::parallel_for(0, n, 1024, [&](int64_t lo, int64_t hi) {
+          nf4_block_absmax(x + lo * kNf4Block, hi - lo, amax + lo);
+        });
+      }
+      e.q = nf4_scales_of(e.absmax, options.double_quant());
+    }
+    if (entries_.size() >= kKept) entries_.erase(entries_.begin());
+    entries_.emplace_back(key, std::move(e));
+    return entries_.back().second;
+  }
+
+  // Blocks [block, block + n) of `weight` as fp32, in memory reused from call to call.
+  const float* read_blocks(const at::Tensor& weight, int64_t block, int64_t n) {
+    const int64_t numel = n * kNf4Block;
+    if (raw_.numel() < numel || raw_.scalar_type() != weight.scalar_type()) {
+      raw_ = at::empty({numel}, weight.options().requires_grad(false));
+    }
+    const at::Tensor view = raw_.narrow(0, 0, numel);
+    read_deferred(weight, block * kNf4Block, view, kWhat);
+    if (weight.scalar_type() == at::kFloat) return view.data_ptr<float>();
+    if (floats_.numel() < numel) floats_ = at::empty({numel}, at::kFloat);
+    floats_.narrow(0, 0, numel).copy_(view);
+    return floats_.data_ptr<float>();
+  }
+
+  std::vector<std::pair<const void*, Entry>> entries_;
+  at::Tensor raw_, floats_, codes_;
 };
 
 // Deferred tensors shaped as the quantization of deferred `weight` will be,
@@ -64,6 +134,10 @@ QuantizedWeight deferred_quantization(const at::Tensor& weight, const LoraOption
   using Part = at::Tensor QuantizedWeight::*;
   const auto make = [&](std::vector<int64_t> shape, at::ScalarType dtype, Part part) {
     auto reader = [cache, weight, options, part](int64_t first, const at::Tensor& dst) {
+      if (part == &QuantizedWeight::codes && options.quantize() == LoraQuantize::Nf4) {
+        cache->nf4_codes(weight, options, first, dst);
+        return;
+      }
       const QuantizedWeight& q = cache->get(weight, options);
       dst.copy_((q.*part).reshape({-1}).narrow(0, first, dst.numel()));
     };

@@ -60,43 +60,40 @@ at::Tensor dequantize_int8(const at::Tensor& codes, const at::Tensor& scales) {
   return codes.to(at::kFloat) * (scales.to(at::kFloat) / 127.0).unsqueeze(1);
 }
 
-QuantizedWeight quantize_nf4(const at::Tensor& weight, bool double_quant) {
-  ST_CHECK(weight.is_floating_point() && weight.numel() % kNf4Block == 0, InvalidArgument,
-           "quantize_nf4 expects a floating weight with a multiple of ", kNf4Block,
-           " elements, got ", weight.sizes(), " ", weight.scalar_type());
-  at::NoGradGuard no_grad;
-  const at::Tensor w = weight.detach().to(at::kFloat).contiguous();
-  const int64_t count = w.numel() / kNf4Block;
-  QuantizedWeight q;
-  const at::Tensor absmax = at::empty({count}, at::TensorOptions().dtype(at::kFloat));
-  q.codes = at::empty({count * kNf4Block / 2}, at::TensorOptions().dtype(at::kByte));
-  // Nearest code value: the code is ascending, so count the midpoints below
-  // x (what bucketize over the midpoints gives), block by block in one pass:
-  // the same float operations as the tensor form, at a fraction of its time.
+// Nearest code value: the code is ascending, so count the midpoints below x
+// (what bucketize over the midpoints gives), block by block in one pass: the
+// same float operations as the tensor form, at a fraction of its time.
+void nf4_block_absmax(const float* x, int64_t blocks, float* absmax) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* v = x + b * kNf4Block;
+    float m = 0.0f;
+    for (int64_t i = 0; i < kNf4Block; ++i) m = std::max(m, std::abs(v[i]));
+    absmax[b] = m;
+  }
+}
+
+void nf4_encode(const float* x, const float* absmax, int64_t blocks, uint8_t* codes) {
   float mids[15];
   for (int i = 0; i < 15; ++i) mids[i] = (kNf4[i] + kNf4[i + 1]) / 2.0f;
-  const float* src = w.data_ptr<float>();
-  float* amax = absmax.data_ptr<float>();
-  uint8_t* codes = q.codes.data_ptr<uint8_t>();
-  at::parallel_for(0, count, 1024, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const float* x = src + b * kNf4Block;
-      float m = 0.0f;
-      for (int64_t i = 0; i < kNf4Block; ++i) m = std::max(m, std::abs(x[i]));
-      amax[b] = m;
-      const float scale = m > 0.0f ? m : 1.0f;
-      uint8_t* out = codes + b * kNf4Block / 2;
-      for (int64_t i = 0; i < kNf4Block; i += 2) {
-        uint8_t hi = 0, lo = 0;
-        const float a = x[i] / scale, c = x[i + 1] / scale;
-        for (const float mid : mids) {
-          hi = static_cast<uint8_t>(hi + (a > mid));
-          lo = static_cast<uint8_t>(lo + (c > mid));
-        }
-        out[i / 2] = static_cast<uint8_t>(hi * 16 + lo);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* v = x + b * kNf4Block;
+    const float scale = absmax[b] > 0.0f ? absmax[b] : 1.0f;
+    uint8_t* out = codes + b * kNf4Block / 2;
+    for (int64_t i = 0; i < kNf4Block; i += 2) {
+      uint8_t hi = 0, lo = 0;
+      const float a = v[i] / scale, c = v[i + 1] / scale;
+      for (const float mid : mids) {
+        hi = static_cast<uint8_t>(hi + (a > mid));
+        lo = static_cast<uint8_t>(lo + (c > mid));
       }
+      out[i / 2] = static_cast<uint8_t>(hi * 16 + lo);
     }
-  });
+  }
+}
+
+QuantizedWeight nf4_scales_of(const at::Tensor& absmax, bool double_quant) {
+  at::NoGradGuard no_grad;
+  QuantizedWeight q;
   if (!double_quant) {
     q.scales = absmax;
     return q;
@@ -116,6 +113,27 @@ QuantizedWeight quantize_nf4(const at::Tensor& weight, bool double_quant) {
                    .reshape({-1})
                    .narrow(0, 0, n)
                    .contiguous();
+  return q;
+}
+
+QuantizedWeight quantize_nf4(const at::Tensor& weight, bool double_quant) {
+  ST_CHECK(weight.is_floating_point() && weight.numel() % kNf4Block == 0, InvalidArgument,
+           "quantize_nf4 expects a floating weight with a multiple of ", kNf4Block,
+           " elements, got ", weight.sizes(), " ", weight.scalar_type());
+  at::NoGradGuard no_grad;
+  const at::Tensor w = weight.detach().to(at::kFloat).contiguous();
+  const int64_t count = w.numel() / kNf4Block;
+  const at::Tensor absmax = at::empty({count}, at::TensorOptions().dtype(at::kFloat));
+  const at::Tensor codes = at::empty({count * kNf4Block / 2}, at::TensorOptions().dtype(at::kByte));
+  const float* src = w.data_ptr<float>();
+  float* amax = absmax.data_ptr<float>();
+  uint8_t* out = codes.data_ptr<uint8_t>();
+  at::parallel_for(0, count, 1024, [&](int64_t begin, int64_t end) {
+    nf4_block_absmax(src + begin * kNf4Block, end - begin, amax + begin);
+    nf4_encode(src + begin * kNf4Block, amax + begin, end - begin, out + begin * kNf4Block / 2);
+  });
+  QuantizedWeight q = nf4_scales_of(absmax, double_quant);
+  q.codes = codes;
   return q;
 }
 

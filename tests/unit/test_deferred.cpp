@@ -6,6 +6,8 @@
 
 #include "shardtrain/core/deferred.h"
 #include "shardtrain/core/error.h"
+#include "shardtrain/models/lora.h"
+#include "shardtrain/models/quantize.h"
 
 namespace st = shardtrain;
 
@@ -81,5 +83,46 @@ TEST(Deferred, ValuesNobodyProvidedAreAnErrorNamingTheTensor) {
     FAIL() << "no error";
   } catch (const st::InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("'weight' is deferred"), std::string::npos) << e.what();
+  }
+}
+
+// A deferred base under nf4: every quantized tensor reads any range, one that
+// starts or ends inside a 64-element block included (a shard boundary may
+// fall anywhere), exactly as the whole weight quantized at once gives it.
+TEST(Deferred, QuantizedBaseReadsAnyRangeAsTheWholeQuantization) {
+  for (const bool double_quant : {false, true}) {
+    torch::manual_seed(3);
+    const at::Tensor values = torch::randn({96, 640});  // 960 blocks, 4 scale groups
+    torch::nn::Sequential model(torch::nn::Linear(torch::nn::LinearOptions(640, 96).bias(false)));
+    auto layer = model->ptr<torch::nn::LinearImpl>(0);
+    st::defer(layer->weight, [values](int64_t first, const at::Tensor& out) {
+      out.copy_(values.view({-1}).narrow(0, first, out.numel()));
+    });
+    st::models::LoraOptions o;
+    o.r(4).target_modules({"0"}).quantize(st::models::LoraQuantize::Nf4).double_quant(double_quant);
+    st::models::apply_lora(*model, o);
+    const st::models::QuantizedWeight whole = st::models::quantize_nf4(values, double_quant);
+    const auto params = layer->named_parameters(/*recurse=*/false);
+    const std::vector<std::pair<std::string, at::Tensor>> parts =
+        double_quant ? std::vector<std::pair<std::string, at::Tensor>>{{"qweight", whole.codes},
+                                                                        {"qscale_q", whole.scales_q},
+                                                                        {"qscale_scale", whole.scales_scale},
+                                                                        {"qscale_mean", whole.scales_mean}}
+                     : std::vector<std::pair<std::string, at::Tensor>>{{"qweight", whole.codes},
+                                                                        {"qscale", whole.scales}};
+    for (const auto& [name, want] : parts) {
+      const at::Tensor& p = params[name];
+      ASSERT_TRUE(st::is_deferred(p)) << name;
+      const int64_t n = p.numel();
+      // Ranges inside one block, across blocks, across chunks, and the whole.
+      for (const auto& [first, count] : std::vector<std::pair<int64_t, int64_t>>{
+               {0, n}, {5, std::min<int64_t>(n - 5, 77)}, {n / 3, n - n / 3}, {n - 1, 1}, {0, 1}}) {
+        if (count <= 0) continue;
+        const at::Tensor got = torch::empty({count}, p.options().requires_grad(false));
+        st::read_deferred(p, first, got, name.c_str());
+        EXPECT_TRUE(torch::equal(got, want.reshape({-1}).narrow(0, first, count)))
+            << name << " [" << first << ", +" << count << ") double_quant=" << double_quant;
+      }
+    }
   }
 }

@@ -44,6 +44,14 @@ at::Tensor dequantize_int8(const at::Tensor& codes, const at::Tensor& scales);
 
 /// nf4 of a weight whose element count is a multiple of kNf4Block.
 QuantizedWeight quantize_nf4(const at::Tensor& weight, bool double_quant);
+/// quantize_nf4 in parts, for a weight read a range at a time (a deferred
+/// base, each rank encoding only its slice): the absmax of each of `blocks`
+/// blocks at `x`; the codes of `blocks` blocks at `x` (blocks * 32 bytes)
+/// given their absmax; and the scales of a whole weight's absmaxes (codes
+/// left undefined). quantize_nf4 is exactly these three in turn.
+void nf4_block_absmax(const float* x, int64_t blocks, float* absmax);
+void nf4_encode(const float* x, const float* absmax, int64_t blocks, uint8_t* codes);
+QuantizedWeight nf4_scales_of(const at::Tensor& absmax, bool double_quant);
 /// The nf4 scales, undoing the double quantization when there is one.
 at::Tensor nf4_scales(const QuantizedWeight& q);
 /// The fp32 weight of `shape` that nf4 codes and their (plain) scales encode.
