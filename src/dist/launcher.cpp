@@ -53,7 +53,7 @@ const std::set<std::string> kReplacedVars = {
 // ---- signals: a self-pipe the handlers write the signal number into --------
 
 int g_signal_pipe[2] = {-1, -1};
-// SIGINT or SIGTERM seen by take_stop_signal() (outside a running group).
+// SIGINT, SIGTERM or SIGHUP seen by take_stop_signal() (outside a running group).
 int g_stop_signal = 0;
 
 void on_signal(int sig) {
@@ -66,6 +66,9 @@ void on_signal(int sig) {
 }
 
 // Installs the handlers for the duration of launch() and restores the old ones.
+// SIGHUP (the terminal closed, the SSH session dropped) stops the job as
+// SIGTERM does, unless it was ignored when we started (nohup): then it stays
+// ignored and the job goes on.
 class SignalGuard {
  public:
   SignalGuard() {
@@ -76,15 +79,19 @@ class SignalGuard {
     sa.sa_handler = on_signal;
     sigemptyset(&sa.sa_mask);
     sa.sa_flags = SA_NOCLDSTOP;
-    for (int i = 0; i < 3; ++i) ::sigaction(kHandled[i], &sa, &old_[i]);
+    for (int i = 0; i < kCount; ++i) {
+      ::sigaction(kHandled[i], nullptr, &old_[i]);
+      if (kHandled[i] == SIGHUP && old_[i].sa_handler == SIG_IGN) continue;
+      ::sigaction(kHandled[i], &sa, nullptr);
+    }
     // A closed stdout must not kill the launcher and orphan the ranks.
     struct sigaction ign {};
     ign.sa_handler = SIG_IGN;
-    ::sigaction(SIGPIPE, &ign, &old_[3]);
+    ::sigaction(SIGPIPE, &ign, &old_[kCount]);
   }
   ~SignalGuard() {
-    for (int i = 0; i < 3; ++i) ::sigaction(kHandled[i], &old_[i], nullptr);
-    ::sigaction(SIGPIPE, &old_[3], nullptr);
+    for (int i = 0; i < kCount; ++i) ::sigaction(kHandled[i], &old_[i], nullptr);
+    ::sigaction(SIGPIPE, &old_[kCount], nullptr);
     ::close(g_signal_pipe[0]);
     ::close(g_signal_pipe[1]);
     g_signal_pipe[0] = g_signal_pipe[1] = -1;
@@ -92,23 +99,27 @@ class SignalGuard {
   SignalGuard(const SignalGuard&) = delete;
   SignalGuard& operator=(const SignalGuard&) = delete;
 
-  static constexpr int kHandled[3] = {SIGINT, SIGTERM, SIGCHLD};
+  static constexpr int kCount = 4;
+  static constexpr int kHandled[kCount] = {SIGINT, SIGTERM, SIGHUP, SIGCHLD};
 
  private:
-  struct sigaction old_[4];
+  struct sigaction old_[kCount + 1];
 };
 
-constexpr int SignalGuard::kHandled[3];
+constexpr int SignalGuard::kHandled[SignalGuard::kCount];
 
-// Empties the self-pipe; returns SIGINT or SIGTERM when one of them arrived
-// (the first of them), else 0. SIGCHLD only wakes the caller.
+// The signals that stop the job.
+bool is_stop_signal(int sig) { return sig == SIGINT || sig == SIGTERM || sig == SIGHUP; }
+
+// Empties the self-pipe; returns SIGINT, SIGTERM or SIGHUP when one of them
+// arrived (the first of them), else 0. SIGCHLD only wakes the caller.
 int take_stop_signal() {
   int stop = 0;
   unsigned char sigs[64];
   ssize_t n;
   while ((n = ::read(g_signal_pipe[0], sigs, sizeof sigs)) > 0) {
     for (ssize_t i = 0; i < n; ++i) {
-      if (stop == 0 && (sigs[i] == SIGINT || sigs[i] == SIGTERM)) stop = sigs[i];
+      if (stop == 0 && is_stop_signal(sigs[i])) stop = sigs[i];
     }
   }
   if (stop != 0 && g_stop_signal == 0) g_stop_signal = stop;
@@ -459,7 +470,7 @@ class Group {
   std::string suspects_;     // ranks whose heartbeat had stopped when one failed
   int failed_ = -1;          // index into ranks_
   bool skipped_ = false;     // a rank exited kSkippedExitCode
-  int signal_ = 0;           // SIGINT / SIGTERM received by the launcher
+  int signal_ = 0;           // SIGINT / SIGTERM / SIGHUP received by the launcher
   bool stopping_ = false;
   bool killed_ = false;
   Clock::time_point kill_deadline_;
@@ -528,6 +539,11 @@ void Group::start(Rank& r, int local_rank) {
     struct sigaction dfl {};
     dfl.sa_handler = SIG_DFL;
     for (int sig : {SIGINT, SIGTERM, SIGCHLD, SIGPIPE}) ::sigaction(sig, &dfl, nullptr);
+    // SIGHUP too, unless it is ignored (nohup), which the rank inherits.
+    struct sigaction hup {};
+    if (::sigaction(SIGHUP, nullptr, &hup) == 0 && hup.sa_handler == on_signal) {
+      ::sigaction(SIGHUP, &dfl, nullptr);
+    }
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);
@@ -755,18 +771,25 @@ int Group::run() {
     while ((n = ::read(g_signal_pipe[0], sigs, sizeof sigs)) > 0) {
       for (ssize_t i = 0; i < n; ++i) {
         const int sig = sigs[i];
-        if (sig != SIGINT && sig != SIGTERM) continue;  // SIGCHLD: reaped below
+        if (!is_stop_signal(sig)) continue;  // SIGCHLD: reaped below
         if (signal_ == 0) {
           signal_ = sig;
-          say(::shardtrain::detail::str_cat("got ", ::strsignal(sig),
-                                            "; forwarding it to the ranks"));
+          // The ranks get SIGTERM for a hangup: every program knows it as
+          // "save and stop", and a lost terminal is no reason to lose work.
+          const int forward = sig == SIGHUP ? SIGTERM : sig;
+          say(sig == SIGHUP ? std::string("got SIGHUP (the terminal or session closed); sending "
+                                          "SIGTERM to the ranks so that they save and stop")
+                            : ::shardtrain::detail::str_cat("got ", ::strsignal(sig),
+                                                            "; forwarding it to the ranks"));
           if (stopping_) {
-            stop_all(sig);
+            stop_all(forward);
           } else {
-            begin_stopping(sig);
+            begin_stopping(forward);
           }
-        } else if (!killed_) {
-          // A second Ctrl-C means "now": don't wait out the grace period.
+        } else if (sig != SIGHUP && !killed_) {
+          // A second Ctrl-C means "now": don't wait out the grace period. A
+          // hangup is often delivered twice (by the kernel and the shell):
+          // it never means "now".
           say("got a second signal; sending SIGKILL to the ranks");
           stop_all(SIGKILL);
           killed_ = true;

@@ -421,6 +421,47 @@ TEST_P(LauncherSignal, ReachesEveryRank) {
 
 INSTANTIATE_TEST_SUITE_P(IntAndTerm, LauncherSignal, testing::Values(SIGINT, SIGTERM));
 
+// A hangup (the terminal or SSH session closed) stops the job as SIGTERM
+// does: the ranks get SIGTERM (save and stop), the launcher exits 129. It
+// often arrives twice (kernel and shell), which must not escalate to SIGKILL.
+TEST(Launcher, AHangupStopsTheRanksAsSigtermDoes) {
+  Cli cli({"launch", "--nproc-per-node", "2", "--", kProbe, "wait-signal"});
+  ASSERT_TRUE(cli.wait_for([](const std::string& out) { return count_of(out, "ready") == 2; },
+                           30))
+      << "the ranks never became ready";
+  cli.signal(SIGHUP);
+  cli.signal(SIGHUP);
+  const Result r = cli.finish();
+  EXPECT_EQ(r.code, 128 + SIGHUP) << r.err;
+  for (int k = 0; k < 2; ++k) {
+    const std::string got = "[rank " + std::to_string(k) + "] rank " + std::to_string(k) +
+                            " got signal " + std::to_string(SIGTERM) + "\n";
+    EXPECT_TRUE(contains(r.out, got)) << r.out << r.err;
+  }
+  EXPECT_TRUE(contains(r.err, "got SIGHUP")) << r.err;
+  EXPECT_FALSE(contains(r.err, "SIGKILL")) << r.err;
+}
+
+// Under nohup (SIGHUP ignored when the launcher starts) a hangup changes
+// nothing: the job goes on until something else stops it.
+TEST(Launcher, AHangupIgnoredAtStartStaysIgnored) {
+  struct sigaction ignore {}, old {};
+  ignore.sa_handler = SIG_IGN;
+  ::sigaction(SIGHUP, &ignore, &old);
+  Cli cli({"launch", "--nproc-per-node", "2", "--", kProbe, "wait-signal"});
+  ::sigaction(SIGHUP, &old, nullptr);
+  ASSERT_TRUE(cli.wait_for([](const std::string& out) { return count_of(out, "ready") == 2; },
+                           30))
+      << "the ranks never became ready";
+  cli.signal(SIGHUP);
+  EXPECT_FALSE(cli.wait_for([](const std::string& out) { return contains(out, "got signal"); }, 1.0))
+      << "a hangup under nohup stopped the ranks";
+  cli.signal(SIGTERM);
+  const Result r = cli.finish();
+  EXPECT_EQ(r.code, 128 + SIGTERM) << r.err;
+  EXPECT_TRUE(contains(r.out, "got signal " + std::to_string(SIGTERM))) << r.out << r.err;
+}
+
 // State of /proc/PID/stat, or 0 when the process is gone.
 char process_state(int pid) {
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
