@@ -265,39 +265,50 @@ class Rendezvous {
   }
 
   /// The first failure of `round` on any node, if there was one. Losing the
-  /// store (node 0's launcher is gone) is a failure that cannot restart.
+  /// store (node 0's launcher is gone) is a failure that cannot restart; if
+  /// a failure was read before, it says that node 0 ended the job on it.
   std::optional<Failure> failed(int round) {
     if (options_.nnodes() == 1) return std::nullopt;
     try {
       const auto value = kv_->try_get(launch_key(round, "failed"));
       if (!value) return std::nullopt;
       const size_t space = value->find(' ');
-      return Failure{std::atoi(value->c_str()), value->substr(space + 1)};
+      known_ = Failure{std::atoi(value->c_str()), value->substr(space + 1)};
+      return known_;
     } catch (const std::exception& e) {
       lost_store_ = true;
+      if (known_) return Failure{known_->code, gone_after(known_->what)};
       return Failure{1, ::shardtrain::detail::str_cat("lost the job's store on node 0 (",
                                                       e.what(), ")")};
     }
   }
 
   /// After a failed round: node 0 decides whether the job restarts and tells
-  /// the others, who follow. False: stop. The store leaves with node 0's
+  /// the others, who follow. False: stop. On a stop node 0 gives its reason
+  /// (`why`), which the others print. The store leaves with node 0's
   /// launcher, so on a stop node 0 first waits until the other nodes have
   /// read the decision (and so the failure, whose exit code they end with).
-  bool restart_after(int round, bool node0_wants) {
+  bool restart_after(int round, bool node0_wants, const std::string& why = {}) {
     if (lost_store_) return false;
     if (options_.node_rank() == 0) {
-      kv_->set(launch_key(round, "next"), node0_wants ? "restart" : "stop");
+      kv_->set(launch_key(round, "next"), node0_wants ? "restart" : "stop " + why);
       if (!node0_wants) wait_until_stopped(round);
       return node0_wants;
     }
     try {
+      // The failure first: should the store go before the decision comes,
+      // this node still knows why the job ended.
+      failed(round);
       const auto next = wait_for(launch_key(round, "next"), "node 0 to decide on a restart");
       const bool restart = next && *next == "restart";
-      if (!restart) kv_->set(launch_key(round, "stopped/" + std::to_string(options_.node_rank())), "1");
+      if (!restart) {
+        if (next && next->size() > 5) say("node 0 stopped the job: " + next->substr(5));
+        kv_->set(launch_key(round, "stopped/" + std::to_string(options_.node_rank())), "1");
+      }
       return restart;
     } catch (const std::exception& e) {
-      say(::shardtrain::detail::str_cat("lost the job's store on node 0: ", e.what()));
+      say(known_ ? gone_after(known_->what)
+                 : ::shardtrain::detail::str_cat("lost the job's store on node 0: ", e.what()));
       return false;
     }
   }
@@ -398,6 +409,13 @@ class Rendezvous {
   KvStore* kv_ = nullptr;
   int port_ = 0;
   bool lost_store_ = false;
+  std::optional<Failure> known_;  // the last failure read from the store
+
+  // What to say when node 0's store went away after `what` had stopped the
+  // job: node 0 ended it (node 0 closes the store only when it stops).
+  static std::string gone_after(const std::string& what) {
+    return "node 0 ended the job (its store closed) after: " + what;
+  }
 };
 
 // One of a rank's output pipes and the line it is in the middle of.
@@ -900,19 +918,28 @@ int launch(const LaunchOptions& options) {
       const auto late = rdzv.finish(round);
       if (!late) return code;
       say("this node's ranks finished, but " + late->what);
-      rdzv.restart_after(round, false);  // the others wait for a decision
+      rdzv.restart_after(round, false, late->what);  // the others wait for a decision
       return late->code;
     }
     if (!local) code = group.remote_failure()->code;
     bool restart = round < options.max_restarts();
+    // Why the job stops, if it does, for the other nodes to print.
+    std::string why = local ? ::shardtrain::detail::str_cat("node ", options.node_rank(), ": rank ",
+                                                            group.failed_rank(), " failed with ",
+                                                            describe_code(code))
+                            : group.remote_failure()->what;
     if (code == kBadInputExitCode && options.max_restarts() > 0) {
       // Bad input fails the same way every time: restarting cannot help.
       say(::shardtrain::detail::str_cat("not restarting: ", local ? "rank " + std::to_string(group.failed_rank()) : group.remote_failure()->what,
                                         " exited with ", code,
                                         " (bad input, e.g. a configuration error)"));
       restart = false;
+      why += " (bad input, e.g. a configuration error: not restarted)";
+    } else if (!restart) {
+      why += ::shardtrain::detail::str_cat(" (no restart left: --max-restarts ",
+                                           options.max_restarts(), ")");
     }
-    if (!rdzv.restart_after(round, restart)) {
+    if (!rdzv.restart_after(round, restart, why)) {
       if (options.max_restarts() > 0 && round >= options.max_restarts()) {
         say(::shardtrain::detail::str_cat("giving up after ", options.max_restarts(), " restart",
                                           options.max_restarts() == 1 ? "" : "s"));
