@@ -1041,7 +1041,7 @@ std::unique_ptr<KvStore> connect_store(const std::string& address, int port,
   const std::string where = str_cat("tcp://", peer_name(addr));
   const auto start = Clock::now();
   const auto deadline = start + timeout;
-  int turned_away = 0;
+  int turned_away = 0, closed = 0;
   for (;;) {
     int fd = -1;
     int last_error = 0;
@@ -1061,9 +1061,10 @@ std::unique_ptr<KvStore> connect_store(const std::string& address, int port,
     const Greeted how = handshake(fd, token, hs_deadline);
     if (how == Greeted::kIn) return std::make_unique<StoreClient>(fd, where, timeout);
     ::close(fd);
-    // Turned away to make room (or closed at once): the crowd moves on, so
-    // try again, a little later and not in step with the other peers.
-    if (how == Greeted::kBusy || how == Greeted::kClosed) {
+    // Turned away to make room: the crowd moves on, so try again, a little
+    // later and not in step with the other peers. Closed without a word: a
+    // store never does that (it says kBusy), so only a few more tries.
+    if (how == Greeted::kBusy || (how == Greeted::kClosed && ++closed <= 3)) {
       ++turned_away;
       unsigned char jitter = 0;
       random_bytes(&jitter, 1);
@@ -1084,7 +1085,7 @@ std::unique_ptr<KvStore> connect_store(const std::string& address, int port,
             "raise SHARDTRAIN_TIMEOUT_S to wait longer"));
       case Greeted::kClosed:
         throw CommError(str_cat(
-            "the process at ", where, " closed the connection before any greeting (", turned_away,
+            "the process at ", where, " closed the connection before any greeting (", closed,
             " times in ", waited, " s): it is not a shardtrain rendezvous store, or not one that "
             "lets this process in. Hint: check MASTER_ADDR/MASTER_PORT; another program may use "
             "that port"));

@@ -536,3 +536,33 @@ TEST(KvStoreStrangers, APeerTurnedAwayForGoodSaysWhy) {
   bouncer.join();
   ::close(listen_fd);
 }
+
+// Something on the port that closes every connection at once (no store
+// does: it says why it turns a peer away): named promptly, not retried until
+// the timeout.
+TEST(KvStoreStrangers, APortThatClosesAtOnceIsNamedPromptly) {
+  int port = 0;
+  const int listen_fd = listen_on_loopback(&port);
+  std::atomic<bool> stop{false};
+  std::thread closer([&] {
+    while (!stop) {
+      pollfd p{listen_fd, POLLIN, 0};
+      if (::poll(&p, 1, 50) != 1) continue;
+      const int fd = ::accept(listen_fd, nullptr, nullptr);
+      if (fd >= 0) ::close(fd);
+    }
+  });
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    connect_store("127.0.0.1", port, "secret", 30s);
+    ADD_FAILURE() << "let in by a port that closes every connection";
+  } catch (const CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("closed the connection before any greeting"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+  stop = true;
+  closer.join();
+  ::close(listen_fd);
+}
