@@ -55,7 +55,7 @@ constexpr uint32_t kMaxFrameBytes = 64u << 20;
 // What the host sends a connection it turns away to make room (in place of
 // or after its greeting): a peer of ours that reads it tries again.
 constexpr char kBusy[8] = {'S', 'T', 'B', 'U', 'S', 'Y', '0', '1'};
-// Connections in all (further bounded by half the descriptor limit), and
+// Connections in all (further bounded by the descriptor limit), and
 // those that have not proved the token yet: in all, and from one address.
 constexpr int kMaxConnections = 16384;
 constexpr int kMaxStrangers = 512;
@@ -800,10 +800,12 @@ StoreServer::StoreServer(const std::string& address, int port, std::string token
   s.port = ntohs(addr.sin_port);
   s.where = str_cat("tcp://", peer_name(addr));
   // The process's descriptor limit bounds the connections, with room kept
-  // for its other files; strangers get at most half.
+  // for its other files (a launcher holds two pipes per rank); strangers get
+  // at most half.
   rlimit files{};
   if (::getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur != RLIM_INFINITY) {
-    s.max_conns = static_cast<int>(std::clamp<rlim_t>(files.rlim_cur / 2, 16, kMaxConnections));
+    const rlim_t spare = files.rlim_cur > 512 ? files.rlim_cur - 256 : files.rlim_cur / 2;
+    s.max_conns = static_cast<int>(std::clamp<rlim_t>(spare, 16, kMaxConnections));
   }
   s.max_strangers = std::min(kMaxStrangers, s.max_conns / 2);
   s.epoll_fd = ::epoll_create1(EPOLL_CLOEXEC);
