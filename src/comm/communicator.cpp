@@ -394,8 +394,11 @@ void join(KvStore& kv, const std::string& prefix, int rank, int size, Timeout ti
   kv.set(keys[rank], "1");
   const auto start = Clock::now();
   const auto deadline = start + timeout;
+  int64_t said = -1;  // the waited second the last line gave: one line per second at most
   for (;;) {
-    const auto left = std::chrono::duration_cast<Timeout>(deadline - Clock::now());
+    // Rounded up: a wait rounded down ends just before the deadline, again
+    // and again, each time with the same line to say.
+    const auto left = std::chrono::ceil<Timeout>(deadline - Clock::now());
     if (kv.wait(keys, std::clamp(left, Timeout(0), Timeout(std::chrono::seconds(10))))) return;
     std::string missing;
     int count = 0;
@@ -413,6 +416,8 @@ void join(KvStore& kv, const std::string& prefix, int rank, int size, Timeout ti
           " s). Hint: check that they were started, with the same MASTER_ADDR/MASTER_PORT, "
           "WORLD_SIZE and SHARDTRAIN_JOB_TOKEN; SHARDTRAIN_TIMEOUT_S sets how long to wait"));
     }
+    if (waited.count() == said) continue;
+    said = waited.count();
     std::cerr << str_cat("shardtrain: rank ", rank, " waiting for rank", count > 1 ? "s " : " ",
                          missing, " of ", size, " to join (", waited.count(), " s of ",
                          std::chrono::duration_cast<std::chrono::seconds>(timeout).count(),

@@ -50,11 +50,15 @@ std::chrono::milliseconds timeout_from_env(std::chrono::milliseconds fallback);
 std::string job_token_from_env();
 
 /// Hosts the store: a listening socket on `address:port` (numeric IPv4 or a
-/// name resolving to one; port 0 picks one) and a thread per connection.
-/// Connections that do not answer the challenge with the job token are
-/// refused, reported through `log`, and the store goes on serving the rest.
-/// An empty token accepts anyone (ranks started without a launcher or a
-/// SHARDTRAIN_JOB_TOKEN). Throws CommError when the address cannot be bound.
+/// name resolving to one; port 0 picks one), every connection served by one
+/// thread. Connections that do not answer the challenge with the job token
+/// within a few seconds are refused, reported through `log` (one line, then
+/// a count every 10 s), and the store goes on serving the rest. Connections
+/// that have not proved the token yet are bounded per source address and in
+/// all; over a bound, the oldest of the most crowded address is turned away,
+/// so strangers cannot keep the job's own peers out. An empty token accepts
+/// anyone (ranks started without a launcher or a SHARDTRAIN_JOB_TOKEN).
+/// Throws CommError when the address cannot be bound.
 class StoreServer final : public KvStore {
  public:
   using Log = std::function<void(const std::string&)>;
@@ -81,7 +85,8 @@ class StoreServer final : public KvStore {
 };
 
 /// Connects to the store at `address:port`, retrying refused connections
-/// until `timeout` (the host may not be up yet), and answers its challenge
+/// until `timeout` (the host may not be up yet) and trying again when the
+/// store turns it away to make room, and answers its challenge
 /// with `token`. Every call is bounded by `timeout` too. Throws CommError
 /// (TimeoutError when nobody answered) naming the store and what to check.
 std::unique_ptr<KvStore> connect_store(const std::string& address, int port,

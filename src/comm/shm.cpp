@@ -22,8 +22,12 @@ namespace shardtrain::comm::detail {
 
 namespace {
 
-constexpr size_t kLine = 64;         // one sequence word per cache line
-constexpr size_t kHeaderBytes = 4096;
+constexpr size_t kLine = 64;     // one sequence word per cache line
+constexpr size_t kPage = 4096;   // the staging areas start on a page
+
+// The header: a line per rank (its sequence word and closed flag), rounded
+// up to whole pages, so the first staging area starts after the last line.
+size_t header_bytes(int ranks) { return (static_cast<size_t>(ranks) * kLine + kPage - 1) / kPage * kPage; }
 
 uint64_t fnv1a(const std::string& s, uint64_t h = 1469598103934665603ull) {
   for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
@@ -98,7 +102,7 @@ std::unique_ptr<ShmChannel> ShmChannel::open(const OpContext& setup) {
   }
   const std::string name = "/shardtrain-" + std::to_string(pids[0]) + "-" + std::to_string(all[2]);
   const auto stage_bytes = static_cast<size_t>(all[3]);  // rank 0's, so every rank agrees
-  const size_t bytes = kHeaderBytes + static_cast<size_t>(n) * stage_bytes;
+  const size_t bytes = header_bytes(n) + static_cast<size_t>(n) * stage_bytes;
 
   // Rank 0 makes the segment; the others open it once it exists; rank 0
   // removes the name once every rank has tried, so nothing outlives the job.
@@ -150,7 +154,9 @@ std::atomic<uint32_t>& ShmChannel::closed(int r) const {
   return *reinterpret_cast<std::atomic<uint32_t>*>(base_ + static_cast<size_t>(r) * kLine + sizeof(uint32_t));
 }
 
-char* ShmChannel::stage(int r) const { return base_ + kHeaderBytes + static_cast<size_t>(r) * stage_bytes_; }
+char* ShmChannel::stage(int r) const {
+  return base_ + header_bytes(size_) + static_cast<size_t>(r) * stage_bytes_;
+}
 
 void ShmChannel::publish() {
   word(rank_).store(++phase_, std::memory_order_release);

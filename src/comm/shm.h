@@ -46,7 +46,7 @@ class ShmChannel {
   ShmChannel(char* base, size_t bytes, size_t stage_bytes, int rank, int size, std::vector<int64_t> pids);
   std::atomic<uint32_t>& word(int r) const;
   std::atomic<uint32_t>& closed(int r) const;  // set when rank r's channel is destroyed
-  char* stage(int r) const;
+  char* stage(int r) const;  // after the header of size_ lines
   void publish();
   void wait_all(const OpContext& oc) const;
 

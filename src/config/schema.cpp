@@ -262,7 +262,7 @@ void declare_checkpoint_precision(std::vector<Key>& keys) {
            "as `auto` does. `never`: always start fresh. At the same world size and strategy the "
            "continuation is bit-exact in fp32.")
       .key(ST_FIELD(save_on_signal),
-           "On SIGTERM or SIGINT: finish the step, save, exit with 128 + the signal. `shardtrain "
+           "On SIGTERM, SIGINT or SIGHUP (a closed terminal; not under nohup): finish the step, save, exit with 128 + the signal. `shardtrain "
            "train` gives its ranks 300 s for that before SIGKILL; under your own `shardtrain "
            "launch`, pass `--stop-grace` long enough for a step and a save.")
       .key(ST_FIELD(save_frozen_base),

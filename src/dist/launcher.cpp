@@ -53,7 +53,7 @@ const std::set<std::string> kReplacedVars = {
 // ---- signals: a self-pipe the handlers write the signal number into --------
 
 int g_signal_pipe[2] = {-1, -1};
-// SIGINT or SIGTERM seen by take_stop_signal() (outside a running group).
+// SIGINT, SIGTERM or SIGHUP seen by take_stop_signal() (outside a running group).
 int g_stop_signal = 0;
 
 void on_signal(int sig) {
@@ -66,6 +66,9 @@ void on_signal(int sig) {
 }
 
 // Installs the handlers for the duration of launch() and restores the old ones.
+// SIGHUP (the terminal closed, the SSH session dropped) stops the job as
+// SIGTERM does, unless it was ignored when we started (nohup): then it stays
+// ignored and the job goes on.
 class SignalGuard {
  public:
   SignalGuard() {
@@ -76,15 +79,19 @@ class SignalGuard {
     sa.sa_handler = on_signal;
     sigemptyset(&sa.sa_mask);
     sa.sa_flags = SA_NOCLDSTOP;
-    for (int i = 0; i < 3; ++i) ::sigaction(kHandled[i], &sa, &old_[i]);
+    for (int i = 0; i < kCount; ++i) {
+      ::sigaction(kHandled[i], nullptr, &old_[i]);
+      if (kHandled[i] == SIGHUP && old_[i].sa_handler == SIG_IGN) continue;
+      ::sigaction(kHandled[i], &sa, nullptr);
+    }
     // A closed stdout must not kill the launcher and orphan the ranks.
     struct sigaction ign {};
     ign.sa_handler = SIG_IGN;
-    ::sigaction(SIGPIPE, &ign, &old_[3]);
+    ::sigaction(SIGPIPE, &ign, &old_[kCount]);
   }
   ~SignalGuard() {
-    for (int i = 0; i < 3; ++i) ::sigaction(kHandled[i], &old_[i], nullptr);
-    ::sigaction(SIGPIPE, &old_[3], nullptr);
+    for (int i = 0; i < kCount; ++i) ::sigaction(kHandled[i], &old_[i], nullptr);
+    ::sigaction(SIGPIPE, &old_[kCount], nullptr);
     ::close(g_signal_pipe[0]);
     ::close(g_signal_pipe[1]);
     g_signal_pipe[0] = g_signal_pipe[1] = -1;
@@ -92,23 +99,27 @@ class SignalGuard {
   SignalGuard(const SignalGuard&) = delete;
   SignalGuard& operator=(const SignalGuard&) = delete;
 
-  static constexpr int kHandled[3] = {SIGINT, SIGTERM, SIGCHLD};
+  static constexpr int kCount = 4;
+  static constexpr int kHandled[kCount] = {SIGINT, SIGTERM, SIGHUP, SIGCHLD};
 
  private:
-  struct sigaction old_[4];
+  struct sigaction old_[kCount + 1];
 };
 
-constexpr int SignalGuard::kHandled[3];
+constexpr int SignalGuard::kHandled[SignalGuard::kCount];
 
-// Empties the self-pipe; returns SIGINT or SIGTERM when one of them arrived
-// (the first of them), else 0. SIGCHLD only wakes the caller.
+// The signals that stop the job.
+bool is_stop_signal(int sig) { return sig == SIGINT || sig == SIGTERM || sig == SIGHUP; }
+
+// Empties the self-pipe; returns SIGINT, SIGTERM or SIGHUP when one of them
+// arrived (the first of them), else 0. SIGCHLD only wakes the caller.
 int take_stop_signal() {
   int stop = 0;
   unsigned char sigs[64];
   ssize_t n;
   while ((n = ::read(g_signal_pipe[0], sigs, sizeof sigs)) > 0) {
     for (ssize_t i = 0; i < n; ++i) {
-      if (stop == 0 && (sigs[i] == SIGINT || sigs[i] == SIGTERM)) stop = sigs[i];
+      if (stop == 0 && is_stop_signal(sigs[i])) stop = sigs[i];
     }
   }
   if (stop != 0 && g_stop_signal == 0) g_stop_signal = stop;
@@ -254,39 +265,50 @@ class Rendezvous {
   }
 
   /// The first failure of `round` on any node, if there was one. Losing the
-  /// store (node 0's launcher is gone) is a failure that cannot restart.
+  /// store (node 0's launcher is gone) is a failure that cannot restart; if
+  /// a failure was read before, it says that node 0 ended the job on it.
   std::optional<Failure> failed(int round) {
     if (options_.nnodes() == 1) return std::nullopt;
     try {
       const auto value = kv_->try_get(launch_key(round, "failed"));
       if (!value) return std::nullopt;
       const size_t space = value->find(' ');
-      return Failure{std::atoi(value->c_str()), value->substr(space + 1)};
+      known_ = Failure{std::atoi(value->c_str()), value->substr(space + 1)};
+      return known_;
     } catch (const std::exception& e) {
       lost_store_ = true;
+      if (known_) return Failure{known_->code, gone_after(known_->what)};
       return Failure{1, ::shardtrain::detail::str_cat("lost the job's store on node 0 (",
                                                       e.what(), ")")};
     }
   }
 
   /// After a failed round: node 0 decides whether the job restarts and tells
-  /// the others, who follow. False: stop. The store leaves with node 0's
+  /// the others, who follow. False: stop. On a stop node 0 gives its reason
+  /// (`why`), which the others print. The store leaves with node 0's
   /// launcher, so on a stop node 0 first waits until the other nodes have
   /// read the decision (and so the failure, whose exit code they end with).
-  bool restart_after(int round, bool node0_wants) {
+  bool restart_after(int round, bool node0_wants, const std::string& why = {}) {
     if (lost_store_) return false;
     if (options_.node_rank() == 0) {
-      kv_->set(launch_key(round, "next"), node0_wants ? "restart" : "stop");
+      kv_->set(launch_key(round, "next"), node0_wants ? "restart" : "stop " + why);
       if (!node0_wants) wait_until_stopped(round);
       return node0_wants;
     }
     try {
+      // The failure first: should the store go before the decision comes,
+      // this node still knows why the job ended.
+      failed(round);
       const auto next = wait_for(launch_key(round, "next"), "node 0 to decide on a restart");
       const bool restart = next && *next == "restart";
-      if (!restart) kv_->set(launch_key(round, "stopped/" + std::to_string(options_.node_rank())), "1");
+      if (!restart) {
+        if (next && next->size() > 5) say("node 0 stopped the job: " + next->substr(5));
+        kv_->set(launch_key(round, "stopped/" + std::to_string(options_.node_rank())), "1");
+      }
       return restart;
     } catch (const std::exception& e) {
-      say(::shardtrain::detail::str_cat("lost the job's store on node 0: ", e.what()));
+      say(known_ ? gone_after(known_->what)
+                 : ::shardtrain::detail::str_cat("lost the job's store on node 0: ", e.what()));
       return false;
     }
   }
@@ -387,6 +409,13 @@ class Rendezvous {
   KvStore* kv_ = nullptr;
   int port_ = 0;
   bool lost_store_ = false;
+  std::optional<Failure> known_;  // the last failure read from the store
+
+  // What to say when node 0's store went away after `what` had stopped the
+  // job: node 0 ended it (node 0 closes the store only when it stops).
+  static std::string gone_after(const std::string& what) {
+    return "node 0 ended the job (its store closed) after: " + what;
+  }
 };
 
 // One of a rank's output pipes and the line it is in the middle of.
@@ -459,7 +488,7 @@ class Group {
   std::string suspects_;     // ranks whose heartbeat had stopped when one failed
   int failed_ = -1;          // index into ranks_
   bool skipped_ = false;     // a rank exited kSkippedExitCode
-  int signal_ = 0;           // SIGINT / SIGTERM received by the launcher
+  int signal_ = 0;           // SIGINT / SIGTERM / SIGHUP received by the launcher
   bool stopping_ = false;
   bool killed_ = false;
   Clock::time_point kill_deadline_;
@@ -528,6 +557,11 @@ void Group::start(Rank& r, int local_rank) {
     struct sigaction dfl {};
     dfl.sa_handler = SIG_DFL;
     for (int sig : {SIGINT, SIGTERM, SIGCHLD, SIGPIPE}) ::sigaction(sig, &dfl, nullptr);
+    // SIGHUP too, unless it is ignored (nohup), which the rank inherits.
+    struct sigaction hup {};
+    if (::sigaction(SIGHUP, nullptr, &hup) == 0 && hup.sa_handler == on_signal) {
+      ::sigaction(SIGHUP, &dfl, nullptr);
+    }
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);
@@ -755,18 +789,25 @@ int Group::run() {
     while ((n = ::read(g_signal_pipe[0], sigs, sizeof sigs)) > 0) {
       for (ssize_t i = 0; i < n; ++i) {
         const int sig = sigs[i];
-        if (sig != SIGINT && sig != SIGTERM) continue;  // SIGCHLD: reaped below
+        if (!is_stop_signal(sig)) continue;  // SIGCHLD: reaped below
         if (signal_ == 0) {
           signal_ = sig;
-          say(::shardtrain::detail::str_cat("got ", ::strsignal(sig),
-                                            "; forwarding it to the ranks"));
+          // The ranks get SIGTERM for a hangup: every program knows it as
+          // "save and stop", and a lost terminal is no reason to lose work.
+          const int forward = sig == SIGHUP ? SIGTERM : sig;
+          say(sig == SIGHUP ? std::string("got SIGHUP (the terminal or session closed); sending "
+                                          "SIGTERM to the ranks so that they save and stop")
+                            : ::shardtrain::detail::str_cat("got ", ::strsignal(sig),
+                                                            "; forwarding it to the ranks"));
           if (stopping_) {
-            stop_all(sig);
+            stop_all(forward);
           } else {
-            begin_stopping(sig);
+            begin_stopping(forward);
           }
-        } else if (!killed_) {
-          // A second Ctrl-C means "now": don't wait out the grace period.
+        } else if (sig != SIGHUP && !killed_) {
+          // A second Ctrl-C means "now": don't wait out the grace period. A
+          // hangup is often delivered twice (by the kernel and the shell):
+          // it never means "now".
           say("got a second signal; sending SIGKILL to the ranks");
           stop_all(SIGKILL);
           killed_ = true;
@@ -877,19 +918,28 @@ int launch(const LaunchOptions& options) {
       const auto late = rdzv.finish(round);
       if (!late) return code;
       say("this node's ranks finished, but " + late->what);
-      rdzv.restart_after(round, false);  // the others wait for a decision
+      rdzv.restart_after(round, false, late->what);  // the others wait for a decision
       return late->code;
     }
     if (!local) code = group.remote_failure()->code;
     bool restart = round < options.max_restarts();
+    // Why the job stops, if it does, for the other nodes to print.
+    std::string why = local ? ::shardtrain::detail::str_cat("node ", options.node_rank(), ": rank ",
+                                                            group.failed_rank(), " failed with ",
+                                                            describe_code(code))
+                            : group.remote_failure()->what;
     if (code == kBadInputExitCode && options.max_restarts() > 0) {
       // Bad input fails the same way every time: restarting cannot help.
       say(::shardtrain::detail::str_cat("not restarting: ", local ? "rank " + std::to_string(group.failed_rank()) : group.remote_failure()->what,
                                         " exited with ", code,
                                         " (bad input, e.g. a configuration error)"));
       restart = false;
+      why += " (bad input, e.g. a configuration error: not restarted)";
+    } else if (!restart) {
+      why += ::shardtrain::detail::str_cat(" (no restart left: --max-restarts ",
+                                           options.max_restarts(), ")");
     }
-    if (!rdzv.restart_after(round, restart)) {
+    if (!rdzv.restart_after(round, restart, why)) {
       if (options.max_restarts() > 0 && round >= options.max_restarts()) {
         say(::shardtrain::detail::str_cat("giving up after ", options.max_restarts(), " restart",
                                           options.max_restarts() == 1 ? "" : "s"));

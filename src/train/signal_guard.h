@@ -1,5 +1,5 @@
-// The signal handling behind checkpoint.save_on_signal: SIGTERM and SIGINT
-// only set a flag while fit() runs; the loop finishes its step, every rank
+// The signal handling behind checkpoint.save_on_signal: SIGTERM, SIGINT and
+// SIGHUP only set a flag while fit() runs; the loop finishes its step, every rank
 // agrees, a checkpoint is written and fit returns.
 #pragma once
 
@@ -7,8 +7,9 @@
 
 namespace shardtrain::train::detail {
 
-/// Installs SIGTERM/SIGINT handlers that only record the signal (when
-/// enabled) and restores the previous handlers when destroyed.
+/// Installs SIGTERM/SIGINT/SIGHUP handlers that only record the signal (when
+/// enabled; SIGHUP stays ignored if it was, as under nohup) and restores the
+/// previous handlers when destroyed.
 class SignalGuard {
  public:
   explicit SignalGuard(bool enabled);
@@ -22,6 +23,7 @@ class SignalGuard {
   bool enabled_;
   struct sigaction previous_term_ {};
   struct sigaction previous_int_ {};
+  struct sigaction previous_hup_ {};
 };
 
 }  // namespace shardtrain::train::detail

@@ -445,7 +445,7 @@ std::string Trainer::export_model(const std::string& dir) {
 }
 
 const TrainerState& Trainer::fit() {
-  // SIGTERM / SIGINT only set a flag; the step in progress finishes, every
+  // SIGTERM / SIGINT / SIGHUP only set a flag; the step in progress finishes, every
   // rank agrees (control flags), a checkpoint is written and fit returns.
   const detail::SignalGuard signals(config_.checkpoint.save_on_signal);
   int64_t saved_at = -1;  // step of the last checkpoint written or loaded

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # SIGTERM during `shardtrain train` on 2 ranks: every rank finishes its step,
 # a complete checkpoint is written and the command exits 143; a second run
-# with checkpoint.resume=auto continues from that step.
+# with checkpoint.resume=auto continues from that step, and a hangup (SIGHUP,
+# twice, as a closing terminal sends it) stops it the same way, exit 129; a
+# third run continues from there and finishes.
 #   train_signal.sh SHARDTRAIN_CLI SOURCE_DIR
 set -euo pipefail
 cli=$1 src=$2
@@ -36,11 +38,37 @@ grep -q "stopped by signal 15 after step" "$dir/first.log" || { echo "FAIL: no s
 step=$((10#${latest##*step-}))
 echo "SIGTERM: checkpoint at step $step"
 
-"$cli" train "$src/configs/default.yaml" "${common[@]}" --set trainer.max_steps=$((step + 2)) \
-  --set checkpoint.resume=auto > "$dir/second.log" 2>&1 || { echo "FAIL: resume run"; cat "$dir/second.log"; exit 1; }
-# The resumed run's first step is the one after the checkpoint.
-after=$(grep -c "\"step\": $((step + 1)), " "$dir/run/metrics.jsonl" || true)
-[ "$after" -eq 1 ] || { echo "FAIL: step $((step + 1)) logged $after times"; cat "$dir/run/metrics.jsonl"; exit 1; }
-[ -f "$dir/run/checkpoints/step-$(printf %06d $((step + 2)))/COMMITTED" ] || { echo "FAIL: no final checkpoint"; exit 1; }
+# A hangup: the same save and stop.
+"$cli" train "$src/configs/default.yaml" "${common[@]}" --set trainer.max_steps=1000000 \
+  --set checkpoint.resume=auto > "$dir/second.log" 2>&1 &
+pid=$!
+for _ in $(seq 1 1200); do
+  grep -q "\"step\": $((step + 2)), " "$dir/run/metrics.jsonl" 2>/dev/null && break
+  sleep 0.1
+done
+kill -HUP "$pid"
+kill -HUP "$pid"
+rc=0
+wait "$pid" || rc=$?
+if [ "$rc" -ne 129 ]; then
+  echo "FAIL: exit code $rc after SIGHUP, expected 129"; cat "$dir/second.log"; exit 1
+fi
+hup=$(ls -d "$dir"/run/checkpoints/step-* 2>/dev/null | sort | tail -1)
+hup_step=$((10#${hup##*step-}))
+if [ "$hup_step" -le "$step" ] || [ ! -f "$hup/COMMITTED" ]; then
+  echo "FAIL: no complete checkpoint after SIGHUP (newest: $hup)"; cat "$dir/second.log"; exit 1
+fi
+grep -q "stopped by signal 15 after step" "$dir/second.log" || { echo "FAIL: no stop message after SIGHUP"; cat "$dir/second.log"; exit 1; }
+[ ! -e "$dir/run/model.safetensors" ] || { echo "FAIL: a model was exported after SIGHUP"; exit 1; }
+echo "SIGHUP: checkpoint at step $hup_step"
+
+"$cli" train "$src/configs/default.yaml" "${common[@]}" --set trainer.max_steps=$((hup_step + 2)) \
+  --set checkpoint.resume=auto > "$dir/third.log" 2>&1 || { echo "FAIL: resume run"; cat "$dir/third.log"; exit 1; }
+# Each resumed run's first step is the one after its checkpoint, logged once.
+for first in $((step + 1)) $((hup_step + 1)); do
+  after=$(grep -c "\"step\": $first, " "$dir/run/metrics.jsonl" || true)
+  [ "$after" -eq 1 ] || { echo "FAIL: step $first logged $after times"; cat "$dir/run/metrics.jsonl"; exit 1; }
+done
+[ -f "$dir/run/checkpoints/step-$(printf %06d $((hup_step + 2)))/COMMITTED" ] || { echo "FAIL: no final checkpoint"; exit 1; }
 [ -f "$dir/run/model.safetensors" ] || { echo "FAIL: no exported model after the resumed run"; exit 1; }
-echo "resumed from step $step to $((step + 2))"
+echo "resumed from step $step, stopped by SIGHUP at $hup_step, finished at $((hup_step + 2))"

@@ -20,7 +20,8 @@ add_test(NAME cli.train_progress_terminal
          COMMAND ${CMAKE_CURRENT_LIST_DIR}/progress_terminal.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
 set_tests_properties(cli.train_progress_terminal PROPERTIES TIMEOUT 600 ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=120")
 
-# SIGTERM saves a checkpoint and exits 143; resume auto continues from it.
+# SIGTERM saves a checkpoint and exits 143, SIGHUP likewise with 129; resume
+# auto continues from each.
 add_test(NAME cli.train_sigterm_resume
          COMMAND ${CMAKE_CURRENT_LIST_DIR}/train_signal.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
 set_tests_properties(cli.train_sigterm_resume PROPERTIES TIMEOUT 300 ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=60")

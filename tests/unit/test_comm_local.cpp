@@ -125,6 +125,21 @@ TEST(Rendezvous, MissingPeerTimesOut) {
   EXPECT_LT(seconds_since(start), 60.0);
 }
 
+// The line that says who is still missing comes at most once per second
+// waited: near the deadline it used to repeat, the same "(1 s of 1 s)", as
+// the last wait of under a millisecond ended again and again before it.
+TEST(Rendezvous, TheWaitingLineIsNotRepeatedNearTheDeadline) {
+  const int port = dist::find_free_port();
+  ::testing::internal::CaptureStderr();
+  EXPECT_THROW(Communicator::create(CommOptions().rank(0).world_size(2).master_port(port).timeout(
+                   std::chrono::milliseconds(1500))),
+               TimeoutError);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  int lines = 0;
+  for (size_t at = 0; (at = err.find("waiting for rank", at)) != std::string::npos; ++at) ++lines;
+  EXPECT_LE(lines, 1) << err;
+}
+
 // Rank 1 of two with nobody hosting the store at the master address.
 TEST(Rendezvous, MissingMasterTimesOut) {
   const auto start = std::chrono::steady_clock::now();

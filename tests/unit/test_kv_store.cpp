@@ -3,12 +3,15 @@
 // test computes itself.
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <poll.h>
+#include <sys/resource.h>
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <atomic>
 #include <functional>
 #include <thread>
@@ -44,7 +47,7 @@ int listen_on_loopback(int* port) {
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-  EXPECT_EQ(::listen(fd, 4), 0);
+  EXPECT_EQ(::listen(fd, 64), 0);
   socklen_t len = sizeof addr;
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
   *port = ntohs(addr.sin_port);
@@ -387,4 +390,179 @@ TEST(KvStoreHandshake, TheTwoSidesAnswerOneChallengeDifferently) {
   EXPECT_EQ(client_answer, hmac("secret", "client", challenge));
   EXPECT_EQ(store_proof, hmac("secret", "server", challenge));
   EXPECT_NE(client_answer, store_proof);
+}
+
+// ---- strangers by the thousand ---------------------------------------------------------
+// A flood of connections that never prove the token, and a horde that holds
+// them open without a word: the store keeps one thread and bounded memory,
+// lets the job's peers in meanwhile, and logs a count, not a line each.
+
+namespace {
+
+// The threads of this process, from /proc.
+int thread_count() {
+  FILE* f = std::fopen("/proc/self/status", "r");
+  char line[256];
+  int n = -1;
+  while (f && std::fgets(line, sizeof line, f)) {
+    if (std::sscanf(line, "Threads: %d", &n) == 1) break;
+  }
+  if (f) std::fclose(f);
+  return n;
+}
+
+// This process's virtual memory, in MiB, from /proc.
+long virtual_mib() {
+  FILE* f = std::fopen("/proc/self/status", "r");
+  char line[256];
+  long kib = -1;
+  while (f && std::fgets(line, sizeof line, f)) {
+    if (std::sscanf(line, "VmSize: %ld", &kib) == 1) break;
+  }
+  if (f) std::fclose(f);
+  return kib / 1024;
+}
+
+// Raises this process's descriptor limit to `want` (or the hard limit);
+// false when even that is less.
+bool allow_files(rlim_t want) {
+  rlimit r{};
+  ::getrlimit(RLIMIT_NOFILE, &r);
+  r.rlim_cur = std::min(r.rlim_max, std::max(r.rlim_cur, want));
+  ::setrlimit(RLIMIT_NOFILE, &r);
+  return r.rlim_cur >= want;
+}
+
+// A connection to `port` from loopback address 127.0.0.`from` (each a
+// different source address to the store), not waiting for it to complete.
+int connect_from(int from, int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+  sockaddr_in src{};
+  src.sin_family = AF_INET;
+  src.sin_addr.s_addr = htonl(0x7f000000u | static_cast<uint32_t>(from));
+  ::bind(fd, reinterpret_cast<sockaddr*>(&src), sizeof src);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  return fd;
+}
+
+}  // namespace
+
+TEST(KvStoreStrangers, AFloodLeavesOneThreadAndBoundedMemory) {
+  ASSERT_TRUE(allow_files(4096));
+  Hosted h;
+  auto peer = connect_store("127.0.0.1", h.server.port(), "secret", 10s);
+  const int threads = thread_count();
+  const long vm = virtual_mib();
+  // 4,000 connections opened and closed at once, 50 at a time in flight,
+  // from 8 addresses; every 10th says something wrong first.
+  for (int i = 0; i < 4000; i += 50) {
+    std::vector<int> fds;
+    for (int j = 0; j < 50; ++j) fds.push_back(connect_from(2 + (i + j) % 8, h.server.port()));
+    for (size_t j = 0; j < fds.size(); j += 10) {
+      pollfd p{fds[j], POLLOUT, 0};
+      if (::poll(&p, 1, 1000) == 1) send_all(fds[j], std::string(64, 'x'));
+    }
+    for (int fd : fds) ::close(fd);
+  }
+  peer->set("after", "flood");
+  EXPECT_EQ(h.server.try_get("after").value(), "flood");
+  EXPECT_LE(thread_count(), threads) << "the store grew threads with the connections";
+  EXPECT_LT(virtual_mib() - vm, 512) << "the store's memory grew with the connections";
+  auto late = connect_store("127.0.0.1", h.server.port(), "secret", 10s);
+  EXPECT_EQ(late->try_get("after").value(), "flood");
+}
+
+TEST(KvStoreStrangers, APeerGetsInWhileSilentStrangersFillTheStore) {
+  ASSERT_TRUE(allow_files(4096));
+  Hosted h;
+  const int threads = thread_count();
+  // 1,100 connections from 11 addresses that never say a word: more than
+  // the store keeps for strangers, in all and per address.
+  std::vector<int> horde;
+  for (int i = 0; i < 1100; ++i) horde.push_back(connect_from(2 + i % 11, h.server.port()));
+  std::this_thread::sleep_for(500ms);
+  EXPECT_LE(thread_count(), threads + 1) << "a thread per silent stranger";
+  // A peer of the job (from 127.0.0.1) still gets in, at once.
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    auto peer = connect_store("127.0.0.1", h.server.port(), "secret", 5s);
+    peer->set("in", "yes");
+    EXPECT_EQ(h.server.try_get("in").value(), "yes");
+  } catch (const CommError& e) {
+    ADD_FAILURE() << "a peer with the token was kept out by silent strangers: " << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);
+  // Many turned away, few lines logged.
+  for (int i = 0; i < 100 && h.server.refused() < 500; ++i) std::this_thread::sleep_for(20ms);
+  EXPECT_GE(h.server.refused(), 500);
+  const std::string logged = h.logged();
+  EXPECT_LE(std::count(logged.begin(), logged.end(), '\n'), 3) << logged;
+  for (int fd : horde) ::close(fd);
+}
+
+// A store that turns every connection away: the peer tries again until its
+// timeout and then says so, not that the store is something else.
+TEST(KvStoreStrangers, APeerTurnedAwayForGoodSaysWhy) {
+  int port = 0;
+  const int listen_fd = listen_on_loopback(&port);
+  std::atomic<bool> stop{false};
+  std::atomic<int> turned{0};
+  std::thread bouncer([&] {
+    while (!stop) {
+      pollfd p{listen_fd, POLLIN, 0};
+      if (::poll(&p, 1, 50) != 1) continue;
+      const int fd = ::accept(listen_fd, nullptr, nullptr);
+      if (fd < 0) continue;
+      send_all(fd, std::string("STBUSY01", 8));
+      ::close(fd);
+      ++turned;
+    }
+  });
+  try {
+    connect_store("127.0.0.1", port, "secret", 1500ms);
+    ADD_FAILURE() << "let in by a store that turns everyone away";
+  } catch (const TimeoutError& e) {
+    EXPECT_NE(std::string(e.what()).find("turned this process away"), std::string::npos)
+        << e.what();
+  } catch (const CommError& e) {
+    ADD_FAILURE() << "not a TimeoutError naming the crowd: " << e.what();
+  }
+  EXPECT_GE(turned.load(), 2) << "the peer did not try again";
+  stop = true;
+  bouncer.join();
+  ::close(listen_fd);
+}
+
+// Something on the port that closes every connection at once (no store
+// does: it says why it turns a peer away): named promptly, not retried until
+// the timeout.
+TEST(KvStoreStrangers, APortThatClosesAtOnceIsNamedPromptly) {
+  int port = 0;
+  const int listen_fd = listen_on_loopback(&port);
+  std::atomic<bool> stop{false};
+  std::thread closer([&] {
+    while (!stop) {
+      pollfd p{listen_fd, POLLIN, 0};
+      if (::poll(&p, 1, 50) != 1) continue;
+      const int fd = ::accept(listen_fd, nullptr, nullptr);
+      if (fd >= 0) ::close(fd);
+    }
+  });
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    connect_store("127.0.0.1", port, "secret", 30s);
+    ADD_FAILURE() << "let in by a port that closes every connection";
+  } catch (const CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("closed the connection before any greeting"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+  stop = true;
+  closer.join();
+  ::close(listen_fd);
 }

@@ -346,7 +346,8 @@ std::pair<Result, Result> two_nodes(const std::vector<std::string>& probe, int r
 
 // Bad input (exit 2) on one node is not restarted on any node, and every
 // node exits 2: the node whose rank failed and the node that only heard of
-// it, whichever of the two decides on restarts (node 0).
+// it, whichever of the two decides on restarts (node 0). Node 1 says why
+// node 0 stopped the job, not merely that its store went away.
 TEST(Launcher, BadInputOnOneNodeEndsEveryNodeWith2) {
   for (const int failing : {2, 0}) {  // a rank of node 1, then of node 0
     SCOPED_TRACE("rank " + std::to_string(failing) + " exits 2");
@@ -360,6 +361,11 @@ TEST(Launcher, BadInputOnOneNodeEndsEveryNodeWith2) {
     EXPECT_EQ(count_of(r0.err, "restarting all"), 0) << r0.err;
     EXPECT_EQ(count_of(r1.err, "restarting all"), 0) << r1.err;
     EXPECT_TRUE(contains(r0.err, "not restarting")) << r0.err;
+    const std::string why = "node 0 stopped the job: node " + std::string(failing == 2 ? "1" : "0") +
+                            ": rank " + std::to_string(failing) + " failed with exit code 2";
+    EXPECT_TRUE(contains(r1.err, why)) << r1.err;
+    EXPECT_TRUE(contains(r1.err, "bad input")) << r1.err;
+    EXPECT_FALSE(contains(r1.err, "lost the job's store")) << r1.err;
   }
 }
 
@@ -375,6 +381,9 @@ TEST(Launcher, RestartsRunOutOnEveryNode) {
   EXPECT_TRUE(contains(r0.err, "node 1: rank 3 failed with exit code 5")) << r0.err;
   EXPECT_TRUE(contains(r0.err, "giving up after 1 restart")) << r0.err;
   EXPECT_TRUE(contains(r1.err, "rank 3 failed with exit code 5")) << r1.err;
+  EXPECT_TRUE(contains(r1.err, "node 0 stopped the job: node 1: rank 3 failed with exit code 5 "
+                               "(no restart left: --max-restarts 1)"))
+      << r1.err;
 }
 
 // Exit 77 is a skip (a test whose precondition does not hold), which ctest's
@@ -420,6 +429,47 @@ TEST_P(LauncherSignal, ReachesEveryRank) {
 }
 
 INSTANTIATE_TEST_SUITE_P(IntAndTerm, LauncherSignal, testing::Values(SIGINT, SIGTERM));
+
+// A hangup (the terminal or SSH session closed) stops the job as SIGTERM
+// does: the ranks get SIGTERM (save and stop), the launcher exits 129. It
+// often arrives twice (kernel and shell), which must not escalate to SIGKILL.
+TEST(Launcher, AHangupStopsTheRanksAsSigtermDoes) {
+  Cli cli({"launch", "--nproc-per-node", "2", "--", kProbe, "wait-signal"});
+  ASSERT_TRUE(cli.wait_for([](const std::string& out) { return count_of(out, "ready") == 2; },
+                           30))
+      << "the ranks never became ready";
+  cli.signal(SIGHUP);
+  cli.signal(SIGHUP);
+  const Result r = cli.finish();
+  EXPECT_EQ(r.code, 128 + SIGHUP) << r.err;
+  for (int k = 0; k < 2; ++k) {
+    const std::string got = "[rank " + std::to_string(k) + "] rank " + std::to_string(k) +
+                            " got signal " + std::to_string(SIGTERM) + "\n";
+    EXPECT_TRUE(contains(r.out, got)) << r.out << r.err;
+  }
+  EXPECT_TRUE(contains(r.err, "got SIGHUP")) << r.err;
+  EXPECT_FALSE(contains(r.err, "SIGKILL")) << r.err;
+}
+
+// Under nohup (SIGHUP ignored when the launcher starts) a hangup changes
+// nothing: the job goes on until something else stops it.
+TEST(Launcher, AHangupIgnoredAtStartStaysIgnored) {
+  struct sigaction ignore {}, old {};
+  ignore.sa_handler = SIG_IGN;
+  ::sigaction(SIGHUP, &ignore, &old);
+  Cli cli({"launch", "--nproc-per-node", "2", "--", kProbe, "wait-signal"});
+  ::sigaction(SIGHUP, &old, nullptr);
+  ASSERT_TRUE(cli.wait_for([](const std::string& out) { return count_of(out, "ready") == 2; },
+                           30))
+      << "the ranks never became ready";
+  cli.signal(SIGHUP);
+  EXPECT_FALSE(cli.wait_for([](const std::string& out) { return contains(out, "got signal"); }, 1.0))
+      << "a hangup under nohup stopped the ranks";
+  cli.signal(SIGTERM);
+  const Result r = cli.finish();
+  EXPECT_EQ(r.code, 128 + SIGTERM) << r.err;
+  EXPECT_TRUE(contains(r.out, "got signal " + std::to_string(SIGTERM))) << r.out << r.err;
+}
 
 // State of /proc/PID/stat, or 0 when the process is gone.
 char process_state(int pid) {

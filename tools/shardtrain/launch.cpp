@@ -22,7 +22,8 @@ const char kUsage[] =
     "Starts the ranks of one node with the torchrun variables set (RANK, LOCAL_RANK,\n"
     "WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,\n"
     "SHARDTRAIN_RESTART_COUNT), prefixes their output with \"[rank k] \", forwards\n"
-    "SIGINT/SIGTERM to them and stops them all when one fails.\n"
+    "SIGINT/SIGTERM to them (SIGTERM for a SIGHUP: a closed terminal saves and stops)\n"
+    "and stops them all when one fails.\n"
     "\n"
     "options (also as --option=value):\n"
     "%s"
@@ -30,7 +31,7 @@ const char kUsage[] =
     "\n"
     "exit code: 0 when every rank succeeded; otherwise the failed rank's code (128+N\n"
     "if it was killed by signal N, 127 if PROGRAM was not found); 128+N when the\n"
-    "launcher itself got SIGINT/SIGTERM; 2 for bad options; 77 when no rank failed\n"
+    "launcher itself got SIGINT/SIGTERM/SIGHUP; 2 for bad options; 77 when no rank failed\n"
     "and one exited 77 (skipped, as ctest's SKIP_RETURN_CODE takes it).\n";
 
 }  // namespace

@@ -34,7 +34,8 @@ struct LaunchOptions {
 /// LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
 /// MASTER_PORT, SHARDTRAIN_RESTART_COUNT) plus the job's store secret
 /// and address (SHARDTRAIN_JOB_TOKEN, SHARDTRAIN_STORE), prefixes each line they
-/// print with "[rank k] ", forwards SIGINT and SIGTERM to all of them, and
+/// print with "[rank k] ", forwards SIGINT and SIGTERM (SIGHUP as SIGTERM)
+/// to all of them, and
 /// returns the exit code for the launcher: 0 when every rank succeeded;
 /// otherwise the code of the first rank that failed (128 + signal for a rank
 /// killed by a signal), after stopping the rest and printing that rank's
@@ -71,7 +72,8 @@ struct LaunchOptions {
 ///   - SIGINT/SIGTERM to the launcher: forwarded to every rank's process
 ///     group, SIGKILL after stop_grace_s (or at once on a second signal); the
 ///     result is 128 + signal, or the code of a rank that had already failed.
-///     A stop by signal never restarts.
+///     A stop by signal never restarts. SIGHUP (a closed terminal) sends the
+///     ranks SIGTERM and never escalates; ignored at start (nohup), it stays so.
 ///   - With nnodes > 1, master_addr and master_port are required.
 ///   - Node 0's launcher is the job's anchor: if it dies, the other nodes
 ///     stop (their store is gone) and the job must be started again.
