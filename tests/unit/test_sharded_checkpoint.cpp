@@ -583,6 +583,36 @@ TEST(Retention, ListsNewestFirstAndPrunes) {
   EXPECT_TRUE(ck::list_complete(run.path()).empty());
 }
 
+// A checkpoint linked in from elsewhere (to resume from a shared one) is
+// another run's: retention never deletes through a link, nor the link
+// (issue 28, item 6).
+TEST(Retention, NeverDeletesThroughASymbolicLink) {
+  TempDir run, shared;
+  save_world(ck::checkpoint_dir(run.path(), 1), 1);
+  const std::string theirs = shared / "step-000002";
+  save_world(theirs, 1);
+  const std::string torn_theirs = shared / "torn";
+  fs::create_directories(torn_theirs);
+  std::ofstream(fs::path(torn_theirs) / "rank-00000.bin") << "their work in progress";
+  fs::create_directory_symlink(theirs, ck::checkpoint_dir(run.path(), 2));
+  fs::create_directory_symlink(torn_theirs, ck::checkpoint_dir(run.path(), 5) + ".tmp");
+  fs::create_directory_symlink(torn_theirs, ck::checkpoint_dir(run.path(), 6));
+  save_world(ck::checkpoint_dir(run.path(), 3), 1);
+  // The linked checkpoint is still one to resume from.
+  ASSERT_EQ(ck::list_complete(run.path()).size(), 3u);
+
+  const auto removed = ck::prune(run.path(), 1);
+  ASSERT_EQ(removed.size(), 1u);  // our own step 1 only
+  EXPECT_EQ(removed[0], ck::checkpoint_dir(run.path(), 1));
+  EXPECT_TRUE(ck::is_complete(theirs)) << "retention deleted COMMITTED through the link";
+  EXPECT_TRUE(fs::exists(fs::path(torn_theirs) / "rank-00000.bin"));
+  for (const int64_t step : {2, 6}) EXPECT_TRUE(fs::is_symlink(ck::checkpoint_dir(run.path(), step)));
+  EXPECT_TRUE(fs::is_symlink(ck::checkpoint_dir(run.path(), 5) + ".tmp"));
+  EXPECT_TRUE(ck::is_complete(ck::checkpoint_dir(run.path(), 3)));
+  ck::prune(run.path(), 0);
+  EXPECT_TRUE(ck::is_complete(theirs));
+}
+
 // ---- optimizer state --------------------------------------------------------------------
 
 struct Net : torch::nn::Module {
