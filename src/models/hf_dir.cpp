@@ -11,6 +11,7 @@
 #include <sstream>
 #include <unordered_set>
 
+#include "core/json.h"
 #include "checkpoint/detail.h"
 #include "core/file.h"
 #include "shardtrain/checkpoint/safetensors.h"
@@ -46,7 +47,7 @@ void remove_own_export(const std::string& file) {
     if (path.extension() == ".json") {
       std::string text, why;
       ours = ::shardtrain::detail::read_regular_file(path.string(), int64_t{64} << 20, &text, &why) &&
-             nlohmann::json::parse(text).value("metadata", nlohmann::json::object()).value("producer", "") ==
+             ::shardtrain::detail::parse_json_text(text).value("metadata", nlohmann::json::object()).value("producer", "") ==
                  "shardtrain";
     } else {
       const SafetensorsFile f(path.string());
@@ -79,7 +80,7 @@ HfWeights::HfWeights(const std::string& path) : path_(path) {
                CheckpointError, "cannot read '", index.string(), "': ", why);
       nlohmann::json j;
       try {
-        j = nlohmann::json::parse(text);
+        j = ::shardtrain::detail::parse_json_text(text);
         (void)j.at("weight_map").items();
       } catch (const nlohmann::json::exception& e) {
         ST_CHECK(false, CheckpointError, "'", index.string(), "' is not a safetensors index (", e.what(),
