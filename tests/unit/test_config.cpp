@@ -35,6 +35,7 @@ const std::string kDefaultYaml = std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/
 void expect_same(const Config& a, const Config& b) {
   EXPECT_EQ(a.run.dir, b.run.dir);
   EXPECT_EQ(a.run.seed, b.run.seed);
+  EXPECT_EQ(a.run.overwrite, b.run.overwrite);
   EXPECT_EQ(a.model.type, b.model.type);
   EXPECT_EQ(a.model.n_layer, b.model.n_layer);
   EXPECT_EQ(a.model.n_head, b.model.n_head);
@@ -171,6 +172,7 @@ Config every_key_set() {
   Config c;
   c.run.dir = "runs/with space: and # chars";
   c.run.seed = 18446744073709551615ull;
+  c.run.overwrite = true;
   c.model.type = ModelType::Mlp;
   c.model.n_layer = 7;
   c.model.n_head = 3;
