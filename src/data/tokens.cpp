@@ -175,10 +175,15 @@ void TokenSource::Storage::read_file(int64_t first, int64_t count, int64_t* out)
       if (r < 0 && errno == EINTR) continue;
       ST_CHECK(r >= 0, IoError, "cannot read token file '", path, "': ", std::strerror(errno),
                "; hint: check the disk, then resume with checkpoint.resume=auto");
-      ST_CHECK(r > 0, IoError, "token file '", path, "' ended at byte ", offset + static_cast<off_t>(got),
-               " while reading tokens ", first + done, "..", first + done + n - 1, " of ", size,
-               ": it was truncated or replaced while training; hint: restore the file (the ",
-               kHeaderBytes + size * width, " bytes it had), then resume with checkpoint.resume=auto");
+      if (r == 0) {
+        struct stat st {};
+        const long long now = ::fstat(fd, &st) == 0 ? static_cast<long long>(st.st_size) : -1;
+        ST_CHECK(false, IoError, "token file '", path, "' is shorter than when training started: tokens ",
+                 first + done, "..", first + done + n - 1, " of ", size, " lie beyond its ", now,
+                 " bytes now (it had ", kHeaderBytes + size * width,
+                 "); it was truncated or replaced while training; hint: restore the file, then "
+                 "resume with checkpoint.resume=auto");
+      }
       got += static_cast<size_t>(r);
     }
     if (width == 4) {

@@ -153,7 +153,7 @@ TEST(TokenizedFiles, FileTruncatedWhileTrainingIsAnIoErrorNamingIt) {
       ADD_FAILURE() << "a read past the truncated end did not throw";
     } catch (const shardtrain::IoError& e) {
       const std::string msg = e.what();
-      EXPECT_NE(msg.find("token file '" + path + "' ended at byte"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("token file '" + path + "' is shorter than when training started: tokens 90000..90063 of 100000 lie beyond its 4096 bytes now"), std::string::npos) << msg;
       EXPECT_NE(msg.find("truncated or replaced while training"), std::string::npos) << msg;
     }
     EXPECT_THROW(source.max_token(), shardtrain::IoError);
