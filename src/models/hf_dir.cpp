@@ -232,6 +232,16 @@ std::string save_hf_dir(const std::string& dir, const std::string& config_json,
                         const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                         const ModelFamily* family, int64_t max_shard_bytes,
                         const std::map<std::string, std::string>& metadata) {
+  // NaN or inf is refused before any shard or config.json is written (the
+  // safetensors writer refuses it too, but only once earlier shards exist).
+  for (const auto& [name, t] : tensors) {
+    if (!t.is_floating_point() || t.numel() == 0) continue;
+    const int64_t bad = t.numel() - at::isfinite(t).sum().item<int64_t>();
+    ST_CHECK(bad == 0, CheckpointError, "refusing to write '", dir, "': tensor '", name, "' holds ", bad,
+             " NaN or infinite values of ", t.numel(),
+             "; nothing was written. Hint: the weights diverged (lower optimizer.lr, or use a "
+             "checkpoint from before), or an adapter's lora_alpha / r is wrong");
+  }
   fs::create_directories(dir);
   // Shards in tensor order, a new one when the next tensor would pass the cap
   // (a tensor larger than the cap gets a shard of its own).

@@ -25,6 +25,7 @@
 #include "shardtrain/models/gpt.h"
 #include "shardtrain/models/lora.h"
 #include "shardtrain/models/family.h"
+#include "shardtrain/models/hf_dir.h"
 #include "shardtrain/models/lora_peft.h"
 #include "shardtrain/models/mlp.h"
 #include "shardtrain/models/quantize.h"
@@ -778,6 +779,14 @@ TEST(LoraPeft, NonFiniteTensorsAreNeverExported) {
   }
   st::checkpoint::save_safetensors(out, {{"w", torch::ones({3, 4})}}, false, {});
   EXPECT_TRUE(std::filesystem::exists(out));
+  // A sharded export directory: not even the shards before the bad tensor.
+  const std::string hf = tmp / "hf";
+  torch::Tensor bad = torch::ones({64});
+  bad[5] = std::nan("");
+  const std::string msg = st::testing::checkpoint_error(
+      [&] { m::save_hf_dir(hf, "{}", {{"a", torch::ones({64})}, {"b", bad}}, nullptr, 256); });
+  EXPECT_NE(msg.find("tensor 'b' holds 1 NaN or infinite values of 64"), std::string::npos) << msg;
+  EXPECT_FALSE(std::filesystem::exists(hf));
 }
 
 // A run writes <run.dir>/adapter; lora.init_from continues from it with the
