@@ -83,6 +83,9 @@ std::vector<uint32_t> get_crc_list(const Json& j, const char* key, const std::st
 constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
 constexpr int64_t kMaxInt64 = std::numeric_limits<int64_t>::max();
 
+// A name or dtype from the file, as a message shows it: cut short.
+std::string cut(const std::string& s) { return s.size() <= 80 ? s : s.substr(0, 80) + "..."; }
+
 bool mul_overflows(int64_t a, int64_t b, int64_t* out) { return __builtin_mul_overflow(a, b, out); }
 
 bool safe_file_name(const std::string& name) {
@@ -168,7 +171,7 @@ SliceInfo slice_from_json(const Json& js, const std::string& tw) {
 FileInfo file_from_json(const Json& jf, const std::string& where) {
   FileInfo f;
   f.name = get<std::string>(jf, "name", where + " files[]");
-  const std::string fw = where + " file '" + f.name + "'";
+  const std::string fw = where + " file '" + cut(f.name) + "'";
   f.rank = static_cast<int>(get_int(jf, "rank", fw, -1, kMaxInt));
   f.bytes = get_int(jf, "bytes", fw, 0, kMaxInt64);
   f.crc32c = static_cast<uint32_t>(get_int(jf, "crc32c", fw, 0, std::numeric_limits<uint32_t>::max()));
@@ -182,7 +185,7 @@ FileInfo file_from_json(const Json& jf, const std::string& where) {
 TensorInfo tensor_from_json(const Json& jt, const std::string& where) {
   TensorInfo t;
   t.name = get<std::string>(jt, "name", where + " tensors[]");
-  const std::string tw = where + " tensor '" + t.name + "'";
+  const std::string tw = where + " tensor '" + cut(t.name) + "'";
   ST_CHECK(jt.contains("shape") && json_int_list(jt.at("shape"), &t.shape), CheckpointError, tw,
            " has shape ", ::shardtrain::detail::json_excerpt(jt.value("shape", Json())),
            "; expected a list of whole numbers");
@@ -227,7 +230,7 @@ Metadata metadata_from_json_value(const Json& j, const std::string& where) {
 enum class Scope { Checkpoint, OneRank };
 
 void validate_file(const FileInfo& f, const std::string& where) {
-  const std::string fw = where + " file '" + f.name + "'";
+  const std::string fw = where + " file '" + cut(f.name) + "'";
   ST_CHECK(safe_file_name(f.name), CheckpointError, fw, " is not a plain file name");
   // Overflow-free: bytes / chunk rounded up, and offset + size <= bytes.
   const int64_t chunks = f.bytes / f.chunk_bytes + (f.bytes % f.chunk_bytes != 0 ? 1 : 0);
@@ -248,7 +251,7 @@ void validate(Metadata& m, const std::string& where, Scope scope) {
   for (size_t i = 0; i < m.files.size(); ++i) {
     const FileInfo& f = m.files[i];
     validate_file(f, where);
-    const std::string fw = where + " file '" + f.name + "'";
+    const std::string fw = where + " file '" + cut(f.name) + "'";
     if (scope == Scope::Checkpoint && f.rank >= 0) {
       ST_CHECK(f.rank < m.world_size && f.name == rank_file_name(f.rank), CheckpointError, fw,
                " does not belong to a rank of a world of ", m.world_size);
@@ -269,11 +272,11 @@ void validate(Metadata& m, const std::string& where, Scope scope) {
   }
   std::set<std::string> names;
   for (TensorInfo& t : m.tensors) {
-    const std::string tw = where + " tensor '" + t.name + "'";
+    const std::string tw = where + " tensor '" + cut(t.name) + "'";
     ST_CHECK(names.insert(t.name).second, CheckpointError, where, " lists tensor '", t.name,
              "' twice");
     const int64_t esize = dtype_bytes(t.dtype);
-    ST_CHECK(esize > 0, CheckpointError, tw, " has unknown dtype '", t.dtype, "'");
+    ST_CHECK(esize > 0, CheckpointError, tw, " has unknown dtype '", cut(t.dtype), "'");
     int64_t numel = 1;
     for (int64_t d : t.shape) {
       ST_CHECK(d >= 0 && !mul_overflows(numel, d, &numel), CheckpointError, tw,

@@ -52,6 +52,10 @@ int64_t numel_of(const std::vector<int64_t>& shape) {
   return n;
 }
 
+// A name or dtype from a file, as a message shows it: cut short, since a
+// hostile header can make it megabytes long.
+std::string cut(const std::string& s) { return s.size() <= 80 ? s : s.substr(0, 80) + "..."; }
+
 std::vector<int64_t> transposed(const std::vector<int64_t>& shape) {
   return shape.size() == 2 ? std::vector<int64_t>{shape[1], shape[0]} : shape;
 }
@@ -240,7 +244,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : impl_(std::make_uniq
         }
         continue;
       }
-      const std::string tw = where + " tensor '" + key + "'";
+      const std::string tw = where + " tensor '" + cut(key) + "'";
       ST_CHECK(value.is_object() && value.contains("dtype") && value.contains("shape") &&
                    value.contains("data_offsets"),
                CheckpointError, tw, " needs dtype, shape and data_offsets");
@@ -248,7 +252,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : impl_(std::make_uniq
       e.name = key;
       e.dtype = value.at("dtype").get<std::string>();
       const int64_t es = dtype_bytes(e.dtype);
-      ST_CHECK(es > 0, CheckpointError, tw, " has unknown dtype '", e.dtype,
+      ST_CHECK(es > 0, CheckpointError, tw, " has unknown dtype '", cut(e.dtype),
                "'; known: F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL");
       // Whole numbers only: nlohmann would truncate 2.9 to 2 and read true as 1.
       std::vector<int64_t> offsets;

@@ -471,6 +471,13 @@ TEST(UntrustedFiles, DeeplyNestedJsonIsRefusedNotACrash) {
   msg = shardtrain::testing::checkpoint_error([&] { ck::SafetensorsFile f(wide); });
   EXPECT_HAS(msg, "...");
   EXPECT_LT(msg.size(), 500u);
+  // And so are names and dtypes a megabyte long.
+  const std::string long_name = st_file(tmp, "{\"" + std::string(1 << 20, 'n') + "\":{\"dtype\":\"" +
+                                                 std::string(1 << 20, 'F') + "\",\"shape\":[2],\"data_offsets\":[0,8]}}",
+                                        std::string(8, '\0'));
+  msg = shardtrain::testing::checkpoint_error([&] { ck::SafetensorsFile f(long_name); });
+  EXPECT_HAS(msg, "unknown dtype 'FFFF");
+  EXPECT_LT(msg.size(), 500u);
 }
 
 // A training state (train_state.bin) without its step: a CheckpointError
