@@ -23,6 +23,7 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "core/json.h"
 #include "checkpoint/detail.h"
 #include "core/file.h"
 #include "shardtrain/comm/communicator.h"
@@ -203,7 +204,7 @@ CheckpointReader::CheckpointReader(const std::string& dir, bool check_files)
   int64_t meta_bytes = -1;
   uint32_t meta_crc = 0;
   try {
-    const auto j = nlohmann::json::parse(marker_text);
+    const auto j = ::shardtrain::detail::parse_json_text(marker_text);
     ST_CHECK(j.value("format", std::string()) == "shardtrain-checkpoint", CheckpointError, "");
     meta_bytes = j.at("metadata_bytes").get<int64_t>();
     meta_crc = j.at("metadata_crc32c").get<uint32_t>();

@@ -1,6 +1,7 @@
 // Run directories: where checkpoints go, which are complete, and pruning.
 // Only names of our own pattern (step-<digits>, with .tmp or .old for work in
-// progress) are ever listed or deleted.
+// progress) are ever listed or deleted, and only real directories: a
+// symbolic link is never deleted nor followed by a delete.
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
@@ -30,6 +31,14 @@ int64_t parse_step(const std::string& name, std::string* suffix) {
   if (i == 5) return -1;
   *suffix = name.substr(i);
   return step;
+}
+
+// A checkpoint directory linked in from elsewhere (a shared checkpoint to
+// resume from) belongs to another run: it is listed, never deleted, and no
+// delete goes through it.
+bool is_link(const fs::path& p) {
+  std::error_code ec;
+  return fs::symlink_status(p, ec).type() == fs::file_type::symlink;
 }
 
 std::string canonical_or_self(const std::string& p) {
@@ -94,6 +103,7 @@ std::vector<std::string> prune(const std::string& run_dir, int keep,
   std::vector<std::string> victims;
   const auto complete = list_complete(run_dir);
   for (size_t i = static_cast<size_t>(keep); i < complete.size(); ++i) {
+    if (is_link(complete[i].path)) continue;
     if (!protected_paths.count(canonical_or_self(complete[i].path))) {
       victims.push_back(complete[i].path);
     }
@@ -105,7 +115,7 @@ std::vector<std::string> prune(const std::string& run_dir, int keep,
     for (const auto& e : fs::directory_iterator(root, ec)) {
       std::string suffix;
       const std::string name = e.path().filename().string();
-      if (parse_step(name, &suffix) < 0 || !e.is_directory(ec)) continue;
+      if (parse_step(name, &suffix) < 0 || is_link(e.path()) || !e.is_directory(ec)) continue;
       const bool ours = suffix.empty() || suffix == ".tmp" || suffix == ".old";
       if (!ours) continue;
       if (suffix.empty() && is_complete(e.path().string())) continue;

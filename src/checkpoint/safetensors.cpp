@@ -18,6 +18,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "core/json.h"
 #include "checkpoint/detail.h"
 #include "checkpoint/json_int.h"
 #include "core/file.h"
@@ -50,6 +51,10 @@ int64_t numel_of(const std::vector<int64_t>& shape) {
   for (int64_t d : shape) n *= d;
   return n;
 }
+
+// A name or dtype from a file, as a message shows it: cut short, since a
+// hostile header can make it megabytes long.
+std::string cut(const std::string& s) { return s.size() <= 80 ? s : s.substr(0, 80) + "..."; }
 
 std::vector<int64_t> transposed(const std::vector<int64_t>& shape) {
   return shape.size() == 2 ? std::vector<int64_t>{shape[1], shape[0]} : shape;
@@ -134,6 +139,15 @@ void SafetensorsWriter::write(const std::string& name, const at::Tensor& tensor)
            shape_str(e.shape), ", got '", name, "' ", dtype_name(tensor.scalar_type()), " ",
            tensor.sizes());
   const at::Tensor data = tensor.detach().to(at::kCPU).contiguous();
+  // A model with NaN or inf in it is no model: refused before a byte of it
+  // lands, whoever exports (the trained model, a LoRA merge, consolidate).
+  if (data.is_floating_point() && data.numel() > 0) {
+    const int64_t bad = data.numel() - at::isfinite(data).sum().item<int64_t>();
+    ST_CHECK(bad == 0, CheckpointError, "refusing to write '", impl_->path, "': tensor '", name,
+             "' holds ", bad, " NaN or infinite values of ", data.numel(),
+             "; nothing was written. Hint: the weights diverged (lower optimizer.lr, or use a "
+             "checkpoint from before), or an adapter's lora_alpha / r is wrong");
+  }
   if (data.numel() > 0) impl_->out->write(data.data_ptr(), static_cast<size_t>(data.nbytes()));
   ++impl_->next;
 }
@@ -214,12 +228,10 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : impl_(std::make_uniq
   const int64_t data_bytes = size - m.data_start;
 
   Json header;
-  try {
-    header = Json::parse(text);
-  } catch (const Json::exception& e) {
-    ST_CHECK(false, CheckpointError, where, ": the header is not valid JSON (", e.what(),
-             "). Hint: it is not a safetensors file, or it is damaged.");
-  }
+  std::string problem;
+  ST_CHECK(::shardtrain::detail::parse_json(text, &header, &problem), CheckpointError, where,
+           ": the header is not valid JSON (", problem,
+           "). Hint: it is not a safetensors file, or it is damaged.");
   ST_CHECK(header.is_object(), CheckpointError, where, ": the header is not a JSON object");
   try {
     for (const auto& [key, value] : header.items()) {
@@ -232,7 +244,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : impl_(std::make_uniq
         }
         continue;
       }
-      const std::string tw = where + " tensor '" + key + "'";
+      const std::string tw = where + " tensor '" + cut(key) + "'";
       ST_CHECK(value.is_object() && value.contains("dtype") && value.contains("shape") &&
                    value.contains("data_offsets"),
                CheckpointError, tw, " needs dtype, shape and data_offsets");
@@ -240,14 +252,14 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : impl_(std::make_uniq
       e.name = key;
       e.dtype = value.at("dtype").get<std::string>();
       const int64_t es = dtype_bytes(e.dtype);
-      ST_CHECK(es > 0, CheckpointError, tw, " has unknown dtype '", e.dtype,
+      ST_CHECK(es > 0, CheckpointError, tw, " has unknown dtype '", cut(e.dtype),
                "'; known: F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL");
       // Whole numbers only: nlohmann would truncate 2.9 to 2 and read true as 1.
       std::vector<int64_t> offsets;
       ST_CHECK(json_int_list(value.at("shape"), &e.shape), CheckpointError, tw, " has shape ",
-               value.at("shape").dump(), ": expected a list of whole numbers");
+               ::shardtrain::detail::json_excerpt(value.at("shape")), ": expected a list of whole numbers");
       ST_CHECK(json_int_list(value.at("data_offsets"), &offsets) && offsets.size() == 2,
-               CheckpointError, tw, " has data_offsets ", value.at("data_offsets").dump(),
+               CheckpointError, tw, " has data_offsets ", ::shardtrain::detail::json_excerpt(value.at("data_offsets")),
                ": expected [begin, end], two whole numbers");
       e.begin = offsets[0];
       e.end = offsets[1];

@@ -84,52 +84,8 @@ void undo_failed_save(const std::string& dir) {
   if (fs::exists(old, ec) && !fs::exists(final_dir, ec)) fs::rename(old, final_dir, ec);
 }
 
-std::string rank_result_to_bytes(const RankResult& r) {
-  Json j;
-  j["rank"] = r.rank;
-  j["error"] = r.error;
-  Metadata m;
-  m.files.push_back(r.file);
-  m.tensors = r.tensors;
-  j["metadata"] = Json::parse(metadata_to_json(m));
-  return j.dump();
-}
-
-RankResult rank_result_from_bytes(const std::string& bytes) {
-  const Json j = Json::parse(bytes);
-  RankResult r;
-  r.rank = j.at("rank").get<int>();
-  r.error = j.at("error").get<std::string>();
-  if (!r.error.empty()) return r;
-  const Json& m = j.at("metadata");
-  const Json& f = m.at("files").at(0);
-  r.file.name = f.at("name").get<std::string>();
-  r.file.rank = f.at("rank").get<int>();
-  r.file.bytes = f.at("bytes").get<int64_t>();
-  r.file.crc32c = f.at("crc32c").get<uint32_t>();
-  r.file.chunk_bytes = f.at("chunk_bytes").get<int64_t>();
-  r.file.chunk_crc32c = f.at("chunk_crc32c").get<std::vector<uint32_t>>();
-  r.file.rank_state_offset = f.at("rank_state_offset").get<int64_t>();
-  r.file.rank_state_bytes = f.at("rank_state_bytes").get<int64_t>();
-  for (const auto& jt : m.at("tensors")) {
-    TensorInfo t;
-    t.name = jt.at("name").get<std::string>();
-    t.shape = jt.at("shape").get<std::vector<int64_t>>();
-    t.dtype = jt.at("dtype").get<std::string>();
-    t.kind = jt.at("kind").get<std::string>();
-    for (const auto& js : jt.at("slices")) {
-      SliceInfo s;
-      s.rank = js.at("rank").get<int>();
-      s.file = js.at("file").get<std::string>();
-      s.offset = js.at("offset").get<int64_t>();
-      s.count = js.at("count").get<int64_t>();
-      s.byte_offset = js.at("byte_offset").get<int64_t>();
-      t.slices.push_back(std::move(s));
-    }
-    r.tensors.push_back(std::move(t));
-  }
-  return r;
-}
+// rank_result_to_bytes / rank_result_from_bytes live with the metadata format
+// (metadata.cpp): one writer, one validating reader.
 
 RankResult write_rank_file(const std::string& tmp_dir, int rank, int world_size,
                            const std::vector<ShardedTensor>& tensors,

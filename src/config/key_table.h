@@ -14,6 +14,8 @@
 #include <cstdio>
 #include <functional>
 #include <initializer_list>
+#include <optional>
+#include <type_traits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -60,6 +62,9 @@ struct Rule {
   Pred ok;
   std::string expected;  // the message's "expected ..."
   std::string allowed;   // the docs' Allowed column
+  // The least value of an integer key (at_least): both messages then state
+  // the range the key's type and the rule accept together.
+  std::optional<int64_t> min_int;
 
   /// The same check, described otherwise in the docs (cross-key conditions).
   Rule allowing(std::string text) const {
@@ -71,7 +76,15 @@ struct Rule {
 
 template <class Pred>
 Rule<Pred> rule(Pred ok, std::string expected, std::string allowed) {
-  return {std::move(ok), std::move(expected), std::move(allowed)};
+  return {std::move(ok), std::move(expected), std::move(allowed), std::nullopt};
+}
+
+/// "an integer in [LO, 2^63)": what an integer key of type T with least value
+/// `lo` accepts.
+template <class T>
+std::string integer_range_text(int64_t lo) {
+  const char* top = std::is_same_v<T, uint64_t> ? "2^64" : sizeof(T) <= 4 ? "2^31" : "2^63";
+  return "an integer in [" + std::to_string(lo) + ", " + top + ")";
 }
 
 inline std::string number_text(double x) {
@@ -85,8 +98,10 @@ inline auto any(std::string allowed = "") {
   return rule([](const auto&) { return true; }, "", std::move(allowed));
 }
 inline auto at_least(int64_t n) {
-  return rule([n](auto v) { return static_cast<int64_t>(v) >= n; },
-              "an integer >= " + std::to_string(n), "≥ " + std::to_string(n));
+  auto r = rule([n](auto v) { return static_cast<int64_t>(v) >= n; },
+                "an integer >= " + std::to_string(n), "≥ " + std::to_string(n));
+  r.min_int = n;
+  return r;
 }
 inline auto at_least_or_null(int64_t n) {
   return rule([n](const std::optional<int64_t>& v) { return !v || *v >= n; },
@@ -155,14 +170,19 @@ class SectionKeys {
     }
     k.doc = std::move(doc);
     // An enum key restricted to some of its names says which in both messages.
-    const std::string expected = has_names<T>::value ? rule.expected : "";
+    std::string expected = has_names<T>::value ? rule.expected : "";
+    std::string check_expected = rule.expected;
+    if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+      // max_steps: 'abc' and -5 alike are told "an integer in [1, 2^63)".
+      if (rule.min_int) expected = check_expected = integer_range_text<T>(*rule.min_int);
+    }
     k.read = [path = k.path, value, expected](const Source& s, const YAML::Node& node, Config& c) {
       s.read(path, node, value(c), expected);
     };
     k.write = [value](const Config& c) { return format_value(value(c)); };
-    k.check = [path = k.path, value, rule](const Source& s, const Config& c) {
+    k.check = [path = k.path, value, rule, check_expected](const Source& s, const Config& c) {
       const T& v = value(c);
-      s.require(rule.ok(v), path, show_value(v), rule.expected);
+      s.require(rule.ok(v), path, show_value(v), check_expected);
     };
     out_.push_back(std::move(k));
     return *this;

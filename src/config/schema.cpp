@@ -23,7 +23,12 @@ constexpr int64_t kMaxKeep = 1000000;
 void declare_run_model_data(std::vector<Key>& keys) {
   section(keys, "run", [](auto& c) -> auto& { return c.run; })
       .key(ST_FIELD(dir), non_empty("a directory path"), "Directory for checkpoints and logs.")
-      .key(ST_FIELD(seed), any("0 … 2^64−1"), "Seed for weights, data order and sampling.");
+      .key(ST_FIELD(seed), any("0 … 2^64−1"), "Seed for weights, data order and sampling.")
+      .key(ST_FIELD(overwrite),
+           "Write into a `run.dir` that already holds files shardtrain did not write (another "
+           "tool's output, someone's notes). Off: such a directory is refused unless resuming "
+           "(`checkpoint.resume` set); shardtrain marks the directories it writes with "
+           "`.shardtrain.lock`.");
 
   section(keys, "model", [](auto& c) -> auto& { return c.model; })
       .key(ST_FIELD(type),

@@ -7,6 +7,8 @@
 
 #include <fstream>
 
+#include "core/file.h"
+#include "core/json.h"
 #include "shardtrain/core/error.h"
 
 namespace shardtrain::data {
@@ -177,12 +179,12 @@ ChatTemplateKind resolve_chat_template(ChatTemplateKind setting, const std::stri
            "tokenizer_config.json",
            hint);
   const std::string path = model_dir + "/tokenizer_config.json";
-  std::ifstream in(path, std::ios::binary);
-  ST_CHECK(in.good(), ConfigError, "data.chat_template=auto: '", path, "' cannot be opened",
-           hint);
+  std::string text_in, why;
+  ST_CHECK(::shardtrain::detail::read_regular_file(path, int64_t{16} << 20, &text_in, &why), ConfigError,
+           "data.chat_template=auto: '", path, "' cannot be read (", why, ")", hint);
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(in);
+    j = ::shardtrain::detail::parse_json_text(text_in);
   } catch (const nlohmann::json::exception& e) {
     ST_CHECK(false, ConfigError, "'", path, "' is not valid JSON (", e.what(), ")");
   }

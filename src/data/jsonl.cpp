@@ -5,6 +5,7 @@
 
 #include <fstream>
 
+#include "core/json.h"
 #include "shardtrain/core/error.h"
 
 namespace shardtrain::data {
@@ -76,7 +77,7 @@ std::string alpaca_prompt(const std::string& instruction, const std::string& inp
 Record parse_record(const std::string& line, const std::string& origin) {
   json j;
   try {
-    j = json::parse(line);
+    j = ::shardtrain::detail::parse_json_text(line);
   } catch (const json::parse_error& e) {
     ST_CHECK(false, ConfigError, origin, ": not valid JSON (", e.what(), ")");
   }

@@ -14,6 +14,7 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "core/json.h"
 #include "data/tokenizer_bpe.h"
 #include "data/tokenizer_kinds.h"
 #include "data/tokenizer_pipeline.h"
@@ -377,7 +378,7 @@ std::shared_ptr<const Tokenizer> load_hf_tokenizer(const std::string& path) {
   const std::string text = read_tokenizer_file(path);
   json j;
   try {
-    j = json::parse(text);
+    j = ::shardtrain::detail::parse_json_text(text);
   } catch (const json::exception& e) {
     ST_CHECK(false, ConfigError, path, " is not valid JSON: ", e.what(),
              "; hint: re-download the tokenizer.json");
@@ -391,7 +392,7 @@ std::shared_ptr<const Tokenizer> load_hf_tokenizer(const std::string& path) {
   if (std::ifstream probe(config_path); probe.good()) {
     const std::string config_text = read_tokenizer_file(config_path);
     try {
-      config = json::parse(config_text);
+      config = ::shardtrain::detail::parse_json_text(config_text);
     } catch (const json::exception& e) {
       ST_CHECK(false, ConfigError, config_path, " is not valid JSON: ", e.what(),
                "; hint: re-download it or remove it (BOS/EOS then come from tokenizer.json)");

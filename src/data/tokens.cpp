@@ -1,9 +1,8 @@
-// Byte tokenizer, token sources (text or memory-mapped token files) and the
+// Byte tokenizer, token sources (text, or token files read with pread) and the
 // window sampler.
 #include "shardtrain/data/tokens.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -31,6 +30,11 @@ struct FdGuard {
   int fd;
   ~FdGuard() {
     if (fd >= 0) ::close(fd);
+  }
+  int release() {
+    const int out = fd;
+    fd = -1;
+    return out;
   }
 };
 
@@ -125,30 +129,79 @@ int write_token_file_v2(const std::string& path, const std::vector<int32_t>& tok
 // ---- token sources ---------------------------------------------------------------------------
 
 // The tokens behind one or more TokenSources: bytes (text), uint16 words
-// (tokens given in memory, or a mapped token file) or uint32 words (a mapped
-// version-2 file of width 4). Immutable once built.
+// (tokens given in memory) or a token file read with pread. Immutable once
+// built.
+//
+// Why pread and not a memory map: a mapped file that is truncated while
+// training (a re-copy, a regeneration in place) turns the next read of a
+// vanished page into SIGBUS, which kills the rank with no message. A short
+// pread is an ordinary return value: the rank names the file and exits 3. A
+// SIGBUS handler would be process-wide state shared with LibTorch and every
+// loader thread, and checking the size with fstat first still races the
+// truncation. A window is a few KB, one pread each from the page cache;
+// against a training step that costs nothing.
 struct TokenSource::Storage {
   const uint8_t* bytes = nullptr;    // text: one token per byte
-  const uint16_t* words = nullptr;   // token files / from_tokens
-  const uint32_t* wide = nullptr;    // token files of width 4
+  const uint16_t* words = nullptr;   // from_tokens
   int64_t size = 0;
 
   std::string text;                  // owner of `bytes`
-  std::vector<uint16_t> owned;       // owner of `words` for from_tokens
-  void* map = nullptr;               // owner of `words` for mapped files
-  size_t map_length = 0;
+  std::vector<uint16_t> owned;       // owner of `words`
+  int fd = -1;                       // a token file: tokens at data_offset, width bytes each
+  int64_t width = 0;
+  std::string path;
 
   Storage() = default;
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
   ~Storage() {
-    if (map != nullptr) ::munmap(map, map_length);
+    if (fd >= 0) ::close(fd);
   }
 
-  int64_t at(int64_t i) const {
-    return bytes != nullptr ? bytes[i] : wide != nullptr ? static_cast<int64_t>(wide[i]) : words[i];
-  }
+  /// Tokens [first, first + count) of a token file into out[0, count).
+  void read_file(int64_t first, int64_t count, int64_t* out) const;
 };
+
+void TokenSource::Storage::read_file(int64_t first, int64_t count, int64_t* out) const {
+  constexpr int64_t kChunkTokens = 8192;
+  unsigned char buf[kChunkTokens * 4];
+  for (int64_t done = 0; done < count;) {
+    const int64_t n = std::min(kChunkTokens, count - done);
+    const off_t offset = static_cast<off_t>(kHeaderBytes + (first + done) * width);
+    const size_t want = static_cast<size_t>(n * width);
+    size_t got = 0;
+    while (got < want) {
+      const ssize_t r = ::pread(fd, buf + got, want - got, offset + static_cast<off_t>(got));
+      if (r < 0 && errno == EINTR) continue;
+      ST_CHECK(r >= 0, IoError, "cannot read token file '", path, "': ", std::strerror(errno),
+               "; hint: check the disk, then resume with checkpoint.resume=auto");
+      if (r == 0) {
+        struct stat st {};
+        const long long now = ::fstat(fd, &st) == 0 ? static_cast<long long>(st.st_size) : -1;
+        ST_CHECK(false, IoError, "token file '", path, "' is shorter than when training started: tokens ",
+                 first + done, "..", first + done + n - 1, " of ", size, " lie beyond its ", now,
+                 " bytes now (it had ", kHeaderBytes + size * width,
+                 "); it was truncated or replaced while training; hint: restore the file, then "
+                 "resume with checkpoint.resume=auto");
+      }
+      got += static_cast<size_t>(r);
+    }
+    if (width == 4) {
+      for (int64_t i = 0; i < n; ++i) {
+        uint32_t v;
+        std::memcpy(&v, buf + 4 * i, 4);
+        out[done + i] = v;
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        uint16_t v;
+        std::memcpy(&v, buf + 2 * i, 2);
+        out[done + i] = v;
+      }
+    }
+    done += n;
+  }
+}
 
 TokenSource::TokenSource(std::shared_ptr<const Storage> storage, int64_t begin, int64_t end,
                          std::string origin)
@@ -199,7 +252,7 @@ TokenSource TokenSource::open(const std::string& path) {
   }
 
   if (magic == kTokenFileMagic) {
-    // ---- token file: check the header, then map the whole file.
+    // ---- token file: check the header; tokens are read on demand.
     ST_CHECK(file_size >= kHeaderBytes, ConfigError, "token file '", path,
              "' is truncated: expected at least ", kHeaderBytes, " bytes of header, found ",
              file_size, " bytes; hint: regenerate the file");
@@ -223,18 +276,10 @@ TokenSource TokenSource::open(const std::string& path) {
              count, " tokens, so expected ", expected, " bytes, found ", file_size,
              " bytes; hint: regenerate the file or re-copy it completely");
 
-    void* map = ::mmap(nullptr, static_cast<size_t>(file_size), PROT_READ, MAP_PRIVATE, fd, 0);
-    ST_CHECK(map != MAP_FAILED, ConfigError, "cannot memory-map token file '", path, "': ",
-             std::strerror(errno), "; hint: check free address space and file permissions");
     auto storage = std::make_shared<Storage>();
-    storage->map = map;
-    storage->map_length = static_cast<size_t>(file_size);
-    const char* base = static_cast<const char*>(map);
-    if (width == 4) {
-      storage->wide = reinterpret_cast<const uint32_t*>(base + kHeaderBytes);
-    } else {
-      storage->words = reinterpret_cast<const uint16_t*>(base + kHeaderBytes);
-    }
+    storage->fd = guard.release();
+    storage->width = width;
+    storage->path = path;
     storage->size = count;
     return TokenSource(std::move(storage), 0, count, path);
   }
@@ -270,18 +315,22 @@ void TokenSource::copy_to(int64_t start, int64_t count, int64_t* out) const {
   if (storage_->bytes != nullptr) {
     const uint8_t* src = storage_->bytes + first;
     for (int64_t i = 0; i < count; ++i) out[i] = src[i];
-  } else if (storage_->wide != nullptr) {
-    const uint32_t* src = storage_->wide + first;
-    for (int64_t i = 0; i < count; ++i) out[i] = src[i];
-  } else {
+  } else if (storage_->words != nullptr) {
     const uint16_t* src = storage_->words + first;
     for (int64_t i = 0; i < count; ++i) out[i] = src[i];
+  } else {
+    storage_->read_file(first, count, out);
   }
 }
 
 int64_t TokenSource::max_token() const {
   int64_t best = -1;
-  for (int64_t i = begin_; i < end_; ++i) best = std::max(best, storage_->at(i));
+  std::vector<int64_t> chunk(static_cast<size_t>(std::min<int64_t>(size(), int64_t{1} << 16)));
+  for (int64_t i = 0; i < size(); i += static_cast<int64_t>(chunk.size())) {
+    const int64_t n = std::min<int64_t>(static_cast<int64_t>(chunk.size()), size() - i);
+    copy_to(i, n, chunk.data());
+    for (int64_t k = 0; k < n; ++k) best = std::max(best, chunk[static_cast<size_t>(k)]);
+  }
   return best;
 }
 

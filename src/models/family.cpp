@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "core/json.h"
 #include "core/file.h"
 #include "models/families.h"
 #include "shardtrain/config/config.h"
@@ -66,7 +67,7 @@ void resolve_model_config(config::ModelConfig& m) {
            "cannot read '", path, "': ", why);
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(text);
+    j = ::shardtrain::detail::parse_json_text(text);
   } catch (const nlohmann::json::exception& e) {
     ST_CHECK(false, ConfigError, "'", path, "' is not valid JSON (", e.what(),
              "); hint: it should be the config.json the model was published with");

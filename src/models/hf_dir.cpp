@@ -11,6 +11,7 @@
 #include <sstream>
 #include <unordered_set>
 
+#include "core/json.h"
 #include "checkpoint/detail.h"
 #include "core/file.h"
 #include "shardtrain/checkpoint/safetensors.h"
@@ -46,7 +47,7 @@ void remove_own_export(const std::string& file) {
     if (path.extension() == ".json") {
       std::string text, why;
       ours = ::shardtrain::detail::read_regular_file(path.string(), int64_t{64} << 20, &text, &why) &&
-             nlohmann::json::parse(text).value("metadata", nlohmann::json::object()).value("producer", "") ==
+             ::shardtrain::detail::parse_json_text(text).value("metadata", nlohmann::json::object()).value("producer", "") ==
                  "shardtrain";
     } else {
       const SafetensorsFile f(path.string());
@@ -79,7 +80,7 @@ HfWeights::HfWeights(const std::string& path) : path_(path) {
                CheckpointError, "cannot read '", index.string(), "': ", why);
       nlohmann::json j;
       try {
-        j = nlohmann::json::parse(text);
+        j = ::shardtrain::detail::parse_json_text(text);
         (void)j.at("weight_map").items();
       } catch (const nlohmann::json::exception& e) {
         ST_CHECK(false, CheckpointError, "'", index.string(), "' is not a safetensors index (", e.what(),
@@ -231,6 +232,16 @@ std::string save_hf_dir(const std::string& dir, const std::string& config_json,
                         const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                         const ModelFamily* family, int64_t max_shard_bytes,
                         const std::map<std::string, std::string>& metadata) {
+  // NaN or inf is refused before any shard or config.json is written (the
+  // safetensors writer refuses it too, but only once earlier shards exist).
+  for (const auto& [name, t] : tensors) {
+    if (!t.is_floating_point() || t.numel() == 0) continue;
+    const int64_t bad = t.numel() - at::isfinite(t).sum().item<int64_t>();
+    ST_CHECK(bad == 0, CheckpointError, "refusing to write '", dir, "': tensor '", name, "' holds ", bad,
+             " NaN or infinite values of ", t.numel(),
+             "; nothing was written. Hint: the weights diverged (lower optimizer.lr, or use a "
+             "checkpoint from before), or an adapter's lora_alpha / r is wrong");
+  }
   fs::create_directories(dir);
   // Shards in tensor order, a new one when the next tensor would pass the cap
   // (a tensor larger than the cap gets a shard of its own).

@@ -13,7 +13,9 @@
 #include <sstream>
 
 #include "checkpoint/detail.h"
+#include "checkpoint/json_int.h"
 #include "core/file.h"
+#include "core/json.h"
 #include "shardtrain/models/family.h"
 #include "shardtrain/models/hf_dir.h"
 #include "shardtrain/checkpoint/safetensors.h"
@@ -46,29 +48,73 @@ std::string list(const std::vector<std::string>& names) {
   return out;
 }
 
-nlohmann::json read_config(const std::string& dir) {
-  const std::string path = (fs::path(dir) / kPeftConfigFile).string();
-  std::ifstream in(path);
-  ST_CHECK(in.good(), CheckpointError, "cannot read '", path,
-           "'; hint: pass the adapter directory a LoRA run wrote (<run.dir>/adapter)");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  try {
-    return nlohmann::json::parse(ss.str());
-  } catch (const std::exception& e) {
-    ST_CHECK(false, CheckpointError, "'", path, "' is not valid JSON: ", e.what());
-  }
-  return {};
+// adapter_config.json is a few hundred bytes; anything past this is not one.
+constexpr int64_t kMaxAdapterConfigBytes = int64_t{1} << 20;
+// PEFT's r is a small int; 2^20 is far beyond any adapter and keeps r * n exact.
+constexpr int64_t kMaxAdapterRank = int64_t{1} << 20;
+
+// What merging and loading need from adapter_config.json, every field
+// checked: a wrong r or lora_alpha would otherwise give a wrong (or NaN)
+// scale without a word.
+struct AdapterConfig {
+  std::string path;
+  int64_t r = 0;
+  double alpha = 0.0;
+  bool rslora = false;
+  bool fan_in_fan_out = false;
+  double scale = 0.0;  // lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora
+};
+
+bool optional_bool(const nlohmann::json& cfg, const char* key, const std::string& path) {
+  if (!cfg.contains(key) || cfg.at(key).is_null()) return false;
+  ST_CHECK(cfg.at(key).is_boolean(), CheckpointError, "'", path, "': ", key, " is ",
+           ::shardtrain::detail::json_excerpt(cfg.at(key)), "; expected true or false");
+  return cfg.at(key).get<bool>();
 }
 
-// The adapter's output scale: lora_alpha / r, or lora_alpha / sqrt(r) with
-// use_rslora (rank-stabilised LoRA).
-double adapter_scale(const nlohmann::json& cfg, const std::string& dir) {
-  ST_CHECK(cfg.value("peft_type", "") == "LORA" && cfg.contains("r") && cfg.contains("lora_alpha"),
-           CheckpointError, "'", dir, "/", kPeftConfigFile,
+AdapterConfig read_config(const std::string& dir) {
+  AdapterConfig c;
+  c.path = (fs::path(dir) / kPeftConfigFile).string();
+  const std::string& path = c.path;
+  std::string text, why;
+  // The guarded reader: a FIFO or /dev/zero named as the config is refused,
+  // never waited on or read without end.
+  ST_CHECK(::shardtrain::detail::read_regular_file(path, kMaxAdapterConfigBytes, &text, &why),
+           CheckpointError, "cannot read '", path, "': ", why,
+           "; hint: pass the adapter directory a LoRA run wrote (<run.dir>/adapter)");
+  nlohmann::json cfg;
+  ST_CHECK(::shardtrain::detail::parse_json(text, &cfg, &why), CheckpointError, "'", path,
+           "' is not valid JSON (", why, ")");
+  ST_CHECK(cfg.is_object() && cfg.contains("peft_type") && cfg.at("peft_type") == "LORA" &&
+               cfg.contains("r") && cfg.contains("lora_alpha"),
+           CheckpointError, "'", path,
            "' is not a LoRA adapter config (needs peft_type LORA, r and lora_alpha)");
-  const double r = cfg["r"].get<double>(), alpha = cfg["lora_alpha"].get<double>();
-  return cfg.value("use_rslora", false) ? alpha / std::sqrt(r) : alpha / r;
+  ST_CHECK(checkpoint::detail::json_int(cfg.at("r"), 1, kMaxAdapterRank, &c.r), CheckpointError,
+           "'", path, "': r is ", ::shardtrain::detail::json_excerpt(cfg.at("r")),
+           "; expected a whole number in 1..", kMaxAdapterRank,
+           " (the adapter's rank: the first dimension of every lora_A). Hint: the file is damaged "
+           "or not the one written with this adapter");
+  ST_CHECK(cfg.at("lora_alpha").is_number(), CheckpointError, "'", path, "': lora_alpha is ",
+           ::shardtrain::detail::json_excerpt(cfg.at("lora_alpha")), "; expected a number");
+  c.alpha = cfg.at("lora_alpha").get<double>();
+  c.rslora = optional_bool(cfg, "use_rslora", path);
+  c.fan_in_fan_out = optional_bool(cfg, "fan_in_fan_out", path);
+  const double r = static_cast<double>(c.r);
+  c.scale = c.rslora ? c.alpha / std::sqrt(r) : c.alpha / r;
+  ST_CHECK(std::isfinite(c.scale) && c.scale > 0.0, CheckpointError, "'", path, "': lora_alpha ",
+           c.alpha, " and r ", c.r, " give the scale ", c.scale,
+           c.rslora ? " (lora_alpha / sqrt(r))" : " (lora_alpha / r)",
+           "; it must be a finite number above 0. Hint: the file is damaged");
+  return c;
+}
+
+// Every adapter pair must have the rank the config says: A [r, in], B [out, r].
+void check_rank(const AdapterConfig& c, const std::string& layer, const at::Tensor& a,
+                const at::Tensor& b) {
+  ST_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(0) == c.r && b.size(1) == c.r, CheckpointError,
+           "the adapter for '", layer, "' has lora_A ", a.sizes(), " and lora_B ", b.sizes(),
+           ", but '", c.path, "' says r=", c.r, " (lora_A [r, in], lora_B [out, r]). Hint: the "
+           "config and the tensors come from different adapters");
 }
 
 }  // namespace
@@ -115,11 +161,11 @@ void save_peft_adapter(const std::string& dir,
 void load_peft_adapter(torch::nn::Module& model, const std::string& dir, const std::string& prefix,
                        const LoraOptions* options) {
   if (options != nullptr) {
-    const nlohmann::json cfg = read_config(dir);
-    const double scale = adapter_scale(cfg, dir);
-    ST_CHECK(cfg["r"].get<int64_t>() == options->r() && std::abs(scale - options->alpha() / options->r()) <= 1e-12 * scale,
-             CheckpointError, "the adapter in '", dir, "' has r=", cfg["r"].get<int64_t>(), " and scale ", scale,
-             cfg.value("use_rslora", false) ? " (use_rslora: lora_alpha / sqrt(r))" : " (lora_alpha / r)",
+    const AdapterConfig cfg = read_config(dir);
+    const double scale = cfg.scale;
+    ST_CHECK(cfg.r == options->r() && std::abs(scale - options->alpha() / options->r()) <= 1e-12 * scale,
+             CheckpointError, "the adapter in '", dir, "' has r=", cfg.r, " and scale ", scale,
+             cfg.rslora ? " (use_rslora: lora_alpha / sqrt(r))" : " (lora_alpha / r)",
              ", but lora.r=", options->r(), " and lora.alpha=", options->alpha(), " give scale ",
              options->alpha() / options->r(), "; hint: set lora.r and lora.alpha to the adapter's (",
              kPeftConfigFile, ")");
@@ -199,9 +245,9 @@ std::vector<std::pair<std::string, at::Tensor>> merge_lora_state(
 
 int64_t merge_peft_adapter(const std::string& base_path, const std::string& adapter_dir,
                            const std::string& out) {
-  const nlohmann::json cfg = read_config(adapter_dir);
-  const double scale = adapter_scale(cfg, adapter_dir);
-  const bool fan_in_fan_out = cfg.value("fan_in_fan_out", false);
+  const AdapterConfig cfg = read_config(adapter_dir);
+  const double scale = cfg.scale;
+  const bool fan_in_fan_out = cfg.fan_in_fan_out;
   const checkpoint::SafetensorsFile adapter((fs::path(adapter_dir) / kPeftAdapterFile).string());
   const HfWeights base(base_path);
   const auto& meta = adapter.metadata();
@@ -257,6 +303,7 @@ int64_t merge_peft_adapter(const std::string& base_path, const std::string& adap
                "the adapter in '", adapter_dir, "' has only one of lora_A / lora_B for '", e.name, "'");
       const at::Tensor a = adapter.read(it->second.first).to(at::kFloat);
       const at::Tensor b = adapter.read(it->second.second).to(at::kFloat);
+      check_rank(cfg, e.name, a, b);
       at::Tensor w = (fan_in_fan_out ? t.t() : t).to(at::kFloat).contiguous();  // [out, in]
       ST_CHECK(t.dim() == 2 && a.dim() == 2 && b.dim() == 2 && a.size(1) == w.size(1) &&
                    b.size(0) == w.size(0) && a.size(0) == b.size(1),

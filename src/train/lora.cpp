@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "core/json.h"
 #include "checkpoint/detail.h"
 #include "core/file.h"
 #include "shardtrain/checkpoint/checkpoint.h"
@@ -173,7 +174,7 @@ void drop_referenced_base(checkpoint::CheckpointReader& reader, const FrozenBase
   if (base.names.empty() || holds_base) return;
   nlohmann::json recorded;
   try {
-    recorded = nlohmann::json::parse(reader.train_state()).at(kBaseKey);
+    recorded = ::shardtrain::detail::parse_json_text(reader.train_state()).at(kBaseKey);
     (void)recorded.at("sha256").get<std::string>();
     (void)recorded.at("bytes").get<int64_t>();
     (void)recorded.at("path").get<std::string>();
@@ -246,7 +247,7 @@ void load_trained_model(torch::nn::Module& model, const config::Config& config,
     bool referenced = false;
     std::string recorded_path;
     try {
-      const auto state = nlohmann::json::parse(reader.train_state());
+      const auto state = ::shardtrain::detail::parse_json_text(reader.train_state());
       if (state.contains(detail::kBaseKey)) {
         referenced = true;
         recorded_path = state[detail::kBaseKey].at("path").get<std::string>();

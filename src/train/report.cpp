@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "core/json.h"
 #include "checkpoint/detail.h"
 #include "core/file.h"
 #include "shardtrain/checkpoint/checkpoint.h"
@@ -66,7 +67,7 @@ void read_config(Run& run) {
   try {
     if (const auto latest = checkpoint::latest_complete(run.dir)) {
       checkpoint::CheckpointReader reader(latest->path);
-      run.config = nlohmann::json::parse(reader.train_state()).at("config").get<std::string>();
+      run.config = ::shardtrain::detail::parse_json_text(reader.train_state()).at("config").get<std::string>();
       run.config_source = fs::path(latest->path).filename().string() + "/train_state.bin";
     }
   } catch (const std::exception&) {
@@ -97,7 +98,7 @@ Run load_run(const std::string& dir) {
   std::string line;
   while (std::getline(lines, line)) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    const nlohmann::json row = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    const nlohmann::json row = ::shardtrain::detail::parse_json_or_discarded(line);
     if (!row.is_object()) {
       ++run.unreadable;
       continue;

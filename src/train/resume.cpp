@@ -15,6 +15,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 
+#include "core/json.h"
 #include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/checkpoint/optimizer_state.h"
 #include "shardtrain/comm/communicator.h"
@@ -151,7 +152,7 @@ ck::LoadResult Trainer::load_checkpoint(const std::string& dir) {
 void Trainer::restore_train_state(const std::string& dir, const ck::LoadResult& loaded) {
   nlohmann::json state;
   try {
-    state = nlohmann::json::parse(loaded.train_state);
+    state = ::shardtrain::detail::parse_json_text(loaded.train_state);
   } catch (const nlohmann::json::exception& e) {
     throw CheckpointError(::shardtrain::detail::str_cat(
         "cannot resume from '", dir, "': its training state (train_state.bin) is not the trainer's: ",

@@ -29,6 +29,7 @@
 #include "train/fused_adamw.h"
 #include "train/lora.h"
 #include "train/profile.h"
+#include "train/run_dir.h"
 #include "train/signal_guard.h"
 
 namespace shardtrain::train {
@@ -118,6 +119,28 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(
     return std::make_unique<torch::optim::SGD>(groups, torch::optim::SGDOptions(o.lr));
   }
   return std::make_unique<detail::FusedAdamW>(groups, torch::optim::AdamWOptions(o.lr));
+}
+
+}  // namespace
+
+namespace {
+
+// Rank 0 takes the run directory's lock (train/run_dir.h) unless the
+// process that started this job holds it; the refusal reaches every rank.
+std::unique_ptr<detail::RunDirLock> hold_run_dir(comm::Communicator& comm, const config::Config& config,
+                                                 bool resuming) {
+  std::unique_ptr<detail::RunDirLock> held;
+  std::string error;
+  if (comm.rank() == 0 && !detail::run_dir_locked_above(config.run.dir)) {
+    try {
+      held = detail::RunDirLock::acquire(config.run.dir, resuming || config.run.overwrite);
+    } catch (const Error& e) {
+      error = e.what();
+    }
+  }
+  error = ck::detail::agree_on_error(comm, error);
+  if (!error.empty()) throw ConfigError(error);
+  return held;
 }
 
 }  // namespace
@@ -453,6 +476,10 @@ const TrainerState& Trainer::fit() {
   std::string spec = config_.checkpoint.resume;
   if (spec == "never") spec.clear();
   else if (spec.empty() && restarts_ > 0) spec = "auto";
+  // One job per run directory, and never in someone else's files
+  // (train/run_dir.h): rank 0 holds the lock for fit unless the process
+  // that started this job already does; every rank fails alike.
+  const auto run_lock = hold_run_dir(*comm_, config_, /*resuming=*/!spec.empty());
   if (!spec.empty() && !resume(spec).empty()) {
     saved_at = state_.step;  // never rewrite the checkpoint we resumed from
     if (comm_->rank() == 0 && restarts_ > 0) {

@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <chrono>
+
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -33,6 +35,7 @@ const std::string kDefaultYaml = std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/
 void expect_same(const Config& a, const Config& b) {
   EXPECT_EQ(a.run.dir, b.run.dir);
   EXPECT_EQ(a.run.seed, b.run.seed);
+  EXPECT_EQ(a.run.overwrite, b.run.overwrite);
   EXPECT_EQ(a.model.type, b.model.type);
   EXPECT_EQ(a.model.n_layer, b.model.n_layer);
   EXPECT_EQ(a.model.n_head, b.model.n_head);
@@ -169,6 +172,7 @@ Config every_key_set() {
   Config c;
   c.run.dir = "runs/with space: and # chars";
   c.run.seed = 18446744073709551615ull;
+  c.run.overwrite = true;
   c.model.type = ModelType::Mlp;
   c.model.n_layer = 7;
   c.model.n_head = 3;
@@ -551,12 +555,43 @@ TEST(ConfigErrors, WrongTypes) {
   }
 }
 
+// Ten aliases nested nine deep: 500 bytes that expand to 10^9 values. The
+// duplicate-key walk once expanded them all (minutes); the document is now
+// refused after a bounded walk (issue 28, item 11).
+TEST(ConfigErrors, AliasBombIsRefusedQuickly) {
+  std::string yaml = "a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n";
+  for (int i = 1; i < 9; ++i) {
+    yaml += "a" + std::to_string(i) + ": &a" + std::to_string(i) + " [";
+    for (int j = 0; j < 10; ++j) yaml += (j ? ", *a" : "*a") + std::to_string(i - 1);
+    yaml += "]\n";
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const std::string msg = parse_error(yaml);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_HAS(msg, "expands to more than 100000 values");
+  EXPECT_LT(seconds, 5.0) << msg;
+  // An alias or two, as people write them, still loads.
+  EXPECT_NO_THROW(Config::parse("optimizer: {lr: &lr 0.001}\nschedule: {min_lr: *lr}\n", {}, "test.yaml"));
+}
+
+// A key with a least value states the range it really accepts, for a value
+// of the wrong type as for one out of range (issue 28, item 14).
+TEST(ConfigErrors, IntegerKeysStateTheRangeTheyAccept) {
+  for (const char* v : {"abc", "1e30", "99999999999999999999", "-5", "0"}) {
+    const std::string msg = parse_error(std::string("trainer: {max_steps: ") + v + "}");
+    EXPECT_HAS(msg, "trainer.max_steps: got ");
+    EXPECT_HAS(msg, "expected an integer in [1, 2^63)");
+    EXPECT_EQ(msg.find("-2^63"), std::string::npos) << msg;
+  }
+}
+
 TEST(ConfigErrors, OutOfRange) {
   struct Case {
     std::string yaml, path, expected;
   };
   const std::vector<Case> cases = {
-      {"model: {n_layer: -1}", "model.n_layer: got -1", "an integer >= 1"},
+      {"model: {n_layer: -1}", "model.n_layer: got -1", "an integer in [1, 2^63)"},
       {"model: {n_head: 3}", "model.n_embd: got 128", "a multiple of model.n_head=3"},
       {"model: {type: rnn}", "model.type: got 'rnn'", "one of: gpt, llama, mlp, auto"},
       {"model: {mlp_sizes: [4]}", "model.mlp_sizes: got [4]", "at least two"},
@@ -567,7 +602,7 @@ TEST(ConfigErrors, OutOfRange) {
       {"optimizer: {betas: [0.9, 1.5]}", "optimizer.betas: got [0.9, 1.5]", "[0, 1)"},
       {"optimizer: {name: adam}", "optimizer.name: got 'adam'", "one of: adamw, sgd"},
       {"schedule: {min_lr: 1.0}", "schedule.min_lr: got 1.0", "<= optimizer.lr"},
-      {"schedule: {warmup_steps: -2}", "schedule.warmup_steps: got -2", ">= 0"},
+      {"schedule: {warmup_steps: -2}", "schedule.warmup_steps: got -2", "an integer in [0, 2^63)"},
       {"trainer: {progress: fancy}", "trainer.progress: got 'fancy'", "auto, bar, plain, none"},
       {"trainer: {eval_every: 0, early_stopping: {enabled: true}}",
        "trainer.early_stopping.enabled: got true", "trainer.eval_every > 0"},
@@ -586,10 +621,10 @@ TEST(ConfigErrors, OutOfRange) {
        "auto_wrap_policy none"},
       {"distributed: {wrap_module_types: [BlockImpl, '']}",
        "distributed.wrap_module_types: got [BlockImpl, \"\"]", "non-empty"},
-      {"distributed: {min_num_params: 0}", "distributed.min_num_params: got 0", ">= 1"},
+      {"distributed: {min_num_params: 0}", "distributed.min_num_params: got 0", "an integer in [1, 2^63)"},
       {"distributed: {backward_prefetch: early}", "distributed.backward_prefetch: got 'early'",
        "one of: backward_pre, backward_post, none"},
-      {"distributed: {limit_all_gathers: 0}", "distributed.limit_all_gathers: got 0", ">= 1"},
+      {"distributed: {limit_all_gathers: 0}", "distributed.limit_all_gathers: got 0", "an integer in [1, 2^63)"},
       {"distributed: {accumulation: lazy}", "distributed.accumulation: got 'lazy'",
        "one of: sharded, unsharded"},
       {"distributed: {memory_budget_mb: -1}", "distributed.memory_budget_mb: got -1.0", ">= 0"},

@@ -51,5 +51,24 @@ TEST(Errors, OneLineMessageDropsLibTorchBacktraces) {
     const CheckpointError ours(std::string("rank 1: ") + e.what());
     EXPECT_EQ(shardtrain::detail::one_line_message(ours), "rank 1: the tensor is wrong; in two ways");
   }
-  EXPECT_EQ(shardtrain::detail::one_line_message(ConfigError("plain [x.cpp:1]")), "plain [x.cpp:1]");
+  EXPECT_EQ(shardtrain::detail::one_line_message(ConfigError("plain")), "plain");
+}
+
+// The check site ST_CHECK appends is for whoever debugs shardtrain: the line
+// a user reads carries it only with SHARDTRAIN_DEBUG=1 (issue 28, item 14).
+TEST(Errors, OneLineMessageHidesCheckSitesUnlessDebugging) {
+  ::unsetenv("SHARDTRAIN_DEBUG");
+  const ConfigError nested("cannot read 'x' [io.cpp:12]: bad header [safetensors.cpp:240]. Hint: y [a_b-c.h:7]");
+  EXPECT_EQ(shardtrain::detail::one_line_message(nested), "cannot read 'x': bad header. Hint: y");
+  // Brackets that are not check sites stay.
+  EXPECT_EQ(shardtrain::detail::one_line_message(ConfigError("shape [2, 3] in [x.cpp] [y.cpp:] [z.txt:4]")),
+            "shape [2, 3] in [x.cpp] [y.cpp:] [z.txt:4]");
+  try {
+    ST_CHECK(false, ConfigError, "world size 3 is odd");
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(shardtrain::detail::one_line_message(e), "world size 3 is odd");
+    ::setenv("SHARDTRAIN_DEBUG", "1", 1);
+    EXPECT_NE(shardtrain::detail::one_line_message(e).find("[test_error.cpp:"), std::string::npos);
+    ::unsetenv("SHARDTRAIN_DEBUG");
+  }
 }

@@ -2,6 +2,7 @@
 // (models/quantize.h): step-0 equality, frozen tensors, the adapter's scale,
 // bad input, and int8/nf4 against reference quantizers written here.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -24,6 +25,7 @@
 #include "shardtrain/models/gpt.h"
 #include "shardtrain/models/lora.h"
 #include "shardtrain/models/family.h"
+#include "shardtrain/models/hf_dir.h"
 #include "shardtrain/models/lora_peft.h"
 #include "shardtrain/models/mlp.h"
 #include "shardtrain/models/quantize.h"
@@ -688,6 +690,103 @@ TEST(LoraPeft, MergedWeightsGiveTheAdaptedLogits) {
     EXPECT_GT((base->forward(idx) - want).abs().max().item<double>(), 1e-3);
   }
   EXPECT_EQ(st::testing::cli("lora merge --base x").code, 2);
+}
+
+// adapter_config.json is input like any other: a rank or scale that the
+// tensors do not bear out, a wrong type, a FIFO or an endless file is one
+// CheckpointError, and no merged file is written (issue 28, items 4 and 10).
+TEST(LoraPeft, MergeChecksTheAdapterConfigAndWritesNothingOnError) {
+  st::testing::TempDir tmp("lora_cfg");
+  torch::manual_seed(11);
+  GPT base(tiny(64));
+  st::checkpoint::save_safetensors(tmp / "base.safetensors", state_of(*base), /*transpose_conv1d=*/true, {});
+  const auto o = LoraOptions().r(4).alpha(8);
+  GPT model = trained_lora_gpt(o);
+  m::save_peft_adapter(tmp / "a", state_of(*model), o, m::family_of(st::train::ModelType::Gpt));
+  const std::string config_path = tmp / "a/adapter_config.json";
+  nlohmann::json good;
+  {
+    std::ifstream in(config_path);
+    good = nlohmann::json::parse(in);
+  }
+  const auto write_config = [&](const std::string& key, const nlohmann::json& value) {
+    nlohmann::json j = good;
+    j[key] = value;
+    std::ofstream(config_path, std::ios::trunc) << j.dump();
+  };
+  const std::string out = tmp / "merged.safetensors";
+  const auto merge_error = [&] {
+    const std::string msg = st::testing::checkpoint_error(
+        [&] { m::merge_peft_adapter(tmp / "base.safetensors", tmp / "a", out); });
+    EXPECT_FALSE(std::filesystem::exists(out)) << msg;
+    EXPECT_FALSE(std::filesystem::exists(out + ".tmp")) << msg;
+    return msg;
+  };
+  struct Case {
+    std::string key;
+    nlohmann::json value;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {"r", 0, "r is 0; expected a whole number in 1..1048576"},
+      {"r", 1e-300, "r is 1e-300; expected a whole number"},
+      {"r", -4, "r is -4; expected a whole number"},
+      {"r", "4", "r is \"4\"; expected a whole number"},
+      {"r", 1000000, "says r=1000000 (lora_A [r, in], lora_B [out, r])"},
+      {"r", 2, "says r=2"},
+      {"lora_alpha", "8", "lora_alpha is \"8\"; expected a number"},
+      {"lora_alpha", 0, "give the scale 0"},
+      {"lora_alpha", -8, "must be a finite number above 0"},
+      {"use_rslora", "yes", "use_rslora is \"yes\"; expected true or false"},
+      {"fan_in_fan_out", 1, "fan_in_fan_out is 1; expected true or false"},
+      // A finite scale whose product overflows: no file holds inf.
+      {"lora_alpha", 1e308, "NaN or infinite values"},
+  };
+  for (const Case& c : cases) {
+    write_config(c.key, c.value);
+    const std::string msg = merge_error();
+    EXPECT_NE(msg.find(c.says), std::string::npos) << c.key << "=" << c.value.dump() << ": " << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  }
+  // Not a regular file, or a regular file without end: refused at once.
+  std::filesystem::remove(config_path);
+  ASSERT_EQ(::mkfifo(config_path.c_str(), 0600), 0);
+  EXPECT_NE(merge_error().find("FIFO"), std::string::npos);
+  std::filesystem::remove(config_path);
+  std::filesystem::create_symlink("/dev/zero", config_path);
+  EXPECT_NE(merge_error().find("character device"), std::string::npos);
+  std::filesystem::remove(config_path);
+  std::ofstream(config_path) << std::string(2 << 20, ' ');
+  EXPECT_NE(merge_error().find("larger than"), std::string::npos);
+  // The good config still merges.
+  write_config("r", 4);
+  m::merge_peft_adapter(tmp / "base.safetensors", tmp / "a", out);
+  EXPECT_TRUE(std::filesystem::exists(out));
+}
+
+// No export writes NaN or inf: the writer refuses before the file exists.
+TEST(LoraPeft, NonFiniteTensorsAreNeverExported) {
+  st::testing::TempDir tmp("nonfinite");
+  const std::string out = tmp / "m.safetensors";
+  for (const double bad : {std::nan(""), HUGE_VAL, -HUGE_VAL}) {
+    torch::Tensor t = torch::ones({3, 4});
+    t[1][2] = bad;
+    const std::string msg = st::testing::checkpoint_error(
+        [&] { st::checkpoint::save_safetensors(out, {{"ok", torch::ones({2})}, {"w", t}}, false, {}); });
+    EXPECT_NE(msg.find("tensor 'w' holds 1 NaN or infinite values of 12"), std::string::npos) << msg;
+    EXPECT_FALSE(std::filesystem::exists(out));
+    EXPECT_FALSE(std::filesystem::exists(out + ".tmp"));
+  }
+  st::checkpoint::save_safetensors(out, {{"w", torch::ones({3, 4})}}, false, {});
+  EXPECT_TRUE(std::filesystem::exists(out));
+  // A sharded export directory: not even the shards before the bad tensor.
+  const std::string hf = tmp / "hf";
+  torch::Tensor bad = torch::ones({64});
+  bad[5] = std::nan("");
+  const std::string msg = st::testing::checkpoint_error(
+      [&] { m::save_hf_dir(hf, "{}", {{"a", torch::ones({64})}, {"b", bad}}, nullptr, 256); });
+  EXPECT_NE(msg.find("tensor 'b' holds 1 NaN or infinite values of 64"), std::string::npos) << msg;
+  EXPECT_FALSE(std::filesystem::exists(hf));
 }
 
 // A run writes <run.dir>/adapter; lora.init_from continues from it with the

@@ -2,7 +2,11 @@
 // directory -> newest complete checkpoint, or the exported model for
 // generate; a typed error for anything else), and `shardtrain generate` and
 // `shardtrain checkpoint consolidate` given a run directory.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -22,8 +26,10 @@
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/gpt.h"
 #include "shardtrain/train/task.h"
+#include "shardtrain/train/trainer.h"
 #include "temp_dir.h"
 #include "test_helpers.h"
+#include "train/run_dir.h"
 
 using shardtrain::testing::cli;
 using shardtrain::testing::CliRun;
@@ -323,3 +329,134 @@ TEST(RunDirectoryCommands, BadPathsExitWithTheCheckpointErrorCode) {
 }
 
 }  // namespace
+
+// ---- one job per run directory, and only in shardtrain's own ---------------------------
+
+namespace {
+
+namespace td = shardtrain::train::detail;
+
+// A one-step MLP job: no data files, a fraction of a second.
+shardtrain::config::Config mlp_job(const std::string& run) {
+  shardtrain::config::Config c;
+  c.run.dir = run;
+  c.model.type = shardtrain::train::ModelType::Mlp;
+  c.model.mlp_sizes = {4, 8, 2};
+  c.batch.global = 4;
+  c.batch.micro = 4;
+  c.batch.accumulate.reset();
+  c.trainer.max_steps = 1;
+  c.trainer.eval_every = 0;
+  c.trainer.progress = shardtrain::train::ProgressMode::None;
+  return c;
+}
+
+void fit(const shardtrain::config::Config& c) {
+  auto comm = shardtrain::comm::Communicator::create(shardtrain::comm::CommOptions().rank(0).world_size(1));
+  shardtrain::train::Trainer t(c, shardtrain::train::make_task(c, 1), comm);
+  t.fit();
+}
+
+std::string fit_error(const shardtrain::config::Config& c) {
+  try {
+    fit(c);
+  } catch (const shardtrain::ConfigError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no ConfigError for run.dir " << c.run.dir;
+  return "";
+}
+
+}  // namespace
+
+// A second job on a run directory in use is refused with the first one's host
+// and PID, before it touches a file (issue 28, item 7).
+TEST(RunDirectoryLock, ASecondJobIsRefusedNamingTheFirst) {
+  TempDir tmp;
+  const std::string run = tmp / "run";
+  fit(mlp_job(run));  // ours now, and free again
+  ASSERT_TRUE(fs::exists(fs::path(run) / td::kRunLockFile));
+  // Another job holds it (another process: its own open file description).
+  const int fd = ::open((fs::path(run) / td::kRunLockFile).c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);
+  ASSERT_EQ(::ftruncate(fd, 0), 0);
+  const std::string holder = "host node7, pid 4242, since 2026-01-01T00:00:00Z\n";
+  ASSERT_EQ(::pwrite(fd, holder.data(), holder.size(), 0), static_cast<ssize_t>(holder.size()));
+  const auto metrics_before = fs::file_size(fs::path(run) / "metrics.jsonl");
+  auto resumed = mlp_job(run);
+  resumed.checkpoint.resume = "auto";
+  resumed.trainer.max_steps = 2;
+  const std::string msg = fit_error(resumed);
+  EXPECT_NE(msg.find("is in use by another job (host node7, pid 4242"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  EXPECT_EQ(fs::file_size(fs::path(run) / "metrics.jsonl"), metrics_before);
+  // The same through the command line: exit 2, one line.
+  const auto cli_run = cli("train --set run.dir=" + run + " --set distributed.strategy=single");
+  EXPECT_EQ(cli_run.code, 2) << cli_run.out;
+  EXPECT_NE(cli_run.out.find("host node7, pid 4242"), std::string::npos) << cli_run.out;
+  ::close(fd);  // the other job ends
+  fit(resumed);
+}
+
+// A job that crashes leaves no stale lock: the kernel drops it with the
+// process (issue 28, item 7).
+TEST(RunDirectoryLock, ACrashedHolderLeavesNoStaleLock) {
+  TempDir tmp;
+  const std::string run = tmp / "run";
+  {
+    const auto first = td::RunDirLock::acquire(run, false);
+    try {
+      td::RunDirLock::acquire(run, false);
+      ADD_FAILURE() << "two holders of one run directory";
+    } catch (const shardtrain::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("pid " + std::to_string(::getpid())), std::string::npos) << e.what();
+    }
+  }
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    try {
+      const auto held = td::RunDirLock::acquire(run, false);
+      ::kill(::getpid(), SIGKILL);
+    } catch (...) {
+    }
+    ::_exit(3);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFSIGNALED(status)) << "the child could not take the lock";
+  EXPECT_NO_THROW(td::RunDirLock::acquire(run, false));
+  EXPECT_EQ(std::getenv(td::kRunLockEnv), nullptr) << "the released lock is still advertised";
+}
+
+// A directory with someone else's files is refused, untouched, unless the
+// job resumes or run.overwrite says so (issue 28, item 8).
+TEST(RunDirectoryLock, SomeoneElsesDirectoryIsRefusedUntouched) {
+  TempDir tmp;
+  const std::string run = tmp / "theirs";
+  fs::create_directories(fs::path(run) / "checkpoints/step-000001");
+  std::ofstream(fs::path(run) / "checkpoints/step-000001/weights.bin") << "their weights";
+  std::ofstream(fs::path(run) / "config.yaml") << "their config\n";
+  std::ofstream(fs::path(run) / "report.html") << "their report\n";
+  const std::string msg = fit_error(mlp_job(run));
+  EXPECT_NE(msg.find("already holds files shardtrain did not write there"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("run.overwrite: true"), std::string::npos) << msg;
+  EXPECT_TRUE(fs::exists(fs::path(run) / "checkpoints/step-000001/weights.bin"));
+  std::ifstream in(fs::path(run) / "config.yaml");
+  std::string line;
+  std::getline(in, line);
+  EXPECT_EQ(line, "their config");
+  EXPECT_FALSE(fs::exists(fs::path(run) / "metrics.jsonl"));
+  EXPECT_FALSE(fs::exists(fs::path(run) / td::kRunLockFile));
+  // An empty directory is fine, and so is one shardtrain wrote.
+  fs::create_directories(tmp / "empty");
+  fit(mlp_job(tmp / "empty"));
+  fit(mlp_job(tmp / "empty"));
+  // Asked to, it writes there.
+  auto c = mlp_job(run);
+  c.run.overwrite = true;
+  fit(c);
+  EXPECT_TRUE(fs::exists(fs::path(run) / "metrics.jsonl"));
+  EXPECT_EQ(shardtrain::config::Config::parse("run: {overwrite: true}\n", {}, "t.yaml").run.overwrite, true);
+}

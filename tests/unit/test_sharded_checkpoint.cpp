@@ -15,6 +15,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <string>
 #include <thread>
@@ -267,6 +269,70 @@ TEST(ShardedCheckpoint, SaveRejectsBadPrimaryFlagsAndDisagreeingRanks) {
 }
 
 // ---- damaged and foreign input ----------------------------------------------------------
+
+// What a rank sends rank 0 during a save is the metadata format itself (one
+// file, its slices), read back through the same checked from_json and
+// validate() as metadata.json; it once had a reader of its own that took a
+// slice outside its file or a float count without a word (issue 28, item 13).
+TEST(ShardedCheckpoint, RankResultsAreReadThroughTheValidatingReader) {
+  cd::RankResult r;
+  r.rank = 1;
+  r.file.name = cd::rank_file_name(1);
+  r.file.rank = 1;
+  r.file.bytes = 256;
+  r.file.crc32c = 7;
+  r.file.chunk_bytes = 1 << 20;
+  r.file.chunk_crc32c = {7};
+  r.file.rank_state_offset = 200;
+  r.file.rank_state_bytes = 56;
+  ck::TensorInfo t;
+  t.name = "w";
+  t.shape = {4, 4};
+  t.dtype = "F32";
+  t.kind = "parameter";
+  t.slices.push_back({1, r.file.name, 8, 8, 64});
+  r.tensors.push_back(t);
+  ck::TensorInfo replica = t;
+  replica.name = "b";
+  replica.slices.clear();
+  r.tensors.push_back(replica);
+  const std::string bytes = cd::rank_result_to_bytes(r);
+  const cd::RankResult back = cd::rank_result_from_bytes(bytes);
+  EXPECT_EQ(back.rank, 1);
+  EXPECT_EQ(back.file.name, r.file.name);
+  EXPECT_EQ(back.file.chunk_crc32c, r.file.chunk_crc32c);
+  EXPECT_EQ(back.file.rank_state_offset, 200);
+  ASSERT_EQ(back.tensors.size(), 2u);
+  EXPECT_EQ(back.tensors[0].slices.at(0).byte_offset, 64);
+  EXPECT_TRUE(back.tensors[1].slices.empty());
+
+  using Json = nlohmann::ordered_json;
+  struct Case {
+    std::function<void(Json&)> edit;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {[](Json& j) { j["metadata"]["tensors"][0]["slices"][0]["byte_offset"] = 250; }, "outside its file"},
+      {[](Json& j) { j["metadata"]["tensors"][0]["slices"][0]["count"] = 3.5; }, "'count' is 3.5"},
+      {[](Json& j) { j["metadata"]["tensors"][0]["slices"][0]["offset"] = 12; }, "outside its 16 elements"},
+      {[](Json& j) { j["metadata"]["tensors"][0]["slices"][0]["rank"] = 0; }, "has a slice of rank 0"},
+      {[](Json& j) { j["metadata"]["files"][0]["chunk_crc32c"] = Json::array(); }, "chunk checksums"},
+      {[](Json& j) { j["metadata"]["files"][0]["rank_state_bytes"] = 57; }, "has its rank state"},
+      {[](Json& j) { j["metadata"]["tensors"][0]["dtype"] = "F33"; }, "unknown dtype 'F33'"},
+      {[](Json& j) { j["metadata"]["tensors"][0]["shape"] = {4.5}; }, "expected a list of whole numbers"},
+  };
+  for (const Case& c : cases) {
+    Json j = Json::parse(bytes);
+    c.edit(j);
+    const std::string msg = checkpoint_error([&] { cd::rank_result_from_bytes(j.dump()); });
+    EXPECT_NE(msg.find(c.message), std::string::npos) << msg;
+  }
+  // A failed rank sends its error alone.
+  cd::RankResult failed;
+  failed.rank = 2;
+  failed.error = "disk full";
+  EXPECT_EQ(cd::rank_result_from_bytes(cd::rank_result_to_bytes(failed)).error, "disk full");
+}
 
 TEST(ShardedCheckpoint, FlippedByteIsAChecksumErrorNamingTheFile) {
   TempDir tmp;
@@ -581,6 +647,36 @@ TEST(Retention, ListsNewestFirstAndPrunes) {
 
   ck::prune(run.path(), 0);
   EXPECT_TRUE(ck::list_complete(run.path()).empty());
+}
+
+// A checkpoint linked in from elsewhere (to resume from a shared one) is
+// another run's: retention never deletes through a link, nor the link
+// (issue 28, item 6).
+TEST(Retention, NeverDeletesThroughASymbolicLink) {
+  TempDir run, shared;
+  save_world(ck::checkpoint_dir(run.path(), 1), 1);
+  const std::string theirs = shared / "step-000002";
+  save_world(theirs, 1);
+  const std::string torn_theirs = shared / "torn";
+  fs::create_directories(torn_theirs);
+  std::ofstream(fs::path(torn_theirs) / "rank-00000.bin") << "their work in progress";
+  fs::create_directory_symlink(theirs, ck::checkpoint_dir(run.path(), 2));
+  fs::create_directory_symlink(torn_theirs, ck::checkpoint_dir(run.path(), 5) + ".tmp");
+  fs::create_directory_symlink(torn_theirs, ck::checkpoint_dir(run.path(), 6));
+  save_world(ck::checkpoint_dir(run.path(), 3), 1);
+  // The linked checkpoint is still one to resume from.
+  ASSERT_EQ(ck::list_complete(run.path()).size(), 3u);
+
+  const auto removed = ck::prune(run.path(), 1);
+  ASSERT_EQ(removed.size(), 1u);  // our own step 1 only
+  EXPECT_EQ(removed[0], ck::checkpoint_dir(run.path(), 1));
+  EXPECT_TRUE(ck::is_complete(theirs)) << "retention deleted COMMITTED through the link";
+  EXPECT_TRUE(fs::exists(fs::path(torn_theirs) / "rank-00000.bin"));
+  for (const int64_t step : {2, 6}) EXPECT_TRUE(fs::is_symlink(ck::checkpoint_dir(run.path(), step)));
+  EXPECT_TRUE(fs::is_symlink(ck::checkpoint_dir(run.path(), 5) + ".tmp"));
+  EXPECT_TRUE(ck::is_complete(ck::checkpoint_dir(run.path(), 3)));
+  ck::prune(run.path(), 0);
+  EXPECT_TRUE(ck::is_complete(theirs));
 }
 
 // ---- optimizer state --------------------------------------------------------------------

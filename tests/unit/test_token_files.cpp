@@ -3,6 +3,7 @@
 // 65,536 ids such as Llama-3's 128,256), written by write_token_file_v2 and
 // served by TokenSource and WindowSampler alike.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <fstream>
 
@@ -128,6 +129,35 @@ void write_small_tokenizer(const std::string& path) {
     "post_processor": {"type": "TemplateProcessing", "single": [{"Sequence": {"id": "A", "type_id": 0}},
        {"SpecialToken": {"id": "</s>", "type_id": 0}}], "special_tokens": {"</s>": {"id": "</s>", "ids": [300], "tokens": ["</s>"]}}},
     "model": {"type": "BPE", "byte_fallback": true, "vocab": {)" + vocab + R"("a": 256}, "merges": []}})");
+}
+
+// A token file cut short while training (re-copied, regenerated in place)
+// once killed the rank with SIGBUS through its memory map and no message.
+// Now the read names the file and is an IoError (exit 3) (issue 28, item 12).
+TEST(TokenizedFiles, FileTruncatedWhileTrainingIsAnIoErrorNamingIt) {
+  TempDir tmp;
+  for (const bool wide : {false, true}) {
+    const std::string path = tmp / (wide ? "wide.bin" : "narrow.bin");
+    std::vector<int32_t> ids(100000);
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i % 200) + (wide ? 70000 : 0);
+    ASSERT_EQ(write_token_file_v2(path, ids), wide ? 4 : 2);
+    const TokenSource source = TokenSource::open(path);
+    std::vector<int64_t> out(64);
+    source.copy_to(90000, 64, out.data());
+    EXPECT_EQ(out[0], ids[90000]);
+    ASSERT_EQ(::truncate(path.c_str(), 4096), 0);
+    source.copy_to(10, 64, out.data());  // what is still there reads
+    EXPECT_EQ(out[3], ids[13]);
+    try {
+      source.copy_to(90000, 64, out.data());
+      ADD_FAILURE() << "a read past the truncated end did not throw";
+    } catch (const shardtrain::IoError& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("token file '" + path + "' is shorter than when training started: tokens 90000..90063 of 100000 lie beyond its 4096 bytes now"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("truncated or replaced while training"), std::string::npos) << msg;
+    }
+    EXPECT_THROW(source.max_token(), shardtrain::IoError);
+  }
 }
 
 TEST(TokenizedFiles, CliTokenizesTextAndJsonLinesInOrderWithEosBetween) {

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "core/json.h"
 #include "commands.h"
 #include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/checkpoint/safetensors.h"
@@ -149,7 +150,7 @@ int consolidate(const std::string& arg, const std::string& out, bool transpose) 
     // the training state) instead of holding it: a consolidated file would
     // lack the base weights.
     ck::CheckpointReader reader(dir);
-    const auto state = nlohmann::json::parse(reader.train_state(), nullptr, /*allow_exceptions=*/false);
+    const auto state = ::shardtrain::detail::parse_json_or_discarded(reader.train_state());
     ST_CHECK(!(state.is_object() && state.contains("lora_base")), CheckpointError, "'", dir,
              "' holds LoRA adapters over a frozen base it does not copy (",
              state.is_object() && state.contains("lora_base") ? state["lora_base"].value("path", "") : "",

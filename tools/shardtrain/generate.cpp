@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "core/json.h"
 #include "commands.h"
 #include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/checkpoint/safetensors.h"
@@ -81,7 +82,7 @@ double parse_double(const std::string& flag, const std::string& value) {
 config::Config checkpoint_config(ck::CheckpointReader& reader) {
   std::string yaml;
   try {
-    yaml = nlohmann::json::parse(reader.train_state()).at("config").get<std::string>();
+    yaml = ::shardtrain::detail::parse_json_text(reader.train_state()).at("config").get<std::string>();
   } catch (const nlohmann::json::exception&) {
     ST_CHECK(false, CheckpointError, "checkpoint '", reader.dir(),
              "' records no config (it was not written by the Trainer), so the model cannot be "

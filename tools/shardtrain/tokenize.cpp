@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/json.h"
 #include "commands.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/data/tokenizer.h"
@@ -125,7 +126,7 @@ std::vector<std::string> read_documents(const std::vector<std::string>& inputs) 
       if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
       nlohmann::json j;
       try {
-        j = nlohmann::json::parse(line);
+        j = ::shardtrain::detail::parse_json_text(line);
       } catch (const nlohmann::json::exception& e) {
         ST_CHECK(false, ConfigError, path, ":", n, " is not JSON: ", e.what(), "; hint: one JSON object per line");
       }

@@ -28,6 +28,7 @@
 #include "shardtrain/train/report.h"
 #include "shardtrain/train/task.h"
 #include "shardtrain/train/trainer.h"
+#include "train/run_dir.h"
 
 namespace shardtrain::cli {
 namespace {
@@ -156,6 +157,16 @@ int train_main(int argc, char** argv) {
   const dist::ClusterEnv env = dist::ClusterEnv::detect();
   // Said once, by the process the user started (its ranks load the same).
   const config::Config config = load_config(args, /*say=*/env.source == dist::EnvSource::Standalone);
+  // The process the user started lives as long as the job, through the
+  // launcher's restarts: it holds the run directory (train/run_dir.h) and
+  // its ranks see that it does. Node 0's, on a multi-node job.
+  std::unique_ptr<train::detail::RunDirLock> run_lock;
+  if (env.source == dist::EnvSource::Standalone && args.launch.node_rank() == 0 &&
+      !train::detail::run_dir_locked_above(config.run.dir)) {
+    const std::string& resume = config.checkpoint.resume;
+    run_lock = train::detail::RunDirLock::acquire(
+        config.run.dir, (!resume.empty() && resume != "never") || config.run.overwrite);
+  }
   if (env.source == dist::EnvSource::Standalone) {
     int nproc = args.nproc >= 0 ? args.nproc : static_cast<int>(config.distributed.nproc_per_node());
     if (nproc == 0) nproc = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));

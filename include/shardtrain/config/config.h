@@ -35,6 +35,9 @@ namespace shardtrain::config {
 struct RunConfig {
   std::string dir = "runs/default";
   uint64_t seed = 1337;
+  /// Write into a run directory that already holds files shardtrain did not
+  /// write there (without it, such a directory is refused unless resuming).
+  bool overwrite = false;
 };
 
 /// The model section. gpt and llama share the sizes; the llama keys are the

@@ -85,7 +85,8 @@ constexpr const char* base_name(const char* path) {
 /// `e`'s message without a backtrace, on one line: LibTorch's c10::Error
 /// carries a C++ backtrace in what() ("Exception raised from ... frame #0"),
 /// also when an error's text was copied into one of ours; it is cut off, and
-/// line breaks become "; ".
+/// line breaks become "; ". The " [file.cpp:NN]" check sites ST_CHECK
+/// appends are left out too, unless SHARDTRAIN_DEBUG=1.
 std::string one_line_message(const std::exception& e);
 /// The same for a message already taken from what().
 std::string one_line_message(const std::string& what);
@@ -98,7 +99,8 @@ std::string one_line_message(const std::string& what);
 
 /// Throws `ErrorType` with the streamed message when `cond` is false.
 /// For user errors: the message must say what was wrong and what to do; the
-/// file:line of the check is appended in brackets.
+/// file:line of the check is appended in brackets (one_line_message, which
+/// prints errors for users, shows it only with SHARDTRAIN_DEBUG=1).
 #define ST_CHECK(cond, ErrorType, ...)                                      \
   do {                                                                      \
     if (!(cond)) {                                                          \

@@ -1,5 +1,5 @@
 // Token data: a byte-level tokenizer, token sources read from text or from
-// llm.c / nanoGPT token files (memory-mapped), and the sampler that turns
+// llm.c / nanoGPT token files (read with pread), and the sampler that turns
 // them into micro-batches.
 #pragma once
 
@@ -39,8 +39,10 @@ void write_token_file(const std::string& path, const std::vector<uint16_t>& toke
 /// Returns the token width written (2 or 4).
 int write_token_file_v2(const std::string& path, const std::vector<int32_t>& tokens);
 
-/// A read-only sequence of token ids. Token files are memory-mapped; text is
-/// read and byte-tokenized. Copies share the underlying storage.
+/// A read-only sequence of token ids. Token files are read with pread as
+/// tokens are asked for (a file truncated meanwhile is an IoError naming it,
+/// not a SIGBUS); text is read and byte-tokenized. Copies share the
+/// underlying storage.
 class TokenSource {
  public:
   /// A token file (version 1 or 2) when the first word is kTokenFileMagic,
