@@ -4,6 +4,7 @@
 // DDP, accumulation, schedules, callbacks and metrics. Run it on 2 ranks:
 //   shardtrain launch --nproc-per-node 2 -- ./custom_module [steps]
 #include <shardtrain/comm/communicator.h>
+#include <shardtrain/core/error.h>
 #include <shardtrain/train/task.h>
 #include <shardtrain/train/trainer.h>
 #include <torch/torch.h>
@@ -34,7 +35,7 @@ shardtrain::data::Batch global_batch(int64_t step, int64_t rows) {
   return {x, x.narrow(1, 0, 4).argmax(1)};
 }
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
   const int64_t steps = argc > 1 ? std::atoll(argv[1]) : 200;
   auto comm = shardtrain::comm::Communicator::create(shardtrain::comm::CommOptions::from_env());
 
@@ -77,4 +78,15 @@ int main(int argc, char** argv) {
   }
   // The classes are easy: a trained model must be well below chance (ln 4 = 1.39).
   return state.loss < 0.9 ? 0 : 1;
+}
+
+// What the library throws is a typed error with a one-line message: say it
+// and exit, 2 for bad input (the launcher does not restart it), not abort.
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const shardtrain::Error& e) {
+    std::fprintf(stderr, "custom_module: %s\n", e.what());
+    return dynamic_cast<const shardtrain::ConfigError*>(&e) != nullptr ? 2 : 1;
+  }
 }

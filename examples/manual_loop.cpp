@@ -2,13 +2,14 @@
 // no Trainer: DDP with gradient accumulation, clipping and AdamW.
 //   shardtrain launch --nproc-per-node 2 -- ./manual_loop [steps]
 #include <shardtrain/comm/communicator.h>
+#include <shardtrain/core/error.h>
 #include <shardtrain/strategy/strategy.h>
 #include <torch/torch.h>
 
 #include <cstdio>
 #include <cstdlib>
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
   const int64_t steps = argc > 1 ? std::atoll(argv[1]) : 50;
   auto comm = shardtrain::comm::Communicator::create(shardtrain::comm::CommOptions::from_env());
   const int rank = comm->rank(), world = comm->size();
@@ -47,4 +48,15 @@ int main(int argc, char** argv) {
   }
   if (rank == 0) std::printf("collectives: %lld\n", static_cast<long long>(strategy->gradient_collectives()));
   return loss_value < 0.5 ? 0 : 1;
+}
+
+// What the library throws is a typed error with a one-line message: say it
+// and exit, 2 for bad input (the launcher does not restart it), not abort.
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const shardtrain::Error& e) {
+    std::fprintf(stderr, "manual_loop: %s\n", e.what());
+    return dynamic_cast<const shardtrain::ConfigError*>(&e) != nullptr ? 2 : 1;
+  }
 }
