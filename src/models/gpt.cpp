@@ -15,7 +15,7 @@
 #include "shardtrain/core/error.h"
 #include "models/attention.h"
 #include "models/families.h"
-#include "models/activation_kernels.h"
+#include "models/activations.h"
 #include "models/layers.h"
 #include "shardtrain/config/config.h"
 #include "shardtrain/checkpoint/safetensors.h"
@@ -128,66 +128,6 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x, const tor
   return maybe_dropout(lora_forward(*c_proj, y), dropout_, *this);
 }
 
-namespace {
-
-// GELU, tanh approximation, as one pass forward and one backward over
-// contiguous fp32 or bf16 CPU tensors (models/activation_kernels.h): LibTorch's takes
-// several passes in bf16, where it cost twice its fp32 time. Anything else
-// (another dtype or device, a strided view) takes LibTorch's.
-struct FusedGelu : public torch::autograd::Function<FusedGelu> {
-  static constexpr int64_t kGrain = int64_t{1} << 15;
-
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x) {
-    ctx->save_for_backward({x});
-    at::Tensor y = at::empty_like(x);
-    if (x.scalar_type() == at::kFloat) {
-      const float* in = x.data_ptr<float>();
-      float* out = y.data_ptr<float>();
-      at::parallel_for(0, x.numel(), kGrain, [&](int64_t b, int64_t e) {
-        detail::gelu_tanh_forward(in + b, out + b, e - b);
-      });
-    } else {
-      const auto* in = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-      auto* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-      at::parallel_for(0, x.numel(), kGrain, [&](int64_t b, int64_t e) {
-        detail::gelu_tanh_forward(in + b, out + b, e - b);
-      });
-    }
-    return y;
-  }
-
-  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
-                                               torch::autograd::tensor_list grads) {
-    const at::Tensor x = ctx->get_saved_variables()[0];
-    const at::Tensor dy = grads[0].to(x.scalar_type()).contiguous();
-    at::Tensor dx = at::empty_like(x);
-    if (x.scalar_type() == at::kFloat) {
-      const float* in = x.data_ptr<float>();
-      const float* g = dy.data_ptr<float>();
-      float* out = dx.data_ptr<float>();
-      at::parallel_for(0, x.numel(), kGrain, [&](int64_t b, int64_t e) {
-        detail::gelu_tanh_backward(in + b, g + b, out + b, e - b);
-      });
-    } else {
-      const auto* in = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-      const auto* g = reinterpret_cast<const uint16_t*>(dy.data_ptr<at::BFloat16>());
-      auto* out = reinterpret_cast<uint16_t*>(dx.data_ptr<at::BFloat16>());
-      at::parallel_for(0, x.numel(), kGrain, [&](int64_t b, int64_t e) {
-        detail::gelu_tanh_backward(in + b, g + b, out + b, e - b);
-      });
-    }
-    return {dx};
-  }
-};
-
-at::Tensor gelu_tanh(const at::Tensor& x) {
-  const bool fused = x.is_cpu() && x.is_contiguous() &&
-                     (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
-  return fused ? FusedGelu::apply(x) : torch::gelu(x, "tanh");
-}
-
-}  // namespace
-
 // ---- MLP and block -------------------------------------------------------------------
 
 MLPBlockImpl::MLPBlockImpl(const GPTConfig& config) : dropout_(config.dropout) {
@@ -197,7 +137,7 @@ MLPBlockImpl::MLPBlockImpl(const GPTConfig& config) : dropout_(config.dropout) {
 }
 
 torch::Tensor MLPBlockImpl::forward(const torch::Tensor& x) {
-  return maybe_dropout(lora_forward(*c_proj, gelu_tanh(lora_forward(*c_fc, x))), dropout_, *this);
+  return maybe_dropout(lora_forward(*c_proj, detail::gelu_tanh(lora_forward(*c_fc, x))), dropout_, *this);
 }
 
 BlockImpl::BlockImpl(const GPTConfig& config) {

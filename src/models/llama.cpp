@@ -5,10 +5,9 @@
 #include <torch/torch.h>
 
 #include <cmath>
-#include <type_traits>
 #include <nlohmann/json.hpp>
 
-#include "models/activation_kernels.h"
+#include "models/activations.h"
 #include "models/attention.h"
 #include "models/families.h"
 #include "models/layers.h"
@@ -131,72 +130,6 @@ at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Te
   return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1);
 }
 
-// ---- SwiGLU's gate ----------------------------------------------------------------------
-
-namespace {
-
-// silu(g) * u as one pass forward and one backward over contiguous fp32 or
-// bf16 CPU tensors of one shape (models/activation_kernels.h), where
-// LibTorch makes a pass per op (silu, mul; silu_backward and two muls).
-// Anything else takes LibTorch's ops.
-struct FusedSwiGlu : public torch::autograd::Function<FusedSwiGlu> {
-  static constexpr int64_t kGrain = int64_t{1} << 15;
-
-  template <typename Fn>
-  static void chunks(int64_t n, const Fn& fn) {
-    at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) { fn(b, e - b); });
-  }
-  template <typename T>
-  static T* raw(const at::Tensor& t) {
-    if constexpr (std::is_same_v<T, float>) return t.data_ptr<float>();
-    else return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
-  }
-
-  template <typename T>
-  static void run_forward(const at::Tensor& g, const at::Tensor& u, const at::Tensor& y) {
-    const T *gp = raw<T>(g), *up = raw<T>(u);
-    T* yp = raw<T>(y);
-    chunks(g.numel(), [&](int64_t i, int64_t n) { detail::swiglu_forward(gp + i, up + i, yp + i, n); });
-  }
-  template <typename T>
-  static void run_backward(const at::Tensor& g, const at::Tensor& u, const at::Tensor& dy, const at::Tensor& dg,
-                           const at::Tensor& du) {
-    const T *gp = raw<T>(g), *up = raw<T>(u), *dyp = raw<T>(dy);
-    T *dgp = raw<T>(dg), *dup = raw<T>(du);
-    chunks(g.numel(), [&](int64_t i, int64_t n) {
-      detail::swiglu_backward(gp + i, up + i, dyp + i, dgp + i, dup + i, n);
-    });
-  }
-
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& g, const at::Tensor& u) {
-    ctx->save_for_backward({g, u});
-    at::Tensor y = at::empty_like(g);
-    if (g.scalar_type() == at::kFloat) run_forward<float>(g, u, y);
-    else run_forward<uint16_t>(g, u, y);
-    return y;
-  }
-
-  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
-                                               torch::autograd::tensor_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &g = saved[0], &u = saved[1];
-    const at::Tensor dy = grads[0].to(g.scalar_type()).contiguous();
-    at::Tensor dg = at::empty_like(g), du = at::empty_like(u);
-    if (g.scalar_type() == at::kFloat) run_backward<float>(g, u, dy, dg, du);
-    else run_backward<uint16_t>(g, u, dy, dg, du);
-    return {dg, du};
-  }
-};
-
-at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u) {
-  const bool fused = g.is_cpu() && g.is_contiguous() && u.is_contiguous() && g.sizes() == u.sizes() &&
-                     g.scalar_type() == u.scalar_type() &&
-                     (g.scalar_type() == at::kFloat || g.scalar_type() == at::kBFloat16);
-  return fused ? FusedSwiGlu::apply(g, u) : at::silu(g) * u;
-}
-
-}  // namespace
-
 // ---- layers -------------------------------------------------------------------------------
 
 namespace llama {
@@ -240,7 +173,7 @@ MLPImpl::MLPImpl(const LlamaConfig& c) {
 }
 
 at::Tensor MLPImpl::forward(const at::Tensor& x) {
-  return lora_forward(*down_proj, swiglu(lora_forward(*gate_proj, x), lora_forward(*up_proj, x)));
+  return lora_forward(*down_proj, detail::swiglu(lora_forward(*gate_proj, x), lora_forward(*up_proj, x)));
 }
 
 BlockImpl::BlockImpl(const LlamaConfig& c) {
