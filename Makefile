@@ -15,7 +15,8 @@ DEB_PACKAGES := build-essential cmake ninja-build ccache pkg-config \
 	libtorch-dev libgloo-dev libyaml-cpp-dev libgtest-dev libopenblas0-pthread \
 	nlohmann-json3-dev iproute2 libssl-dev tmux \
 	libprotobuf-dev protobuf-compiler chromium \
-	libpcre2-dev libutf8proc-dev libsentencepiece-dev python3-torch
+	libpcre2-dev libutf8proc-dev libsentencepiece-dev python3-torch \
+	libopenmpi-dev openmpi-bin
 # Node runs the tokenizer parity test's independent implementation (npm
 # packages installed into the build tree at test time). Installed only when
 # npm is missing: NodeSource's nodejs, where present, ships npm and conflicts

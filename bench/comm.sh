@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Communication benchmark: shardtrain's collectives against PyTorch Gloo and a
-# single-thread memcpy, all on this machine, in one run. Writes the table into
+# Communication benchmark: shardtrain's collectives on both backends (gloo:
+# our rings and shared memory; mpi: Open MPI under mpirun) against PyTorch
+# Gloo and a single-thread memcpy, all on this machine, in one run. Writes the table into
 # BENCHMARKS.md between <!-- comm:begin --> and <!-- comm:end -->.
 #
 #   make bench-comm        (builds, installs python3-torch, then runs this)
@@ -57,6 +58,13 @@ LOAD_START=$(cut -d' ' -f1 /proc/loadavg)
 echo "load:    $LOAD_START (1-min load average before the run; others share this machine)"
 START=$SECONDS
 
+# The mpi backend's runs: mpirun on this machine, as the test suite starts it.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_rmaps_base_oversubscribe=1
+export OMPI_MCA_hwloc_base_binding_policy=none
+MPI_RESULTS=$OUT_DIR/mpi.jsonl
+: > "$MPI_RESULTS"
+
 run() {  # echo the command, then run it with a time limit; any failure stops the script
   printf '+'; printf ' %q' "$@"; echo
   timeout "$LAUNCH_TIMEOUT" "$@"
@@ -68,6 +76,8 @@ for n in $WORLD_SIZES; do
     for op in $OPS; do
       run "$SHARDTRAIN" launch --nproc-per-node "$n" -- "$SHARDTRAIN" bench-comm \
         --op "$op" --bytes "$bytes" --dtype float32 --iters "$it" --warmup "$wu" --json "$RESULTS"
+      run mpirun -np "$n" "$SHARDTRAIN" bench-comm \
+        --op "$op" --bytes "$bytes" --dtype float32 --iters "$it" --warmup "$wu" --json "$MPI_RESULTS"
     done
     run "$SHARDTRAIN" launch --nproc-per-node "$n" -- "$TORCH_PY" bench/torch_collectives.py \
       --op all_reduce --bytes "$bytes" --dtype float32 --iters "$it" --warmup "$wu" --json "$RESULTS"
@@ -81,10 +91,11 @@ for n in $WORLD_SIZES; do
 done
 
 run "$MEMCPY" --json "$RESULTS"
+sed 's/"impl":"shardtrain"/"impl":"shardtrain-mpi"/' "$MPI_RESULTS" >> "$RESULTS"
 
 # Every launch above appends exactly one line (rank 0); fewer means a rank failed quietly.
 n_ws=$(wc -w <<< "$WORLD_SIZES"); n_sizes=$(wc -w <<< "$SIZES")
-expected=$(( n_ws * n_sizes * 4 + n_ws * 2 + 3 ))
+expected=$(( n_ws * n_sizes * 7 + n_ws * 2 + 3 ))
 got=$(wc -l < "$RESULTS")
 [ "$got" -eq "$expected" ] || die "$RESULTS has $got lines, expected $expected"
 

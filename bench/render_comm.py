@@ -36,6 +36,7 @@ def usec(x):
 
 def render(rows, a):
     st = {(r["op"], r["bytes"], r["world_size"]): r for r in rows if r.get("impl") == "shardtrain"}
+    mpi = {(r["op"], r["bytes"], r["world_size"]): r for r in rows if r.get("impl") == "shardtrain-mpi"}
     pt = {(r["op"], r["bytes"], r["world_size"]): r for r in rows
           if r.get("impl") == "pytorch-gloo" and r.get("status") != "unsupported"}
     unsupported = {}
@@ -60,15 +61,19 @@ def render(rows, a):
         + "; ".join(f"{human_bytes(b)}: {n} timed iterations" for b, n in sorted(iters.items()))
         + " after a warm-up. Time = mean over iterations of the slowest rank's time; "
         "busbw = bytes/time × 2(n−1)/n for all_reduce, × (n−1)/n for reduce_scatter and all_gather "
-        "(nccl-tests definitions). Ratio = shardtrain busbw / PyTorch busbw (above 1: shardtrain faster).")
+        "(nccl-tests definitions). Ratio = shardtrain busbw / PyTorch busbw (above 1: shardtrain faster). "
+        "shardtrain is the gloo backend (rings over TCP, shared memory among the ranks of this host); "
+        "MPI is the same program on the mpi backend under `mpirun` (Open MPI; its shared-memory "
+        "transport here), and gloo / MPI compares the two backends.")
     over = [n for n in world_sizes if a.nproc and n > a.nproc]
     if over:
         out.append(f"- World size {', '.join(map(str, over))} oversubscribes the {a.nproc} cores: "
                    "ranks time-share the CPUs with each other.")
     out.append("")
     out.append("| op | bytes | ranks | shardtrain busbw GB/s | shardtrain time µs "
-               "| PyTorch Gloo busbw GB/s | PyTorch time µs | shardtrain / PyTorch |")
-    out.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+               "| PyTorch Gloo busbw GB/s | PyTorch time µs | shardtrain / PyTorch "
+               "| MPI busbw GB/s | MPI time µs | gloo / MPI |")
+    out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     notes = []
     for key in sorted(st, key=lambda k: (OPS.index(k[0]) if k[0] in OPS else 99, k[1], k[2])):
         op, b, n = key
@@ -83,6 +88,9 @@ def render(rows, a):
                     notes.append(op)
                 mark = SUP[notes.index(op)]
             cols = ["n/a" + mark, "—", "—"]
+        m = mpi.get(key)
+        cols += ([gbps(m["busbw_gbps"]), usec(m["time_us"]), f"{s['busbw_gbps'] / m['busbw_gbps']:.2f}×"]
+                 if m else ["—", "—", "—"])
         out.append(f"| {op} | {human_bytes(b)} | {n} | {gbps(s['busbw_gbps'])} | {usec(s['time_us'])} | "
                    + " | ".join(cols) + " |")
     out.append("")

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <future>
 #include <iostream>
 #include <optional>
 #include <mutex>
@@ -25,6 +26,7 @@
 #include "comm/detail.h"
 #include "comm/shm.h"
 #include "comm/interface.h"
+#include "comm/mpi.h"
 #include "comm/kv_store.h"
 #include "comm/store.h"
 #include "shardtrain/core/error.h"
@@ -206,6 +208,8 @@ class Group {
   std::unique_ptr<Heartbeat> heartbeat;
   // Collectives through shared memory when every rank is on this host.
   std::unique_ptr<ShmChannel> shm;
+  // Under the mpi backend, every op instead (kv, ctx and shm stay null).
+  std::unique_ptr<MpiComm> mpi;
   // Declared last: destroyed first, so queued ops finish while the rest lives.
   std::unique_ptr<Worker> p2p_worker;
   std::unique_ptr<Worker> worker;
@@ -254,6 +258,7 @@ class Group {
     oc.segment_bytes = segment_bytes;
     oc.scratch = &scratch;
     oc.shm = shm.get();
+    oc.mpi = mpi.get();
     return oc;
   }
 };
@@ -349,7 +354,7 @@ DType dtype_of(const at::Tensor& t, const char* op, const char* arg) {
 DType check_tensor(const at::Tensor& t, const char* op, const char* arg) {
   ST_CHECK(t.defined(), InvalidArgument, op, ": ", arg, " is an undefined tensor");
   ST_CHECK(t.device().is_cpu(), InvalidArgument, op, ": ", arg, " is on ", t.device(),
-           "; the gloo backend moves CPU tensors only");
+           "; collectives move CPU tensors only");
   ST_CHECK(t.is_contiguous(), InvalidArgument, op, ": ", arg,
            " is not contiguous; pass a flat contiguous buffer (call .contiguous())");
   return dtype_of(t, op, arg);
@@ -478,6 +483,8 @@ CommOptions CommOptions::from_env() {
   if (const char* init = std::getenv("SHARDTRAIN_INIT_METHOD"); init != nullptr && *init != '\0')
     options.init_method(init);
   options.segment_bytes(detail::byte_count_from_env("SHARDTRAIN_SEGMENT_BYTES", options.segment_bytes(), 1));
+  if (const char* backend = std::getenv("SHARDTRAIN_BACKEND"); backend != nullptr && *backend != '\0')
+    options.backend(enum_from_name<Backend>(backend, "SHARDTRAIN_BACKEND"));
   return options;
 }
 
@@ -494,8 +501,11 @@ int64_t detail::byte_count_from_env(const char* name, int64_t fallback, int64_t 
 // ---- Communicator ------------------------------------------------------------------
 
 std::shared_ptr<Communicator> Communicator::create(const CommOptions& options) {
-  ST_CHECK(options.backend() == "gloo", ConfigError, "communication backend '", options.backend(),
-           "' is not built into this shardtrain; available: gloo");
+  const bool mpi = options.backend() == Backend::Mpi ||
+                  (options.backend() == Backend::Auto && detail::started_by_mpi_launcher());
+  ST_CHECK(!mpi || options.world_size() == 1 || detail::started_by_mpi_launcher(), ConfigError,
+           "the mpi backend needs a job started by mpirun or srun --mpi=pmix, but this process "
+           "was not. Hint: start it with `mpirun -np N ...`, or use distributed.backend: gloo");
   ST_CHECK(options.world_size() >= 1, ConfigError, "world size ", options.world_size(),
            " must be at least 1");
   ST_CHECK(options.rank() >= 0 && options.rank() < options.world_size(), ConfigError, "rank ",
@@ -510,7 +520,14 @@ std::shared_ptr<Communicator> Communicator::create(const CommOptions& options) {
   for (int i = 0; i < options.world_size(); ++i) group->global_ranks[i] = i;
   group->timeout = options.timeout();
   group->segment_bytes = options.segment_bytes();
-  if (group->size > 1) {
+  if (group->size > 1 && mpi) {
+    group->mpi = detail::MpiComm::world(group->rank, group->size);
+    group->worker = std::make_unique<detail::Worker>();
+  } else if (group->size > 1) {
+    ST_CHECK(!options.master_addr().empty(), ConfigError,
+             "the job spans several nodes and MASTER_ADDR is unset, but the gloo backend needs "
+             "rank 0's host. Hint: mpirun -x MASTER_ADDR=<host of rank 0>, or "
+             "distributed.backend: mpi");
     group->kv = detail::open_store(options);
     group->store = detail::gloo_store(group->kv, options.timeout());
     group->round = options.round();
@@ -540,6 +557,7 @@ int Communicator::size() const { return group_->size; }
 const std::string& Communicator::name() const { return group_->name; }
 const std::vector<int>& Communicator::global_ranks() const { return group_->global_ranks; }
 std::string Communicator::endpoint() const {
+  if (group_->mpi) return "MPI: " + group_->mpi->describe();
   const auto& e = group_->endpoint;
   if (e.address.empty()) return {};
   return str_cat(e.iface, " ", e.address, " (", e.why, ")",
@@ -578,6 +596,10 @@ Work run_collective(detail::Group& g, const char* op, Timeout timeout, bool asyn
         g.mark_broken(e.what());
         error = std::current_exception();
       }
+      // MPI cannot cancel a collective that failed: it may still write into
+      // the op's tensors (which `body` holds) when a late peer arrives, so
+      // they must outlive it. The group is broken; they are leaked.
+      if (error && g.mpi) (void)new std::function<void(const detail::OpContext&)>(body);
       g.busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
                        std::chrono::steady_clock::now() - start)
                        .count();
@@ -605,6 +627,10 @@ Work Communicator::all_reduce(const at::Tensor& tensor, const AllReduceOptions& 
     const int64_t n = tensor.numel();
     char* buf = detail::bytes(tensor);
     if (oc.size == 1) return;  // x op nothing = x, and avg over one rank divides by 1
+    if (oc.mpi != nullptr) {
+      oc.mpi->all_reduce(oc, buf, n, dtype, op);
+      return;
+    }
     const ShardRange mine = shard_range(n, oc.size, oc.rank);
     char* mine_ptr = buf + mine.offset * detail::element_size(dtype);
     if (oc.shm != nullptr) {
@@ -638,7 +664,9 @@ Work Communicator::reduce_scatter(const at::Tensor& input, const at::Tensor& out
       if (n > 0) std::memcpy(detail::bytes(output), detail::bytes(input), n * detail::element_size(dtype));
       return;
     }
-    if (oc.shm != nullptr) {
+    if (oc.mpi != nullptr) {
+      oc.mpi->reduce_scatter(oc, detail::bytes(input), detail::bytes(output), n, dtype, op);
+    } else if (oc.shm != nullptr) {
       oc.shm->reduce_scatter(oc, detail::bytes(input), detail::bytes(output), n, dtype, op);
     } else {
       detail::ring_reduce_scatter(oc, detail::bytes(input), detail::bytes(output), n, dtype, op);
@@ -662,9 +690,12 @@ Work Communicator::all_gather(const at::Tensor& input, const at::Tensor& output,
     char* own = detail::bytes(output) + mine.offset * es;
     if (mine.count > 0 && own != detail::bytes(input))
       std::memcpy(own, detail::bytes(input), mine.count * es);
-    if (oc.shm != nullptr) {
+    if (oc.size == 1) return;
+    if (oc.mpi != nullptr) {
+      oc.mpi->all_gather(oc, detail::bytes(output), output.numel(), dtype);
+    } else if (oc.shm != nullptr) {
       oc.shm->all_gather(oc, detail::bytes(output), output.numel(), dtype);
-    } else if (oc.size > 1) {
+    } else {
       detail::ring_all_gather(oc, detail::bytes(output), output.numel(), dtype);
     }
   });
@@ -677,7 +708,12 @@ Work Communicator::broadcast(const at::Tensor& tensor, const BroadcastOptions& o
            " is outside 0..", size() - 1);
   return run_collective(*group_, "broadcast", options.timeout(), options.async(),
                         [tensor, dtype, root](const detail::OpContext& oc) {
-    if (oc.size > 1) detail::chain_broadcast(oc, detail::bytes(tensor), tensor.numel(), dtype, root);
+    if (oc.size == 1) return;
+    if (oc.mpi != nullptr) {
+      oc.mpi->broadcast(oc, detail::bytes(tensor), tensor.numel(), dtype, root);
+    } else {
+      detail::chain_broadcast(oc, detail::bytes(tensor), tensor.numel(), dtype, root);
+    }
   });
 }
 
@@ -688,6 +724,7 @@ void Communicator::barrier(const BarrierOptions& options) {
   run_collective(*group_, "barrier", options.timeout(), false,
                  [token](const detail::OpContext& oc) {
     if (oc.size == 1) return;
+    if (oc.mpi != nullptr) return oc.mpi->barrier(oc);
     detail::ring_reduce_scatter(oc, token.get(), oc.rank == 0 ? token.get() : nullptr, 1,
                                 detail::DType::Float32, ReduceOp::Sum);
     detail::OpContext gather = oc;
@@ -710,25 +747,34 @@ Work run_p2p(detail::Group& g, const char* op, const at::Tensor& tensor, int pee
   ST_CHECK(broken.empty(), CommError, op, " on group '", g.name,
            "' refused: the group failed earlier (", broken, ")");
   const size_t nbytes = tensor.numel() * detail::element_size(detail::check_tensor(tensor, op, "tensor"));
-  // High bit set: p2p slots never collide with collective slots.
-  const uint64_t slot = (uint64_t{1} << 63) | options.tag();
-  std::shared_ptr<gloo::transport::UnboundBuffer> ub =
-      g.ctx->createUnboundBuffer(detail::bytes(tensor), std::max<size_t>(1, nbytes));
   const detail::OpContext oc = g.op_context(op, g.p2p_seq++, options.timeout());
-  if (nbytes > 0) {
-    if (is_send) oc.send(*ub, peer, slot, 0, nbytes); else oc.recv(*ub, peer, slot, 0, nbytes);
+  // What the waiting thread completes: an MPI request, or a Gloo buffer.
+  std::shared_ptr<detail::MpiRequest> request;
+  std::shared_ptr<gloo::transport::UnboundBuffer> ub;
+  if (g.mpi) {
+    request = g.mpi->post(oc, detail::bytes(tensor), nbytes, peer, options.tag(), is_send);
+  } else {
+    // High bit set: p2p slots never collide with collective slots.
+    const uint64_t slot = (uint64_t{1} << 63) | options.tag();
+    ub = g.ctx->createUnboundBuffer(detail::bytes(tensor), std::max<size_t>(1, nbytes));
+    if (nbytes > 0) {
+      if (is_send) oc.send(*ub, peer, slot, 0, nbytes); else oc.recv(*ub, peer, slot, 0, nbytes);
+    }
   }
   if (!g.p2p_worker) g.p2p_worker = std::make_unique<detail::Worker>();
   auto state = std::make_shared<detail::WorkState>();
-  g.p2p_worker->push([&g, oc, peer, nbytes, is_send, tensor, ub, state] {
+  g.p2p_worker->push([&g, oc, peer, nbytes, is_send, tensor, ub, request, state] {
     std::exception_ptr error;
     try {
-      if (nbytes > 0) {
+      if (request) {
+        g.mpi->wait(oc, *request, peer);
+      } else if (nbytes > 0) {
         if (is_send) oc.wait_send(*ub, peer); else oc.wait_recv(*ub, peer);
       }
     } catch (const std::exception& e) {
       g.mark_broken(e.what());
       error = std::current_exception();
+      if (request) (void)new at::Tensor(tensor);  // MPI may still use it; see run_collective
     }
     state->finish(error);
   });
@@ -753,6 +799,23 @@ std::shared_ptr<Communicator> Communicator::new_group(std::vector<int> ranks) {
   detail::Group& parent = *group_;
   const uint64_t id = ++parent.groups_created;
   const auto it = std::find(ranks.begin(), ranks.end(), parent.rank);
+  // Under MPI every rank of the parent takes part in the split, members or
+  // not, on the parent's communication thread: an MPI communicator runs one
+  // collective at a time, and the parent's may still be running.
+  std::unique_ptr<detail::MpiComm> mpi;
+  if (parent.mpi) {
+    const bool member = it != ranks.end();
+    auto done = std::make_shared<std::promise<void>>();
+    parent.worker->push([&parent, &mpi, member, done] {
+      try {
+        mpi = parent.mpi->split(member, parent.rank);
+        done->set_value();
+      } catch (...) {
+        done->set_exception(std::current_exception());
+      }
+    });
+    done->get_future().get();
+  }
   if (it == ranks.end()) return nullptr;
 
   auto group = std::make_unique<detail::Group>();
@@ -767,7 +830,11 @@ std::shared_ptr<Communicator> Communicator::new_group(std::vector<int> ranks) {
   group->name = str_cat(parent.name == "world" ? "" : parent.name + "/", "group", id, "[", list, "]");
   group->timeout = parent.timeout;
   group->segment_bytes = parent.segment_bytes;
-  if (group->size > 1) {
+  if (group->size > 1 && mpi) {
+    group->mpi = std::move(mpi);
+    group->ranks_per_node = parent.ranks_per_node;
+    group->worker = std::make_unique<detail::Worker>();
+  } else if (group->size > 1) {
     group->kv = parent.kv;
     group->store = parent.store;
     group->round = parent.round;

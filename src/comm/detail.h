@@ -20,6 +20,7 @@ class UnboundBuffer;
 namespace shardtrain::comm::detail {
 
 class ShmChannel;
+class MpiComm;
 
 /// Element types the algorithms move and reduce.
 enum class DType { Float32, Float64, BFloat16, Float16, Int32, Int64 };
@@ -70,6 +71,9 @@ struct OpContext {
   ScratchArena* scratch = nullptr;
   // The group's shared-memory path when all its ranks are on this host (shm.h).
   ShmChannel* shm = nullptr;
+  // The group's MPI communicator under the mpi backend (mpi.h); then ctx and
+  // shm are null and every op goes through it.
+  const MpiComm* mpi = nullptr;
 
   /// Phase of a multi-phase op (all_reduce: 0 reduce-scatter, 1 all-gather).
   uint32_t phase = 0;

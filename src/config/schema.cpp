@@ -196,6 +196,11 @@ void declare_distributed(std::vector<Key>& keys) {
       .key(ST_OPTION(find_unused_parameters),
            "`true`: parameters without a gradient in a step are reduced as zeros; `false`: such a "
            "parameter is an error that names it.")
+      .key(ST_OPTION(backend),
+           "What moves the bytes between ranks: `gloo` (our rings over TCP between hosts, shared "
+           "memory inside one), `mpi` (the MPI library of a job started by `mpirun` or `srun "
+           "--mpi=pmix`), `auto`: mpi when an MPI launcher started the job, else gloo. See "
+           "docs/multinode.md.")
       .key(ST_OPTION(threads_per_rank),
            in_range(0, kMaxThreadsPerRank,
                     str_cat("an integer in 0..", kMaxThreadsPerRank, "; 0: cores / local ranks")),

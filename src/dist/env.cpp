@@ -268,6 +268,13 @@ void from_mpi(const VarMap& vars, ClusterEnv& env, const Names& n) {
   const std::string context = show_vars(vars, {n.rank, n.world, n.local_rank, n.local_world});
   auto local_world = get_count(vars, n.local_world);
   set_placement(env, place(vars, n, context, local_world, n.local_world, false));
+  // A job a real MPI launcher started (PMIx) may run on the mpi backend,
+  // which needs no master: the gloo backend says so if it is left unknown.
+  if (env.num_nodes() > 1 && find_var(vars, "PMIX_RANK") && !find_var(vars, "MASTER_ADDR")) {
+    resolve_master(vars, env, "-", "");
+    env.master_addr.clear();
+    return;
+  }
   resolve_master(vars, env, "", "start it with mpirun -x MASTER_ADDR=<host of rank 0>");
 }
 

@@ -48,6 +48,15 @@ foreach(a single_x1 ddp_x2 zero1_x3 full_shard_x4 shard_grad_op_x2 hybrid_shard_
                        FIXTURES_SETUP ckpt_matrix_${a} ENVIRONMENT "${env}")
 endforeach()
 
+# Under mpirun (the mpi backend): saved into a directory of its own, then
+# loaded under mpirun too, by another strategy at another world size.
+foreach(a zero1_x3 full_shard_x4 hybrid_shard_2x2)
+  shardtrain_mpi_twin(dist.checkpoint.matrix.save.${a} ${ckpt_matrix_${a}_world}
+                      $<TARGET_FILE:dist_checkpoint_strategies_tests> --gtest_filter=Matrix.Save
+                      EXTRA_ENV SHARDTRAIN_MATRIX_DIR=${CKPT_MATRIX_DIR}/mpi/${a})
+  set_tests_properties(dist.checkpoint.matrix.save.${a}.mpi PROPERTIES FIXTURES_SETUP ckpt_matrix_mpi_${a})
+endforeach()
+
 # Saved by A, loaded by B. full_shard_x4 -> full_shard_x4 must continue bitwise.
 foreach(pair full_shard_x4:ddp_x2 ddp_x2:single_x1 single_x1:full_shard_x4
              shard_grad_op_x2:zero1_x3 zero1_x3:shard_grad_op_x2 full_shard_x4:full_shard_x4
@@ -61,4 +70,13 @@ foreach(pair full_shard_x4:ddp_x2 ddp_x2:single_x1 single_x1:full_shard_x4
                    $<TARGET_FILE:dist_checkpoint_strategies_tests> --gtest_filter=Matrix.Load)
   set_tests_properties(dist.checkpoint.matrix.${a}_to_${b} PROPERTIES TIMEOUT 120
                        FIXTURES_REQUIRED ckpt_matrix_${a} ENVIRONMENT "${env}")
+endforeach()
+foreach(pair full_shard_x4:ddp_x2 zero1_x3:shard_grad_op_x2 hybrid_shard_2x2:no_shard_x3)
+  string(REPLACE ":" ";" ab ${pair})
+  list(GET ab 0 a)
+  list(GET ab 1 b)
+  shardtrain_mpi_twin(dist.checkpoint.matrix.${a}_to_${b} ${ckpt_matrix_${b}_world}
+                      $<TARGET_FILE:dist_checkpoint_strategies_tests> --gtest_filter=Matrix.Load
+                      EXTRA_ENV SHARDTRAIN_MATRIX_DIR=${CKPT_MATRIX_DIR}/mpi/${a})
+  set_tests_properties(dist.checkpoint.matrix.${a}_to_${b}.mpi PROPERTIES FIXTURES_REQUIRED ckpt_matrix_mpi_${a})
 endforeach()

@@ -9,4 +9,7 @@ foreach(n 1 2 3)
   add_test(NAME dist.ddp.world${n}
            COMMAND ${SHARDTRAIN_CLI} launch --nproc-per-node ${n} -- $<TARGET_FILE:dist_ddp_tests>)
   set_tests_properties(dist.ddp.world${n} PROPERTIES TIMEOUT 600 ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=120")
+  if(n GREATER 1)
+    shardtrain_mpi_twin(dist.ddp.world${n} ${n} $<TARGET_FILE:dist_ddp_tests>)
+  endif()
 endforeach()

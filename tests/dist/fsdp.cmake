@@ -17,6 +17,9 @@ foreach(n 1 2 3 4)
            COMMAND ${SHARDTRAIN_CLI} launch --nproc-per-node ${n} -- $<TARGET_FILE:dist_fsdp_tests>
                    ${fsdp_filter_world${n}})
   set_tests_properties(dist.fsdp.world${n} PROPERTIES TIMEOUT 600 ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=120;OMP_NUM_THREADS=1")
+  if(n GREATER 1)
+    shardtrain_mpi_twin(dist.fsdp.world${n} ${n} $<TARGET_FILE:dist_fsdp_tests> ${fsdp_filter_world${n}})
+  endif()
 endforeach()
 add_test(NAME dist.fsdp.hybrid.two-nodes
          COMMAND ${CMAKE_CURRENT_LIST_DIR}/run_without_launcher.sh two-nodes 4 ${SHARDTRAIN_CLI}
@@ -30,3 +33,5 @@ add_test(NAME dist.fsdp.hybrid.world6
                  --gtest_filter=Sharded.HybridShardOnMeshesThatAreNotSquare)
 set_tests_properties(dist.fsdp.hybrid.world6 PROPERTIES TIMEOUT 300
                      ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=120;OMP_NUM_THREADS=1")
+shardtrain_mpi_twin(dist.fsdp.hybrid.world6 6 $<TARGET_FILE:dist_fsdp_tests>
+                    --gtest_filter=Sharded.HybridShardOnMeshesThatAreNotSquare)

@@ -12,3 +12,4 @@ foreach(q none nf4)
   set_tests_properties(dist.loading.full_shard_x2.${q} PROPERTIES TIMEOUT 600
                        ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=120;OMP_NUM_THREADS=1;SHARDTRAIN_LOADING_QUANTIZE=${q};SHARDTRAIN_LLAMA_REF=${CMAKE_SOURCE_DIR}/tests/reference/llama_ref.py")
 endforeach()
+shardtrain_mpi_twin(dist.loading.full_shard_x2.nf4 2 $<TARGET_FILE:test_sharded_loading>)

@@ -8,4 +8,7 @@ foreach(n 1 2 3)
            COMMAND ${SHARDTRAIN_CLI} launch --nproc-per-node ${n} -- $<TARGET_FILE:test_lora_parity>)
   set_tests_properties(dist.lora.parity.world${n} PROPERTIES TIMEOUT 600
                        ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=120;OMP_NUM_THREADS=1")
+  if(n GREATER 1)
+    shardtrain_mpi_twin(dist.lora.parity.world${n} ${n} $<TARGET_FILE:test_lora_parity>)
+  endif()
 endforeach()

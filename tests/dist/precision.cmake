@@ -10,4 +10,5 @@ foreach(n 2 3)
   add_test(NAME dist.precision.world${n}
            COMMAND ${SHARDTRAIN_CLI} launch --nproc-per-node ${n} -- $<TARGET_FILE:dist_precision_tests>)
   set_tests_properties(dist.precision.world${n} PROPERTIES TIMEOUT 300 ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=120")
+  shardtrain_mpi_twin(dist.precision.world${n} ${n} $<TARGET_FILE:dist_precision_tests>)
 endforeach()

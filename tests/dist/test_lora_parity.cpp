@@ -40,10 +40,7 @@ std::string corpus_file() {
 config::Config lora_config(const std::string& data, int64_t micro, const std::string& strategy,
                            LoraQuantize quantize) {
   config::Config c;
-  const char* port = std::getenv("MASTER_PORT");
-  c.run.dir = (fs::temp_directory_path() /
-               ("shardtrain_lora_run_" + std::string(port ? port : std::to_string(getpid()))))
-                  .string();
+  c.run.dir = (fs::temp_directory_path() / ("shardtrain_lora_run_" + ::shardtrain::testing::job_id())).string();
   c.model.n_layer = 2;
   c.model.n_head = 2;
   c.model.n_embd = 64;  // nf4 blocks of 64 along every input width

@@ -41,8 +41,7 @@ std::string corpus_file() {
 // every rank), named after the job's rendezvous port; every run of a test
 // lives under it, and remove_runs() deletes it at the test's end.
 fs::path runs_root() {
-  const char* port = std::getenv("MASTER_PORT");
-  return fs::temp_directory_path() / ("shardtrain_parity_" + std::string(port ? port : std::to_string(getpid())));
+  return fs::temp_directory_path() / ("shardtrain_parity_" + ::shardtrain::testing::job_id());
 }
 
 void remove_runs() {

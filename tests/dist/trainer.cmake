@@ -8,6 +8,9 @@ foreach(n 1 2 3)
            COMMAND ${SHARDTRAIN_CLI} launch --nproc-per-node ${n} -- $<TARGET_FILE:test_trainer_parity>)
   set_tests_properties(dist.trainer.parity.world${n} PROPERTIES TIMEOUT 600
                        ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=120")
+  if(n GREATER 1)
+    shardtrain_mpi_twin(dist.trainer.parity.world${n} ${n} $<TARGET_FILE:test_trainer_parity>)
+  endif()
 endforeach()
 
 add_test(NAME cli.train_default_job
@@ -58,3 +61,9 @@ set_tests_properties(cli.train_chaos_restarts PROPERTIES TIMEOUT 600 ENVIRONMENT
 add_test(NAME cli.silent_waits
          COMMAND ${CMAKE_CURRENT_LIST_DIR}/silent_waits.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
 set_tests_properties(cli.silent_waits PROPERTIES TIMEOUT 300)
+
+# `shardtrain train` under mpirun (the mpi backend): ddp, resumed as
+# full_shard at another world size, and two namespace hosts under one mpirun.
+add_test(NAME cli.train_mpirun
+         COMMAND ${CMAKE_CURRENT_LIST_DIR}/mpirun_train.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
+set_tests_properties(cli.train_mpirun PROPERTIES TIMEOUT 600)

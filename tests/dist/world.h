@@ -4,11 +4,16 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "shardtrain/comm/communicator.h"
 
 namespace shardtrain::testing {
 
 std::shared_ptr<comm::Communicator>& world_ptr();
+
+/// One name for this job, the same on every rank whatever started them (rank
+/// 0's process id): for paths that all ranks share.
+const std::string& job_id();
 
 }  // namespace shardtrain::testing

@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
+#include <ATen/ATen.h>
 #include <malloc.h>
+#include <unistd.h>
 
 #include <cstdio>
 
@@ -12,6 +14,12 @@ std::shared_ptr<comm::Communicator>& world_ptr() {
   static std::shared_ptr<comm::Communicator> world;
   return world;
 }
+
+namespace {
+std::string g_job_id;
+}  // namespace
+
+const std::string& job_id() { return g_job_id; }
 
 }  // namespace shardtrain::testing
 
@@ -30,6 +38,9 @@ int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   auto& world = shardtrain::testing::world_ptr();
   world = shardtrain::comm::Communicator::create(shardtrain::comm::CommOptions::from_env());
+  auto pid = at::full({1}, static_cast<int64_t>(getpid()), at::kLong);
+  world->broadcast(pid);
+  shardtrain::testing::g_job_id = std::to_string(pid.item<int64_t>());
   int rc = RUN_ALL_TESTS();
   const auto& run = *::testing::UnitTest::GetInstance();
   if (run.test_to_run_count() == 0) {

@@ -85,6 +85,7 @@ void expect_same(const Config& a, const Config& b) {
   EXPECT_EQ(a.distributed.first_bucket_mb(), b.distributed.first_bucket_mb());
   EXPECT_EQ(a.distributed.find_unused_parameters(), b.distributed.find_unused_parameters());
   EXPECT_EQ(a.distributed.threads_per_rank(), b.distributed.threads_per_rank());
+  EXPECT_EQ(a.distributed.backend(), b.distributed.backend());
   EXPECT_EQ(a.distributed.reduce_dtype(), b.distributed.reduce_dtype());
   EXPECT_EQ(a.distributed.param_dtype(), b.distributed.param_dtype());
   EXPECT_EQ(a.distributed.sharding(), b.distributed.sharding());
@@ -244,6 +245,7 @@ Config every_key_set() {
   c.distributed.first_bucket_mb(100.0);
   c.distributed.find_unused_parameters(true);
   c.distributed.threads_per_rank(2);
+  c.distributed.backend(shardtrain::comm::Backend::Mpi);
   c.distributed.reduce_dtype(DType::Bf16);
   c.distributed.param_dtype(DType::Fp16);
   c.distributed.sharding(Sharding::HybridShard);

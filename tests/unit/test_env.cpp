@@ -208,6 +208,18 @@ TEST(ClusterEnv, OpenMpiOneNodeDefaultsToLoopback) {
   EXPECT_EQ(env.master_port, 29500);
 }
 
+// Started by a real mpirun (PMIx) on several nodes: no master is needed by
+// the mpi backend, so none is made up; without PMIx it stays an error.
+TEST(ClusterEnv, OpenMpiUnderPmixOnSeveralNodesNeedsNoMaster) {
+  Vars vars{{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "4"},
+            {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}};
+  EXPECT_ERROR_NAMES(vars, "MASTER_ADDR");
+  vars["PMIX_RANK"] = "3";
+  const ClusterEnv env = ClusterEnv::from_variables(vars);
+  EXPECT_EQ(env.master_addr, "");
+  EXPECT_EQ(env.num_nodes(), 2);
+}
+
 TEST(ClusterEnv, OpenMpiBadInput) {
   EXPECT_ERROR_NAMES((Vars{{"OMPI_COMM_WORLD_RANK", "1"}}), "OMPI_COMM_WORLD_SIZE");
   EXPECT_ERROR_NAMES((Vars{{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "two"}}),

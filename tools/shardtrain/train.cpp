@@ -182,7 +182,9 @@ int train_main(int argc, char** argv) {
              " of a launched job; give them to the launcher instead");
   }
 
-  auto comm = comm::Communicator::create(comm::CommOptions::from_env());
+  comm::CommOptions comm_options = comm::CommOptions::from_env();
+  if (config.distributed.backend() != comm::Backend::Auto) comm_options.backend(config.distributed.backend());
+  auto comm = comm::Communicator::create(comm_options);
   ST_CHECK(config.distributed.strategy() != strategy::StrategyKind::Single || comm->size() == 1, ConfigError,
            "distributed.strategy 'single' runs one process, but WORLD_SIZE is ", comm->size(),
            "; use ddp or start one rank");

@@ -13,7 +13,9 @@
 //   all_reduce      ring reduce-scatter then ring all-gather, 2(n-1)/n
 //   broadcast       pipelined chain from the root
 // Large transfers are cut into segments (CommOptions::segment_bytes) so that
-// the reduction of one segment overlaps the transfer of the next.
+// the reduction of one segment overlaps the transfer of the next. That is the
+// gloo backend; under the mpi backend (Backend, src/comm/mpi.h) MPI's own
+// algorithms and transports run, with the same contract.
 //
 // Dtypes: float32, float64, bfloat16, float16, int32 and int64.
 // Low-precision accumulation: bfloat16 and float16 sums are computed in
@@ -36,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "shardtrain/core/enum_names.h"
 #include "shardtrain/core/options.h"
 
 namespace at {
@@ -48,6 +51,13 @@ namespace detail {
 class WorkState;
 class Group;
 }  // namespace detail
+
+/// What moves the bytes. Gloo: our rings over TCP between hosts, shared
+/// memory inside one. Mpi: the MPI library the job was started with
+/// (mpirun, srun --mpi=pmix), with its own transports. Auto: Mpi when an MPI
+/// launcher started this process, else Gloo. Chosen once, at create().
+enum class Backend { Auto, Gloo, Mpi };
+ST_ENUM_NAMES(Backend, {Backend::Auto, "auto"}, {Backend::Gloo, "gloo"}, {Backend::Mpi, "mpi"});
 
 /// Reduction applied by all_reduce and reduce_scatter.
 enum class ReduceOp { Sum, Avg, Max, Min };
@@ -125,8 +135,8 @@ struct CommOptions {
   /// SHARDTRAIN_SEGMENT_BYTES). Throws ConfigError on bad values.
   static CommOptions from_env();
 
-  /// Only "gloo" in this build.
-  ST_ARG(std::string, backend) = "gloo";
+  /// SHARDTRAIN_BACKEND: auto, gloo or mpi.
+  ST_ARG(Backend, backend) = Backend::Auto;
   /// "env://" (TCP store at master_addr:master_port, hosted by the launcher
   /// or by rank 0), or "file:///path/to/store" (a file every rank can reach).
   ST_ARG(std::string, init_method) = "env://";

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "shardtrain/comm/communicator.h"
 #include "shardtrain/core/options.h"
 #include "shardtrain/data/choices.h"
 #include "shardtrain/models/lora.h"
@@ -183,6 +184,9 @@ struct DistributedConfig : strategy::StrategyOptions {
   /// Memory per rank that strategy Auto may plan for, in MiB; 0 means this
   /// machine's MemAvailable divided by the local ranks.
   ST_ARG(double, memory_budget_mb) = 0.0;
+  /// What moves the bytes between ranks; auto: MPI under mpirun/srun, else
+  /// Gloo. Not auto: wins over SHARDTRAIN_BACKEND.
+  ST_ARG(comm::Backend, backend) = comm::Backend::Auto;
 };
 
 /// LoRA fine-tuning (models/lora.h): the adapter options, off while r is 0,

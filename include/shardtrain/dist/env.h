@@ -30,7 +30,10 @@
 //     MPI_LOCALRANKID / MPI_LOCALNRANKS) follow the torchrun defaults for the
 //     local values; node_rank is rank / local_world_size (by-slot mapping).
 //     Their variables do not name the first node, so on several nodes
-//     MASTER_ADDR must be set (mpirun -x MASTER_ADDR=host).
+//     MASTER_ADDR must be set (mpirun -x MASTER_ADDR=host), except when a
+//     real MPI launcher started the job (PMIX_RANK is set): master_addr is
+//     then left empty, since the mpi backend needs no master (the gloo
+//     backend refuses to start without one).
 //   - MASTER_PORT must be 1..65535; SHARDTRAIN_RESTART_COUNT a count >= 0.
 //   - All counts are whole decimal numbers; negative or non-numeric values
 //     are a ConfigError.
