@@ -602,7 +602,7 @@ std::string Communicator::endpoint() const {
   if (e.address.empty()) return {};
   return str_cat(e.iface, " ", e.address, " (", e.why, ")",
                  group_->shm ? "; collectives among the ranks of this host through shared memory" : "",
-                 group_->host_level ? str_cat("; all_reduce hierarchical: ", group_->host_level->size,
+                 group_->host_level ? str_cat("; hierarchical across hosts: ", group_->host_level->size,
                                               " ranks per host, one ring across hosts per local rank")
                                     : "");
 }
@@ -700,7 +700,9 @@ Work Communicator::reduce_scatter(const at::Tensor& input, const at::Tensor& out
       if (n > 0) std::memcpy(detail::bytes(output), detail::bytes(input), n * detail::element_size(dtype));
       return;
     }
-    if (oc.shm != nullptr) {
+    if (oc.host != nullptr) {
+      detail::hierarchical_reduce_scatter(oc, detail::bytes(input), detail::bytes(output), n, dtype, op);
+    } else if (oc.shm != nullptr) {
       oc.shm->reduce_scatter(oc, detail::bytes(input), detail::bytes(output), n, dtype, op);
     } else {
       detail::ring_reduce_scatter(oc, detail::bytes(input), detail::bytes(output), n, dtype, op);
@@ -720,6 +722,10 @@ Work Communicator::all_gather(const at::Tensor& input, const at::Tensor& output,
            size(), " ranks has ", mine.count, " (see shard_range)");
   return run_collective(*group_, "all_gather", options.timeout(), options.async(),
                         [input, output, dtype, mine](const detail::OpContext& oc) {
+    if (oc.host != nullptr) {
+      return detail::hierarchical_all_gather(oc, detail::bytes(input), detail::bytes(output),
+                                             output.numel(), dtype);
+    }
     const size_t es = detail::element_size(dtype);
     char* own = detail::bytes(output) + mine.offset * es;
     if (mine.count > 0 && own != detail::bytes(input))

@@ -165,4 +165,13 @@ bool hierarchical_from_env();
 void hierarchical_all_reduce(const OpContext& oc, void* buf, int64_t numel, DType dtype,
                              ReduceOp op);
 
+/// reduce_scatter and all_gather through oc.host and oc.cross, with the
+/// world's shard_range(numel, W, rank) split; `in` and `out` as in
+/// ring_reduce_scatter, and for all_gather `in` is this rank's shard and
+/// `out` the whole buffer. They use oc.scratch slots 0 and 1.
+void hierarchical_reduce_scatter(const OpContext& oc, const void* in, void* out, int64_t numel,
+                                 DType dtype, ReduceOp op);
+void hierarchical_all_gather(const OpContext& oc, const void* in, void* out, int64_t numel,
+                             DType dtype);
+
 }  // namespace shardtrain::comm::detail

@@ -1,4 +1,4 @@
-// Hierarchical all_reduce across hosts, run by every rank of a job spread over
+// Hierarchical collectives across hosts, run by every rank of a job spread over
 // two network-namespace hosts with k ranks on each (hierarchical.sh): parity
 // with the exact reduction and with the flat rings (SHARDTRAIN_HIERARCHICAL=0),
 // and the bytes that leave a host, read from its veth counters.
@@ -21,7 +21,7 @@ namespace {
 Communicator& world() { return *::shardtrain::testing::world_ptr(); }
 
 bool hierarchical(const Communicator& c) {
-  return c.endpoint().find("all_reduce hierarchical") != std::string::npos;
+  return c.endpoint().find("hierarchical across hosts") != std::string::npos;
 }
 
 // A group of every rank, made with SHARDTRAIN_HIERARCHICAL set to `value`.
@@ -97,6 +97,47 @@ TEST(Hierarchical, AllReduceMatchesTheExactReductionAndTheFlatRings) {
         const double err = (h.to(at::kDouble) - exact(numel, op, contribution)).abs().max().item<double>();
         EXPECT_LE(err, (dtype == at::kBFloat16 ? 1e-2 : 1e-6) * 64) << what;
       }
+    }
+  }
+}
+
+// reduce_scatter and all_gather keep the world's shard_range split.
+TEST(Hierarchical, ReduceScatterAndAllGatherMatchTheExactResultAndTheFlatRings) {
+  auto flat = all_ranks_with("0");
+  const int64_t n = world().size();
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    for (int64_t numel : {int64_t{0}, int64_t{1}, 5 * n + 1, int64_t{40009}}) {
+      const ShardRange mine = shard_range(numel, world().size(), world().rank());
+      for (auto op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max}) {
+        const std::string what = std::string(c10::toString(dtype)) + " n=" +
+                                 std::to_string(numel) + " " + to_string(op);
+        auto in = contribution(numel, world().rank(), dtype);
+        auto h = at::full({mine.count}, -1, dtype);
+        auto f = h.clone();
+        world().reduce_scatter(in, h, ReduceScatterOptions().op(op));
+        flat->reduce_scatter(in, f, ReduceScatterOptions().op(op));
+        EXPECT_TRUE(at::equal(h, f)) << "reduce_scatter " << what;
+        EXPECT_TRUE(at::equal(in, contribution(numel, world().rank(), dtype))) << what;
+        auto want = exact(numel, op, contribution).narrow(0, mine.offset, mine.count);
+        if (mine.count > 0) {
+          const double err = (h.to(at::kDouble) - want).abs().max().item<double>();
+          EXPECT_LE(err, (dtype == at::kBFloat16 ? 1e-2 : 1e-6) * 64) << "reduce_scatter " << what;
+        }
+      }
+      // Every rank's shard, from its own input (which may alias the output).
+      auto whole = contribution(numel, 0, dtype);
+      for (int r = 1; r < world().size(); ++r) {
+        const ShardRange s = shard_range(numel, world().size(), r);
+        whole.narrow(0, s.offset, s.count).copy_(contribution(numel, r, dtype).narrow(0, s.offset, s.count));
+      }
+      auto mine_in = contribution(numel, world().rank(), dtype).narrow(0, mine.offset, mine.count).clone();
+      auto h = at::full({numel}, -1, dtype);
+      world().all_gather(mine_in, h);
+      EXPECT_TRUE(at::equal(h, whole)) << "all_gather " << c10::toString(dtype) << " n=" << numel;
+      auto aliased = at::full({numel}, -1, dtype);
+      aliased.narrow(0, mine.offset, mine.count).copy_(mine_in);
+      world().all_gather(aliased.narrow(0, mine.offset, mine.count), aliased);
+      EXPECT_TRUE(at::equal(aliased, whole)) << "all_gather in place " << c10::toString(dtype) << " n=" << numel;
     }
   }
 }
