@@ -488,13 +488,14 @@ std::unique_ptr<Group> level_group(Group& parent, const std::vector<int>& member
 // levels (hierarchical.cpp), unless SHARDTRAIN_HIERARCHICAL=0. Every rank
 // calls it; they first agree that the variable is set alike everywhere.
 void open_levels(Group& g) {
+  const bool wanted = hierarchical_from_env();  // a bad value is refused on every layout
   if (g.size < 2 || g.shm) return;  // one rank, or every rank on this host
   const std::optional<Levels> levels = plan_levels(g.global_ranks, g.rank, g.ranks_per_node);
   if (!levels) return;
   OpContext oc = g.op_context("hierarchical setup", 0, g.timeout);
   oc.phase = 6;  // slots of its own: never those of a numbered op
   std::vector<int64_t> on(static_cast<size_t>(g.size), 0);
-  on[g.rank] = hierarchical_from_env() ? 1 : 0;
+  on[g.rank] = wanted ? 1 : 0;
   ring_all_gather(oc, on.data(), g.size, DType::Int64);
   ST_CHECK(std::all_of(on.begin(), on.end(), [&](int64_t v) { return v == on[0]; }), ConfigError,
            "SHARDTRAIN_HIERARCHICAL differs between the ranks of group '", g.name,
