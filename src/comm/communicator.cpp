@@ -210,6 +210,10 @@ class Group {
   std::unique_ptr<ShmChannel> shm;
   // Under the mpi backend, every op instead (kv, ctx and shm stay null).
   std::unique_ptr<MpiComm> mpi;
+  // all_reduce's two levels when the group spans hosts with k > 1 ranks on
+  // each (open_levels, hierarchical.cpp); null for flat rings. They have no
+  // thread of their own: this group's worker runs their part of each op.
+  std::unique_ptr<Group> host_level, cross_level;
   // Declared last: destroyed first, so queued ops finish while the rest lives.
   std::unique_ptr<Worker> p2p_worker;
   std::unique_ptr<Worker> worker;
@@ -259,6 +263,10 @@ class Group {
     oc.scratch = &scratch;
     oc.shm = shm.get();
     oc.mpi = mpi.get();
+    if (host_level) {
+      oc.host = std::make_shared<OpContext>(host_level->op_context(op, seq_no, op_timeout));
+      oc.cross = std::make_shared<OpContext>(cross_level->op_context(op, seq_no, op_timeout));
+    }
     return oc;
   }
 };
@@ -452,6 +460,56 @@ std::shared_ptr<gloo::rendezvous::Context> connect(gloo::rendezvous::Store& stor
   return ctx;
 }
 
+// A level of `parent` for hierarchical collectives: the listed group ranks,
+// connected under the parent's store prefix + "/" + tag, no thread of its own.
+std::unique_ptr<Group> level_group(Group& parent, const std::vector<int>& members,
+                                   const std::string& tag) {
+  auto group = std::make_unique<Group>();
+  group->rank = static_cast<int>(std::find(members.begin(), members.end(), parent.rank) - members.begin());
+  group->size = static_cast<int>(members.size());
+  group->global_ranks.clear();
+  std::string list;
+  for (int r : members) {
+    group->global_ranks.push_back(parent.global_ranks[r]);
+    list += (list.empty() ? "" : ",") + std::to_string(parent.global_ranks[r]);
+  }
+  group->name = str_cat(parent.name, "/", tag, "[", list, "]");
+  group->timeout = parent.timeout;
+  group->segment_bytes = parent.segment_bytes;
+  group->kv = parent.kv;
+  group->store = parent.store;
+  group->round = parent.round;
+  group->device = parent.device;
+  group->endpoint = parent.endpoint;
+  group->ranks_per_node = parent.ranks_per_node;
+  group->store_prefix = str_cat(parent.store_prefix, "/", tag);
+  group->ctx = connect(*group->store, group->store_prefix, group->device, group->rank, group->size,
+                       group->timeout, group->name);
+  group->shm = ShmChannel::open(group->op_context("shared-memory setup", 0, group->timeout));
+  return group;
+}
+
+// Gives a group spread over several hosts with k > 1 ranks on each its two
+// levels (hierarchical.cpp), unless SHARDTRAIN_HIERARCHICAL=0. Every rank
+// calls it; they first agree that the variable is set alike everywhere.
+void open_levels(Group& g) {
+  const bool wanted = hierarchical_from_env();  // a bad value is refused on every layout
+  if (g.size < 2 || g.shm) return;  // one rank, or every rank on this host
+  const std::optional<Levels> levels = plan_levels(g.global_ranks, g.rank, g.ranks_per_node);
+  if (!levels) return;
+  OpContext oc = g.op_context("hierarchical setup", 0, g.timeout);
+  oc.phase = 6;  // slots of its own: never those of a numbered op
+  std::vector<int64_t> on(static_cast<size_t>(g.size), 0);
+  on[g.rank] = wanted ? 1 : 0;
+  ring_all_gather(oc, on.data(), g.size, DType::Int64);
+  ST_CHECK(std::all_of(on.begin(), on.end(), [&](int64_t v) { return v == on[0]; }), ConfigError,
+           "SHARDTRAIN_HIERARCHICAL differs between the ranks of group '", g.name,
+           "'; set it alike on every rank (or unset it everywhere)");
+  if (on[0] == 0) return;
+  g.host_level = level_group(g, levels->host, str_cat("host", levels->host_index));
+  g.cross_level = level_group(g, levels->cross, str_cat("cross", levels->local_index));
+}
+
 }  // namespace
 }  // namespace detail
 
@@ -544,6 +602,7 @@ std::shared_ptr<Communicator> Communicator::create(const CommOptions& options) {
     group->ctx = detail::connect(*group->store, group->store_prefix, group->device, group->rank,
                                  group->size, group->timeout, group->name);
     group->shm = detail::ShmChannel::open(group->op_context("shared-memory setup", 0, group->timeout));
+    detail::open_levels(*group);
     group->worker = std::make_unique<detail::Worker>();
   }
   return std::shared_ptr<Communicator>(new Communicator(std::move(group)));
@@ -561,7 +620,10 @@ std::string Communicator::endpoint() const {
   const auto& e = group_->endpoint;
   if (e.address.empty()) return {};
   return str_cat(e.iface, " ", e.address, " (", e.why, ")",
-                 group_->shm ? "; collectives among the ranks of this host through shared memory" : "");
+                 group_->shm ? "; collectives among the ranks of this host through shared memory" : "",
+                 group_->host_level ? str_cat("; hierarchical across hosts: ", group_->host_level->size,
+                                              " ranks per host, one ring across hosts per local rank")
+                                    : "");
 }
 double Communicator::busy_seconds() const { return static_cast<double>(group_->busy_ns.load()) * 1e-9; }
 
@@ -631,6 +693,7 @@ Work Communicator::all_reduce(const at::Tensor& tensor, const AllReduceOptions& 
       oc.mpi->all_reduce(oc, buf, n, dtype, op);
       return;
     }
+    if (oc.host != nullptr) return detail::hierarchical_all_reduce(oc, buf, n, dtype, op);
     const ShardRange mine = shard_range(n, oc.size, oc.rank);
     char* mine_ptr = buf + mine.offset * detail::element_size(dtype);
     if (oc.shm != nullptr) {
@@ -666,6 +729,8 @@ Work Communicator::reduce_scatter(const at::Tensor& input, const at::Tensor& out
     }
     if (oc.mpi != nullptr) {
       oc.mpi->reduce_scatter(oc, detail::bytes(input), detail::bytes(output), n, dtype, op);
+    } else if (oc.host != nullptr) {
+      detail::hierarchical_reduce_scatter(oc, detail::bytes(input), detail::bytes(output), n, dtype, op);
     } else if (oc.shm != nullptr) {
       oc.shm->reduce_scatter(oc, detail::bytes(input), detail::bytes(output), n, dtype, op);
     } else {
@@ -686,6 +751,10 @@ Work Communicator::all_gather(const at::Tensor& input, const at::Tensor& output,
            size(), " ranks has ", mine.count, " (see shard_range)");
   return run_collective(*group_, "all_gather", options.timeout(), options.async(),
                         [input, output, dtype, mine](const detail::OpContext& oc) {
+    if (oc.host != nullptr) {
+      return detail::hierarchical_all_gather(oc, detail::bytes(input), detail::bytes(output),
+                                             output.numel(), dtype);
+    }
     const size_t es = detail::element_size(dtype);
     char* own = detail::bytes(output) + mine.offset * es;
     if (mine.count > 0 && own != detail::bytes(input))
@@ -845,6 +914,7 @@ std::shared_ptr<Communicator> Communicator::new_group(std::vector<int> ranks) {
     group->ctx = detail::connect(*group->store, group->store_prefix, group->device, group->rank,
                                  group->size, group->timeout, group->name);
     group->shm = detail::ShmChannel::open(group->op_context("shared-memory setup", 0, group->timeout));
+    detail::open_levels(*group);
     group->worker = std::make_unique<detail::Worker>();
   }
   return std::shared_ptr<Communicator>(new Communicator(std::move(group)));

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <exception>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -78,6 +79,11 @@ struct OpContext {
   /// Phase of a multi-phase op (all_reduce: 0 reduce-scatter, 1 all-gather).
   uint32_t phase = 0;
 
+  /// The same op on this rank's two levels when the group's all_reduce goes
+  /// hierarchically (hierarchical.cpp): the ranks of this host, and the
+  /// ranks with this rank's local index on every host. Null when flat.
+  std::shared_ptr<const OpContext> host, cross;
+
   /// Slot for step `step` of this op's current phase; distinct per op and
   /// phase, so a message can only ever match the receive it was meant for.
   uint64_t slot(uint32_t step) const {
@@ -125,9 +131,10 @@ void reduce(void* dst, const void* a, const void* b, int64_t n, DType dtype,
 void divide(void* dst, const void* a, int64_t n, DType dtype, int divisor);
 
 /// Ring reduce-scatter: `out` (count of this rank's shard) receives the
-/// reduction of every rank's shard_range of `in` (numel elements).
+/// reduction of every rank's shard_range of `in` (numel elements). Avg
+/// divides by `avg_divisor`, or by the ring's size when it is 0.
 void ring_reduce_scatter(const OpContext& oc, const void* in, void* out, int64_t numel,
-                         DType dtype, ReduceOp op);
+                         DType dtype, ReduceOp op, int avg_divisor = 0);
 
 /// Ring all-gather in place: `buf` (numel elements) holds this rank's shard at
 /// its shard_range; on return it holds every rank's shard.
@@ -135,5 +142,40 @@ void ring_all_gather(const OpContext& oc, void* buf, int64_t numel, DType dtype)
 
 /// Pipelined chain broadcast from group rank `root` along root, root+1, ...
 void chain_broadcast(const OpContext& oc, void* buf, int64_t numel, DType dtype, int root);
+
+/// The two levels of a hierarchical group, as group ranks in group-rank
+/// order: `host` the ranks on this rank's host, `cross` the ranks with this
+/// rank's local index on every host.
+struct Levels {
+  std::vector<int> host, cross;
+  int host_index = 0;   // this rank's host among the group's hosts
+  int local_index = 0;  // this rank among its host's ranks
+};
+
+/// The levels of a group whose ranks (`global_ranks`, node = global /
+/// ranks_per_node) sit on several hosts with the same k > 1 ranks on each;
+/// nullopt for any other layout (one host, one rank per host, uneven hosts,
+/// ranks_per_node 0).
+std::optional<Levels> plan_levels(const std::vector<int>& global_ranks, int rank,
+                                  int ranks_per_node);
+
+/// Whether SHARDTRAIN_HIERARCHICAL allows hierarchical collectives: unset,
+/// empty or "1" yes, "0" no; ConfigError otherwise.
+bool hierarchical_from_env();
+
+/// All-reduce in place through oc.host and oc.cross: reduce-scatter inside
+/// the host, ring all-reduce of this rank's piece across hosts, all-gather
+/// inside the host.
+void hierarchical_all_reduce(const OpContext& oc, void* buf, int64_t numel, DType dtype,
+                             ReduceOp op);
+
+/// reduce_scatter and all_gather through oc.host and oc.cross, with the
+/// world's shard_range(numel, W, rank) split; `in` and `out` as in
+/// ring_reduce_scatter, and for all_gather `in` is this rank's shard and
+/// `out` the whole buffer. They use oc.scratch slots 0 and 1.
+void hierarchical_reduce_scatter(const OpContext& oc, const void* in, void* out, int64_t numel,
+                                 DType dtype, ReduceOp op);
+void hierarchical_all_gather(const OpContext& oc, const void* in, void* out, int64_t numel,
+                             DType dtype);
 
 }  // namespace shardtrain::comm::detail

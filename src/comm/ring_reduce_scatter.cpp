@@ -17,7 +17,7 @@
 namespace shardtrain::comm::detail {
 
 void ring_reduce_scatter(const OpContext& oc, const void* in, void* out, int64_t numel,
-                         DType dtype, ReduceOp op) {
+                         DType dtype, ReduceOp op, int avg_divisor) {
   const int n = oc.size;
   const int r = oc.rank;
   const int right = (r + 1) % n;
@@ -80,7 +80,7 @@ void ring_reduce_scatter(const OpContext& oc, const void* in, void* out, int64_t
     // The partial sums written now overwrite what step s-2 sent from here.
     if (!last) drain(*stage_ub[b], pending_stage_sends[b]);
     char* dst = last ? static_cast<char*>(out) : stage[b];
-    const int divisor = (last && op == ReduceOp::Avg) ? n : 0;
+    const int divisor = (last && op == ReduceOp::Avg) ? (avg_divisor > 0 ? avg_divisor : n) : 0;
     for (int64_t off = 0; off < c.count; off += seg) {
       const int64_t len = std::min(seg, c.count - off);
       oc.wait_recv(*incoming_ub[b], left);

@@ -12,6 +12,12 @@
 //   all_gather      ring, each rank sends (n-1)/n of the buffer
 //   all_reduce      ring reduce-scatter then ring all-gather, 2(n-1)/n
 //   broadcast       pipelined chain from the root
+// A group whose ranks all share this host runs the first three through
+// shared memory. A group over several hosts with k > 1 ranks on each runs
+// them hierarchically: shared memory inside each host, then one ring per
+// local rank index between hosts (each host sends 2(H-1)/H of the buffer
+// instead of 2(W-1)/W, over all k ranks' connections), then shared memory
+// again; SHARDTRAIN_HIERARCHICAL=0 keeps flat rings (docs/multinode.md).
 // Large transfers are cut into segments (CommOptions::segment_bytes) so that
 // the reduction of one segment overlaps the transfer of the next. That is the
 // gloo backend; under the mpi backend (Backend, src/comm/mpi.h) MPI's own
@@ -20,9 +26,11 @@
 // Dtypes: float32, float64, bfloat16, float16, int32 and int64.
 // Low-precision accumulation: bfloat16 and float16 sums are computed in
 // float32 at each ring hop and rounded back to the tensor's dtype once per
-// hop, so a reduction over n ranks rounds n-1 times (as NCCL does). Avg
-// divides the float32 value by n before the final rounding. Reduce in
-// float32 (a reduce_dtype upstream) when that rounding matters.
+// hop, so a reduction over n ranks rounds n-1 times; the hierarchical path
+// rounds k-1 times inside a host and H-1 times between hosts, fewer. Avg
+// divides the float32 value by n (the whole group's size) before the final
+// rounding, once. Reduce in float32 (a reduce_dtype upstream) when that
+// rounding matters.
 //
 // Errors: a collective that times out or loses a peer throws CommError (a
 // TimeoutError for deadlines) from Work::wait(), naming the op, its sequence
