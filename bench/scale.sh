@@ -23,7 +23,9 @@
 # Environment: BUILD_DIR (default build), CLI (default BUILD_DIR/shardtrain),
 # HOSTS (default 8), PPN (default 8), WRITE (default 1: write the table into
 # BENCHMARKS.md between <!-- scale:begin --> and <!-- scale:end -->; 0: print
-# only), LOAD_NOTE (what else ran on the machine, for the table). Needs about
+# only), LOAD_NOTE (what else ran on the machine, for the table), PHASES
+# (default "floor start resume lost"; the floor is every process of the job
+# only loading the program, all at once: what start-up cannot beat). Needs about
 # 180 MB per rank (12 GB at 64 ranks).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -33,6 +35,9 @@ HOSTS=${HOSTS:-8}
 PPN=${PPN:-8}
 WRITE=${WRITE:-1}
 LOAD_NOTE=${LOAD_NOTE:-}
+PHASES=${PHASES:-"floor start resume lost"}
+want() { [[ " $PHASES " == *" $1 "* ]]; }
+floor=nan startup=nan store_conns=- launcher_threads=- launcher_rss=- pieces=- ckpt_mb=- resume_s=nan restart_s=nan
 WORLD=$((HOSTS * PPN))
 cli=$(readlink -f "$CLI")
 [ "$(id -u)" = 0 ] || { echo "bench/scale.sh: needs root (it creates network namespaces)" >&2; exit 1; }
@@ -46,6 +51,7 @@ out=$(mktemp -d)
 source tests/dist/netns_hosts.sh
 HOST_NS=()
 trap 'hosts_down; rm -rf "$out"' EXIT
+trap 'exit 1' INT TERM  # so a timeout or ^C still runs the clean-up above
 hosts_up_n "sts$$" "10.$((100 + $$ % 50)).$(($$ % 250))." "$HOSTS"
 master=${HOST_ADDR[0]}
 port=$((30000 + $$ % 1000))
@@ -92,8 +98,23 @@ sample_host0() {
 }
 has_line() { grep -q "$2" "$1/metrics.jsonl" 2>/dev/null; }
 
+# 0. The floor: every process of the job (HOSTS launchers, WORLD ranks) only
+# loading the program and LibTorch, all at once, nothing else.
+if want floor; then
+t0=$(now)
+floor_pids=()
+for ((i = 0; i < WORLD + HOSTS; i++)); do
+  OMP_NUM_THREADS=1 "$cli" --help >/dev/null 2>&1 &
+  floor_pids+=($!)
+done
+for p in "${floor_pids[@]}"; do wait "$p" || fail "shardtrain --help failed"; done
+floor=$(since "$t0" "$(now)")
+echo "floor: ${floor}s for $((WORLD + HOSTS)) processes to load at once"
+fi
+
 # 1. Start-up, one hybrid_shard step, the checkpoint.
 run="$out/run"
+if want start; then
 echo "0 0 0" >"$out/host0"
 port=$((port + 1))
 t0=$(now)
@@ -115,8 +136,10 @@ ckpt=$(ls -d "$run"/checkpoints/step-* | tail -n 1)
 pieces=$(ls "$ckpt" | grep -c "^rank-" || true)
 ckpt_mb=$(du -sm "$ckpt" | cut -f1)
 echo "store: $store_conns connections; host 0's launcher: $launcher_threads threads, ${launcher_rss} MB; checkpoint: $pieces pieces"
+fi
 
 # 2. Resume at world 3 on host 0 alone.
+if want start && want resume; then
 t0=$(now)
 ip netns exec "${HOST_NS[0]}" env OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 "$cli" train --nproc-per-node 3 \
   "${common[@]}" --set trainer.max_steps=4 --set checkpoint.resume=auto --set run.dir="$run" \
@@ -126,9 +149,11 @@ resume_s=$(since "$t0" "$(now)")
 [ "$(grep '"world_size": 3,' "$run/metrics.jsonl" | sed -n 's/.*"step": *\([0-9]*\),.*/\1/p' | tr '\n' ' ')" = "4 " ] ||
   fail "the world-3 run did not continue from the checkpoint of step 3"
 echo "resume at world 3: ${resume_s}s for the whole run (load + one step + save)"
+fi
 
 # 3. A lost host, brought back.
 lost="$out/lost"
+if want lost; then
 port=$((port + 1))
 start_all lost --max-restarts 1 --set trainer.max_steps=100000 --set checkpoint.every_n_steps=2 --set run.dir="$lost"
 until has_line "$lost" '"step": 3,'; do
@@ -149,8 +174,11 @@ restart_s=$(since "$t_kill" "$(now)")
 echo "lost host $victim: ${restart_s}s from the kill to the next first step"
 for ((node = 0; node < HOSTS; node++)); do hosts_kill "$node"; done
 wait 2>/dev/null || true
+fi
 
-python3 - "$run/metrics.jsonl" "$lost/metrics.jsonl" >"$out/steps.json" <<'PY'
+want start || cp "$lost/metrics.jsonl" "$run.metrics.jsonl"
+want start && cp "$run/metrics.jsonl" "$run.metrics.jsonl"
+python3 - "$run.metrics.jsonl" >"$out/steps.json" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
 first = [r for r in rows if r["world_size"] != 3]
@@ -163,12 +191,12 @@ cat "$out/steps.json"
 
 CPU=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n1)
 python3 - "$out/steps.json" "$CPU" "$HOSTS" "$PPN" "$startup" "$store_conns" "$launcher_threads" "$launcher_rss" \
-  "$pieces" "$ckpt_mb" "$resume_s" "$restart_s" "$LOAD_BEFORE" "$LOAD_NOTE" "$WRITE" <<'PY'
+  "$pieces" "$ckpt_mb" "$resume_s" "$restart_s" "$LOAD_BEFORE" "$LOAD_NOTE" "$WRITE" "$floor" <<'PY'
 import datetime, json, os, sys
 sys.path.insert(0, "bench")
 import benchlib
 (steps, cpu, hosts, ppn, startup, conns, threads, lrss, pieces, ckpt_mb, resume_s, restart_s,
- load, note, write) = sys.argv[1:16]
+ load, note, write, floor) = sys.argv[1:17]
 s = json.load(open(steps))
 world = int(hosts) * int(ppn)
 now = datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC")
@@ -184,6 +212,7 @@ lines = ["<!-- scale:begin -->", "", f"## {world} ranks over {hosts} hosts", "",
          f"global batch {world * 3}; fsdp hybrid_shard ({ppn}-way shards inside a host, {hosts} replicas).",
          "", "| measure | value | goal |", "|---|---:|---|",
          f"| start-up: launch to the first metrics line | {float(startup):.1f} s | < 30 s: {goal(startup, 30)} |",
+         f"| floor: {world + int(hosts)} processes only loading shardtrain and LibTorch, all at once | {float(floor):.1f} s | |",
          f"| store: connections to host 0's store (peak) | {conns} | |",
          f"| host 0's launcher: threads / RSS (peak) | {threads} / {lrss} MB | |",
          f"| rank 0 peak RSS (largest rank) | {s['rank0_rss_mb']:.0f} MB ({s['max_rss_mb']:.0f} MB) | |",
