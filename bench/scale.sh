@@ -172,7 +172,7 @@ until has_line "$lost" '"restarts": 1'; do
 done
 restart_s=$(since "$t_kill" "$(now)")
 echo "lost host $victim: ${restart_s}s from the kill to the next first step"
-for ((node = 0; node < HOSTS; node++)); do hosts_kill "$node"; done
+for ((node = 0; node < HOSTS; node++)); do hosts_kill "$node"; done 2>/dev/null
 wait 2>/dev/null || true
 fi
 
@@ -200,7 +200,7 @@ import benchlib
 s = json.load(open(steps))
 world = int(hosts) * int(ppn)
 now = datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC")
-goal = lambda v, bar: "met" if float(v) < bar else "**not met**"
+goal = lambda v, bar: "not measured" if v == "nan" else "met" if float(v) < bar else "**not met**"
 lines = ["<!-- scale:begin -->", "", f"## {world} ranks over {hosts} hosts", "",
          f"- Run: {now}; `nproc` = {os.cpu_count()} ({cpu}); load average before the run {load}"
          + (f"; {note}" if note else "") + ".",
