@@ -25,7 +25,7 @@ NODE_PACKAGES := nodejs npm
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all deps bench-deps configure build test mutants train bench-comm bench-train bench-sharding bench-multinode bench-precision bench-checkpoint bench-lora bench-tokenize bench-llama bench-finetune bench-loading bench-first-step install clean
+.PHONY: all deps bench-deps configure build test mutants train bench-comm bench-train bench-sharding bench-multinode bench-scale bench-precision bench-checkpoint bench-lora bench-tokenize bench-llama bench-finetune bench-loading bench-first-step install clean
 
 all: build
 
@@ -97,6 +97,10 @@ bench-sharding: build bench-deps
 # Two network-namespace hosts over a shaped link (needs root).
 bench-multinode: build
 	bash bench/multinode.sh
+
+# 64 ranks over 8 network-namespace hosts, a tiny model (needs root, ~12 GB).
+bench-scale: build
+	bash bench/scale.sh
 
 bench-precision: build
 	bash bench/precision.sh

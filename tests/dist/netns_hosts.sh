@@ -1,13 +1,24 @@
-# Two "hosts" for multi-host tests and benchmarks: Linux network namespaces
-# joined by a veth pair. Sourced, not run; needs root.
+# "Hosts" for multi-host tests and benchmarks: Linux network namespaces.
+# Sourced, not run; needs root.
 #
-#   hosts_up TAG NET      namespaces TAG-a and TAG-b; veth TAG-0 (in TAG-a,
-#                         address ${NET}1/24) and TAG-1 (in TAG-b, ${NET}2/24);
-#                         sets HOST_NS=(TAG-a TAG-b), HOST_DEV=(TAG-0 TAG-1)
-#                         and HOST_ADDR=(${NET}1 ${NET}2), indexed by node.
+#   hosts_up TAG NET      two hosts joined by a veth pair: namespaces TAG-a
+#                         and TAG-b; veth TAG-0 (in TAG-a, address ${NET}1/24)
+#                         and TAG-1 (in TAG-b, ${NET}2/24); sets
+#                         HOST_NS=(TAG-a TAG-b), HOST_DEV=(TAG-0 TAG-1) and
+#                         HOST_ADDR=(${NET}1 ${NET}2), indexed by node.
+#   hosts_up_n TAG NET N  N hosts (2..200) on one bridge: namespaces TAG-h0
+#                         .. TAG-h(N-1), each with veth TAG-K (address
+#                         ${NET}(K+1)/24) whose peer sits in the bridge's own
+#                         namespace TAG-br, so every host reaches every other
+#                         and nothing touches the root namespace. Sets the
+#                         same arrays, N entries each.
 #   hosts_kill NODE       SIGKILLs every process in that node's namespace.
-#   hosts_down            kills everything in both and deletes them (the veth
-#                         pair goes with them); safe to call more than once.
+#   hosts_down            kills everything in every host and deletes the
+#                         namespaces (the veths and the bridge go with them);
+#                         safe to call more than once, and after a set-up that
+#                         failed half-way.
+#
+# Device names are at most 15 characters: keep TAG to 9 or fewer.
 
 hosts_up() {
   local tag=$1 net=$2 node
@@ -24,15 +35,42 @@ hosts_up() {
   done
 }
 
+hosts_up_n() {
+  local tag=$1 net=$2 n=$3 node
+  [ "$n" -ge 2 ] && [ "$n" -le 200 ] || { echo "hosts_up_n: N must be 2..200, got $n" >&2; return 2; }
+  HOST_NS=() HOST_DEV=() HOST_ADDR=()
+  HOST_BRIDGE_NS="$tag-br"
+  ip netns add "$HOST_BRIDGE_NS"
+  ip -n "$HOST_BRIDGE_NS" link add br0 type bridge
+  ip -n "$HOST_BRIDGE_NS" link set br0 up
+  for ((node = 0; node < n; node++)); do
+    HOST_NS+=("$tag-h$node")
+    HOST_DEV+=("$tag-$node")
+    HOST_ADDR+=("${net}$((node + 1))")
+    ip netns add "${HOST_NS[node]}"
+    # The host's end is made inside the bridge namespace, then moved out.
+    ip -n "$HOST_BRIDGE_NS" link add "p$node" type veth peer name "${HOST_DEV[node]}"
+    ip -n "$HOST_BRIDGE_NS" link set "${HOST_DEV[node]}" netns "${HOST_NS[node]}"
+    ip -n "$HOST_BRIDGE_NS" link set "p$node" master br0
+    ip -n "$HOST_BRIDGE_NS" link set "p$node" up
+    ip -n "${HOST_NS[node]}" addr add "${HOST_ADDR[node]}/24" dev "${HOST_DEV[node]}"
+    ip -n "${HOST_NS[node]}" link set lo up
+    ip -n "${HOST_NS[node]}" link set "${HOST_DEV[node]}" up
+  done
+}
+
 hosts_kill() {
   ip netns pids "${HOST_NS[$1]}" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
 }
 
 hosts_down() {
   local node
-  for node in 0 1; do
+  for node in "${!HOST_NS[@]}"; do
     [ -n "${HOST_NS[node]:-}" ] || continue
     hosts_kill "$node"
     ip netns del "${HOST_NS[node]}" 2>/dev/null || true
   done
+  if [ -n "${HOST_BRIDGE_NS:-}" ]; then
+    ip netns del "$HOST_BRIDGE_NS" 2>/dev/null || true
+  fi
 }

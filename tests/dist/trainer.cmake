@@ -51,6 +51,11 @@ set_tests_properties(cli.train_two_hosts PROPERTIES TIMEOUT 600 SKIP_RETURN_CODE
 add_test(NAME cli.train_two_hosts_chaos
          COMMAND ${CMAKE_CURRENT_LIST_DIR}/two_hosts_chaos.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
 set_tests_properties(cli.train_two_hosts_chaos PROPERTIES TIMEOUT 600 SKIP_RETURN_CODE 77 RUN_SERIAL TRUE)
+# Four namespace hosts on one bridge x 2 ranks (the slim `make bench-scale`):
+# hybrid_shard matches the single process, and a lost host comes back.
+add_test(NAME cli.train_many_hosts
+         COMMAND ${CMAKE_CURRENT_LIST_DIR}/many_hosts.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
+set_tests_properties(cli.train_many_hosts PROPERTIES TIMEOUT 300 SKIP_RETURN_CODE 77 RUN_SERIAL TRUE)
 
 # A rank SIGKILLed three times under --max-restarts 3: the run resumes each
 # time and ends bit-identical to an uninterrupted one.
