@@ -30,7 +30,7 @@
 #include "comm/kv_store.h"
 #include "comm/store.h"
 #include "shardtrain/core/error.h"
-#include "shardtrain/dist/env.h"
+#include "shardtrain/launch/env.h"
 
 namespace shardtrain::comm {
 

@@ -11,7 +11,7 @@
 
 #include "shardtrain/core/deferred.h"
 #include "shardtrain/core/error.h"
-#include "shardtrain/dist/env.h"
+#include "shardtrain/launch/env.h"
 #include "shardtrain/strategy/unit.h"
 #include "shardtrain/strategy/wrap.h"
 #include "strategy/detail.h"

@@ -13,7 +13,7 @@
 #include <sstream>
 
 #include "core/file.h"
-#include "dist/progress.h"
+#include "launch/progress.h"
 #include "shardtrain/core/error.h"
 
 namespace shardtrain::train {

@@ -7,7 +7,7 @@
 
 #include "shardtrain/core/error.h"
 #include "shardtrain/data/lm_data.h"
-#include "shardtrain/dist/env.h"
+#include "shardtrain/launch/env.h"
 #include "shardtrain/models/causal_lm.h"
 #include "shardtrain/models/family.h"
 #include "shardtrain/models/gpt.h"

@@ -19,7 +19,7 @@
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/core/blas.h"
 #include "shardtrain/core/error.h"
-#include "shardtrain/dist/env.h"
+#include "shardtrain/launch/env.h"
 #include "shardtrain/precision/precision.h"
 #include "shardtrain/strategy/estimate.h"
 #include "shardtrain/strategy/strategy.h"

@@ -5,7 +5,7 @@
 
 #include <cstdio>
 
-#include "shardtrain/dist/launcher.h"
+#include "shardtrain/launch/launcher.h"
 #include "world.h"
 
 namespace shardtrain::testing {

@@ -11,7 +11,7 @@
 #include "comm/detail.h"
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/core/error.h"
-#include "shardtrain/dist/launcher.h"
+#include "shardtrain/launch/launcher.h"
 
 using namespace shardtrain;
 using namespace shardtrain::comm;

@@ -5,7 +5,7 @@
 #include <string>
 
 #include "shardtrain/core/error.h"
-#include "shardtrain/dist/env.h"
+#include "shardtrain/launch/env.h"
 
 namespace {
 

@@ -1,8 +1,8 @@
 // Runs the real `shardtrain launch` as a subprocess with launch_probe as its
 // rank program, and checks exit codes, prefixed output, restarts and signals.
 #include <gtest/gtest.h>
-#include "shardtrain/dist/launcher.h"
-#include "dist/progress.h"
+#include "shardtrain/launch/launcher.h"
+#include "launch/progress.h"
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>

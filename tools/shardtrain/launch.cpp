@@ -11,7 +11,7 @@
 #include "commands.h"
 #include "launch_flags.h"
 #include "shardtrain/core/error.h"
-#include "shardtrain/dist/launcher.h"
+#include "shardtrain/launch/launcher.h"
 
 namespace shardtrain::cli {
 namespace {

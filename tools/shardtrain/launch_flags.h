@@ -4,7 +4,7 @@
 
 #include <string>
 
-#include "shardtrain/dist/launcher.h"
+#include "shardtrain/launch/launcher.h"
 
 namespace shardtrain::cli {
 

@@ -12,7 +12,7 @@
 
 #include "commands.h"
 #include "shardtrain/core/error.h"
-#include "shardtrain/dist/launcher.h"
+#include "shardtrain/launch/launcher.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-#include "shardtrain/dist/env.h"
+#include "shardtrain/launch/env.h"
 
 #include <cctype>
 #include <cstring>

@@ -1,4 +1,4 @@
-#include "shardtrain/dist/launcher.h"
+#include "shardtrain/launch/launcher.h"
 
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "comm/kv_store.h"
-#include "dist/progress.h"
+#include "launch/progress.h"
 #include "shardtrain/core/error.h"
 
 extern char** environ;

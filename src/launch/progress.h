@@ -5,7 +5,7 @@
 // other line (any rank's, and its own) scrolls above it.
 //
 // Internal to the library (src/): train/callbacks.cpp writes the lines,
-// dist/launcher.cpp reads them.
+// launch/launcher.cpp reads them.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-#include "dist/progress.h"
+#include "launch/progress.h"
 
 #include <sys/ioctl.h>
 #include <unistd.h>
