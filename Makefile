@@ -17,6 +17,9 @@ DEB_PACKAGES := build-essential cmake ninja-build ccache pkg-config \
 	libprotobuf-dev protobuf-compiler chromium \
 	libpcre2-dev libutf8proc-dev libsentencepiece-dev python3-torch \
 	libopenmpi-dev openmpi-bin
+# CLI11 (header-only) parses the flags of every command of the tool and the
+# benchmark programs; the library itself does not use it.
+DEB_PACKAGES += libcli11-dev
 # Node runs the tokenizer parity test's independent implementation (npm
 # packages installed into the build tree at test time). Installed only when
 # npm is missing: NodeSource's nodejs, where present, ships npm and conflicts

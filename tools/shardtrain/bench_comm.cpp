@@ -12,10 +12,12 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "commands.h"
+#include "flags.h"
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/core/error.h"
 
@@ -50,32 +52,23 @@ int64_t parse_bytes(const std::string& text) {
   else if (suffix == "M" || suffix == "MB") scale = 1 << 20;
   else if (suffix == "G" || suffix == "GB") scale = 1 << 30;
   else ST_CHECK(suffix.empty(), ConfigError, "--bytes '", text, "' is not a size like 4096, 1K, 64M");
-  ST_CHECK(end != text.c_str() && value >= 0, ConfigError, "--bytes '", text,
+  ST_CHECK(end != text.c_str() && value >= 0 && value * scale <= 1e12, ConfigError, "--bytes '", text,
            "' is not a size like 4096, 1K, 64M");
   return static_cast<int64_t>(value * scale);
 }
 
-BenchArgs parse(int argc, char** argv) {
+// The arguments, or nothing when --help was asked.
+std::optional<BenchArgs> parse(int argc, char** argv) {
   BenchArgs a;
-  for (int i = 1; i < argc; ++i) {
-    std::string flag = argv[i];
-    std::string value;
-    const auto eq = flag.find('=');
-    if (eq != std::string::npos) {
-      value = flag.substr(eq + 1);
-      flag = flag.substr(0, eq);
-    } else {
-      ST_CHECK(i + 1 < argc, ConfigError, flag, " needs a value");
-      value = argv[++i];
-    }
-    if (flag == "--op") a.op = value;
-    else if (flag == "--bytes") a.bytes = parse_bytes(value);
-    else if (flag == "--dtype") a.dtype = value;
-    else if (flag == "--iters") a.iters = std::stoi(value);
-    else if (flag == "--warmup") a.warmup = std::stoi(value);
-    else if (flag == "--json") a.json = value;
-    else ST_CHECK(false, ConfigError, "unknown option '", flag, "'; see --help");
-  }
+  CLI::App app;
+  setup_app(app);
+  add_text(app, "--op", a.op);
+  app.add_option_function<std::string>("--bytes", [&a](const std::string& v) { a.bytes = parse_bytes(v); });
+  add_text(app, "--dtype", a.dtype);
+  add_int(app, "--iters", a.iters, 1, 1000000000, "a count >= 1");
+  add_int(app, "--warmup", a.warmup, 0, 1000000000, "a count >= 0");
+  add_text(app, "--json", a.json);
+  if (parse_flags(app, argc, argv, "bench-comm", "unknown option")) return std::nullopt;
   ST_CHECK(a.op == "all_reduce" || a.op == "reduce_scatter" || a.op == "all_gather" ||
                a.op == "broadcast",
            ConfigError, "--op '", a.op, "' is not one of all_reduce, reduce_scatter, all_gather, broadcast");
@@ -94,13 +87,12 @@ at::ScalarType scalar_type(const std::string& name) {
 }  // namespace
 
 int bench_comm_main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h")) {
-      print_help();
-      return 0;
-    }
+  const std::optional<BenchArgs> parsed = parse(argc, argv);
+  if (!parsed) {
+    print_help();
+    return 0;
   }
-  const BenchArgs args = parse(argc, argv);
+  const BenchArgs& args = *parsed;
   auto comm = comm::Communicator::create(comm::CommOptions::from_env());
   const int n = comm->size();
   const at::ScalarType dtype = scalar_type(args.dtype);

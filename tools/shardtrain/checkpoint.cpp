@@ -11,6 +11,7 @@
 
 #include "core/json.h"
 #include "commands.h"
+#include "flags.h"
 #include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/checkpoint/safetensors.h"
 #include "shardtrain/core/error.h"
@@ -181,27 +182,18 @@ int checkpoint_main(int argc, char** argv) {
     std::fputs(kUsage, argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;
   }
-  const std::string action = argv[1];
-  std::string dir, out;
+  std::string action, dir, out;
   bool verify = true, transpose = true;
-  for (int i = 2; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
-      std::fputs(kUsage, stdout);
-      return 0;
-    } else if (a == "--no-verify") {
-      verify = false;
-    } else if (a == "--no-transpose") {
-      transpose = false;
-    } else if (a == "--out") {
-      ST_CHECK(i + 1 < argc, ConfigError, "--out needs a file name");
-      out = argv[++i];
-    } else if (!a.empty() && a[0] == '-') {
-      ST_CHECK(false, ConfigError, "unknown option '", a, "'; see shardtrain checkpoint --help");
-    } else {
-      ST_CHECK(dir.empty(), ConfigError, "one directory only, got '", dir, "' and '", a, "'");
-      dir = a;
-    }
+  CLI::App app;
+  setup_app(app);
+  app.add_option("action", action);
+  app.add_option("dir", dir);
+  add_text(app, "--out", out);
+  app.add_flag_callback("--no-verify", [&] { verify = false; });
+  app.add_flag_callback("--no-transpose", [&] { transpose = false; });
+  if (parse_flags(app, argc, argv, "checkpoint", "unknown option")) {
+    std::fputs(kUsage, stdout);
+    return 0;
   }
   ST_CHECK(!dir.empty(), ConfigError, "shardtrain checkpoint ", action,
            " needs a directory; see shardtrain checkpoint --help");

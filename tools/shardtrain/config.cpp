@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "flags.h"
 #include "shardtrain/config/config.h"
 #include "shardtrain/config/schema.h"
 #include "shardtrain/core/error.h"
@@ -54,29 +55,20 @@ int docs(const std::string& path, bool check) {
 }  // namespace
 
 int config_main(int argc, char** argv) {
-  std::string path;
+  std::string path, docs_file, check_file;
   std::vector<std::string> overrides;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    const auto value = [&]() -> std::string {
-      ST_CHECK(i + 1 < argc, ConfigError, arg, " needs a value; see shardtrain config --help");
-      return argv[++i];
-    };
-    if (arg == "--help" || arg == "-h") {
-      std::fputs(kUsage, stdout);
-      return 0;
-    } else if (arg == "--docs" || arg == "--check-docs") {
-      return docs(value(), arg == "--check-docs");
-    } else if (arg == "--set") {
-      overrides.push_back(value());
-    } else if (arg.rfind("--set=", 0) == 0) {
-      overrides.push_back(arg.substr(6));
-    } else if (!arg.empty() && arg[0] != '-' && path.empty()) {
-      path = arg;
-    } else {
-      ST_CHECK(false, ConfigError, "unexpected argument '", arg, "'; see shardtrain config --help");
-    }
+  CLI::App app;
+  setup_app(app);
+  app.add_option("config", path);
+  add_list(app, "--set", overrides);
+  add_text(app, "--docs", docs_file);
+  add_text(app, "--check-docs", check_file);
+  if (parse_flags(app, argc, argv, "config")) {
+    std::fputs(kUsage, stdout);
+    return 0;
   }
+  if (!check_file.empty()) return docs(check_file, /*check=*/true);
+  if (!docs_file.empty()) return docs(docs_file, /*check=*/false);
   const config::Config c = path.empty() ? config::Config::parse("", overrides, "<defaults>")
                                         : config::Config::load(path, overrides);
   std::fputs(c.to_yaml().c_str(), stdout);

@@ -8,11 +8,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "commands.h"
+#include "flags.h"
 #include "shardtrain/config/config.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/family.h"
@@ -45,38 +47,20 @@ struct EstimateArgs {
   int nnodes = 1;
 };
 
-EstimateArgs parse(int argc, char** argv) {
+// The arguments, or nothing when --help was asked.
+std::optional<EstimateArgs> parse(int argc, char** argv) {
   EstimateArgs a;
-  bool have_config = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    const auto value = [&](const std::string& flag) -> std::string {
-      if (arg.rfind(flag + "=", 0) == 0) return arg.substr(flag.size() + 1);
-      ST_CHECK(i + 1 < argc, ConfigError, flag, " needs a value; see shardtrain estimate --help");
-      return argv[++i];
-    };
-    const auto count = [](const std::string& flag, const std::string& v) {
-      char* end = nullptr;
-      const long n = std::strtol(v.c_str(), &end, 10);
-      ST_CHECK(!v.empty() && *end == '\0' && n >= 1 && n <= 1 << 20, ConfigError, flag, " '", v,
-               "' is not a count in 1..", 1 << 20);
-      return static_cast<int>(n);
-    };
-    if (arg == "--set" || arg.rfind("--set=", 0) == 0) {
-      a.overrides.push_back(value("--set"));
-    } else if (arg == "--nproc-per-node" || arg.rfind("--nproc-per-node=", 0) == 0) {
-      const std::string v = value("--nproc-per-node");
-      a.nproc = v == "auto" ? 0 : count("--nproc-per-node", v);
-    } else if (arg == "--nnodes" || arg.rfind("--nnodes=", 0) == 0) {
-      a.nnodes = count("--nnodes", value("--nnodes"));
-    } else if (!arg.empty() && arg[0] != '-' && !have_config) {
-      a.config = arg;
-      have_config = true;
-    } else {
-      ST_CHECK(false, ConfigError, "unexpected argument '", arg,
-               "'; see shardtrain estimate --help");
-    }
-  }
+  CLI::App app;
+  setup_app(app);
+  app.add_option("config", a.config);
+  add_list(app, "--set", a.overrides);
+  app.add_option_function<std::string>("--nproc-per-node", [&a](const std::string& v) {
+    a.nproc = v == "auto" ? 0
+                          : static_cast<int>(parse_int("--nproc-per-node", v, 1, 1 << 20,
+                                                       "a count >= 1 or 'auto'"));
+  });
+  add_int(app, "--nnodes", a.nnodes, 1, 1 << 20, "a count >= 1");
+  if (parse_flags(app, argc, argv, "estimate")) return std::nullopt;
   return a;
 }
 
@@ -146,13 +130,12 @@ std::string join(const std::vector<std::string>& items, const char* sep) {
 }  // namespace
 
 int estimate_main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h")) {
-      std::fputs(kUsage, stdout);
-      return 0;
-    }
+  const std::optional<EstimateArgs> parsed = parse(argc, argv);
+  if (!parsed) {
+    std::fputs(kUsage, stdout);
+    return 0;
   }
-  const EstimateArgs args = parse(argc, argv);
+  const EstimateArgs& args = *parsed;
   config::Config config = config::Config::load(args.config, args.overrides);
   // As the trainer will: `auto` becomes what this machine would run.
   const precision::ResolvedPrecision resolved =

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -14,6 +15,7 @@
 
 #include "core/json.h"
 #include "commands.h"
+#include "flags.h"
 #include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/checkpoint/safetensors.h"
 #include "shardtrain/config/config.h"
@@ -205,38 +207,33 @@ int generate_main(int argc, char** argv) {
   bool chat = false;
   models::GenerateOptions options;
   options.top_k(40);
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "--help" || flag == "-h") {
-      std::fputs(kUsage, stdout);
-      return 0;
-    }
-    if (flag == "--no-cache") {
-      options.use_cache(false);
-      continue;
-    }
-    if (flag == "--chat") {
-      chat = true;
-      continue;
-    }
-    ST_CHECK(i + 1 < argc, ConfigError, flag, " needs a value; see shardtrain generate --help");
-    const std::string value = argv[++i];
-    if (flag == "--checkpoint") checkpoint = value;
-    else if (flag == "--prompt") prompt = value;
-    else if (flag == "--tokenizer") tokenizer_spec = value;
-    else if (flag == "--system") system = value;
-    else if (flag == "--chat-template") chat_template = value;
-    else if (flag == "--max-new-tokens") options.max_new_tokens(parse_int(flag, value));
-    else if (flag == "--temperature") options.temperature(parse_double(flag, value));
-    else if (flag == "--top-k") options.top_k(parse_int(flag, value));
-    else if (flag == "--top-p") options.top_p(parse_double(flag, value));
-    else if (flag == "--seed") options.seed(static_cast<uint64_t>(parse_int(flag, value)));
-    else if (flag == "--stop") {
-      std::vector<int64_t> stop;
-      std::stringstream list(value);
-      for (std::string item; std::getline(list, item, ',');) stop.push_back(parse_int(flag, item));
-      options.stop_tokens(stop);
-    } else ST_CHECK(false, ConfigError, "unknown option '", flag, "'; see shardtrain generate --help");
+  CLI::App app;
+  setup_app(app);
+  using Value = const std::string&;
+  const auto number = [&app](const char* flag, std::function<void(Value)> apply) {
+    app.add_option_function<std::string>(flag, std::move(apply));
+  };
+  add_text(app, "--checkpoint", checkpoint);
+  add_text(app, "--prompt", prompt);
+  add_text(app, "--tokenizer", tokenizer_spec);
+  add_text(app, "--system", system);
+  add_text(app, "--chat-template", chat_template);
+  number("--max-new-tokens", [&](Value v) { options.max_new_tokens(parse_int("--max-new-tokens", v)); });
+  number("--temperature", [&](Value v) { options.temperature(parse_double("--temperature", v)); });
+  number("--top-k", [&](Value v) { options.top_k(parse_int("--top-k", v)); });
+  number("--top-p", [&](Value v) { options.top_p(parse_double("--top-p", v)); });
+  number("--seed", [&](Value v) { options.seed(static_cast<uint64_t>(parse_int("--seed", v))); });
+  number("--stop", [&](Value v) {
+    std::vector<int64_t> stop;
+    std::stringstream list(v);
+    for (std::string item; std::getline(list, item, ',');) stop.push_back(parse_int("--stop", item));
+    options.stop_tokens(stop);
+  });
+  app.add_flag_callback("--no-cache", [&] { options.use_cache(false); });
+  app.add_flag("--chat", chat);
+  if (parse_flags(app, argc, argv, "generate", "unknown option")) {
+    std::fputs(kUsage, stdout);
+    return 0;
   }
   ST_CHECK(!checkpoint.empty(), ConfigError, "--checkpoint PATH is required");
   ST_CHECK(options.max_new_tokens() >= 0, ConfigError, "--max-new-tokens must be >= 0");

@@ -3,12 +3,12 @@
 // which main() turns into exit code 2.
 #include <unistd.h>
 
-#include <cerrno>
 #include <cstdio>
-#include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "commands.h"
+#include "flags.h"
 #include "launch_flags.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/launch/launcher.h"
@@ -38,24 +38,27 @@ const char kUsage[] =
 
 int launch_main(int argc, char** argv) {
   dist::LaunchOptions options;
-  int i = 1;
-  for (; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "--") {
-      ++i;
-      break;
-    }
-    if (arg == "-h" || arg == "--help") {
-      std::printf(kUsage, kLaunchFlagsUsage);
-      return 0;
-    }
-    // The first word that is not an option starts the program, as in torchrun.
-    if (arg.size() < 2 || arg[0] != '-') break;
-
-    ST_CHECK(launch_flag(argc, argv, i, options) != nullptr, ConfigError, "unknown option '", arg,
-             "'; allowed: ", launch_flag_names(), ", --help, then '--' and the program");
+  // Options end at '--' or at the first word that is not an option, which
+  // starts the program, as in torchrun.
+  int end = 1;
+  while (end < argc && std::string(argv[end]) != "--") ++end;
+  CLI::App app;
+  setup_app(app);
+  app.prefix_command();
+  add_launch_flags(app, options);
+  if (parse_flags(app, end, argv, "launch")) {
+    std::printf(kUsage, kLaunchFlagsUsage);
+    return 0;
   }
-  for (; i < argc; ++i) options.command().emplace_back(argv[i]);
+  const std::vector<std::string> rest = app.remaining();
+  if (!rest.empty()) {
+    const std::string& first = rest.front();
+    ST_CHECK(first.size() < 2 || first[0] != '-', ConfigError, "unknown option '", first,
+             "'; allowed: ", launch_flag_names(), ", --help, then '--' and the program");
+    options.command(rest);
+    if (end < argc) options.command().emplace_back("--");  // the program's own
+  }
+  for (int i = end + 1; i < argc; ++i) options.command().emplace_back(argv[i]);
   ST_CHECK(!options.command().empty(), ConfigError,
            "no program given; usage: shardtrain launch --nproc-per-node N -- PROGRAM [ARGS...]");
   check_launch_flags(options);

@@ -2,8 +2,7 @@
 
 #include <unistd.h>
 
-#include <cerrno>
-#include <cstdlib>
+#include <functional>
 #include <string>
 
 #include "shardtrain/core/error.h"
@@ -25,114 +24,64 @@ const char kLaunchFlagsUsage[] =
 
 namespace {
 
-// A whole decimal number within [lo, hi], or a ConfigError naming the flag.
-int parse_int(const std::string& flag, const std::string& value, long lo, long hi,
-              const char* allowed) {
-  errno = 0;
-  char* end = nullptr;
-  const long v = std::strtol(value.c_str(), &end, 10);
-  const bool ok = !value.empty() && end && *end == '\0' && errno == 0 && v >= lo && v <= hi &&
-                  value.find_first_of(" \t+") == std::string::npos;
-  ST_CHECK(ok, ConfigError, "invalid value '", value, "' for ", flag, "; expected ", allowed, " (",
-           lo, "..", hi, ")");
-  return static_cast<int>(v);
-}
-
-double parse_seconds(const std::string& flag, const std::string& value) {
-  errno = 0;
-  char* end = nullptr;
-  const double v = std::strtod(value.c_str(), &end);
-  ST_CHECK(!value.empty() && end && *end == '\0' && errno == 0 && v >= 0 && v <= 3600,
-           ConfigError, "invalid value '", value, "' for ", flag,
-           "; expected seconds between 0 and 3600, e.g. 3 or 0.5");
-  return v;
-}
-
 int online_cpus() {
   const long n = ::sysconf(_SC_NPROCESSORS_ONLN);
   return n > 0 ? static_cast<int>(n) : 1;
 }
 
-}  // namespace
+const char* const kNames[] = {"--nproc-per-node", "--nnodes",       "--node-rank",
+                              "--master-addr",    "--master-port",  "--max-restarts",
+                              "--stop-grace",     "--tail-lines"};
 
-namespace {
-
-using Apply = void (*)(const std::string& flag, const std::string& value, dist::LaunchOptions& o);
-
-struct Flag {
-  const char* name;
-  Apply apply;
-};
-
-const Flag kFlags[] = {
-    {"--nproc-per-node",
-     [](const std::string& flag, const std::string& value, dist::LaunchOptions& o) {
-       o.nproc_per_node(value == "auto" ? online_cpus()
-                                        : parse_int(flag, value, 1, 65536, "a count >= 1 or 'auto'"));
-     }},
-    {"--nnodes",
-     [](const std::string& flag, const std::string& value, dist::LaunchOptions& o) {
-       o.nnodes(parse_int(flag, value, 1, 65536, "a count >= 1"));
-     }},
-    {"--node-rank",
-     [](const std::string& flag, const std::string& value, dist::LaunchOptions& o) {
-       o.node_rank(parse_int(flag, value, 0, 65535, "a node index >= 0"));
-     }},
-    {"--master-addr",
-     [](const std::string& flag, const std::string& value, dist::LaunchOptions& o) {
-       ST_CHECK(!value.empty(), ConfigError, "invalid value '' for ", flag,
-                "; expected a host name or address");
-       o.master_addr(value);
-     }},
-    {"--master-port",
-     [](const std::string& flag, const std::string& value, dist::LaunchOptions& o) {
-       o.master_port(parse_int(flag, value, 1, 65535, "a TCP port 1..65535"));
-     }},
-    {"--max-restarts",
-     [](const std::string& flag, const std::string& value, dist::LaunchOptions& o) {
-       o.max_restarts(parse_int(flag, value, 0, 1000000, "a count >= 0"));
-     }},
-    {"--stop-grace",
-     [](const std::string& flag, const std::string& value, dist::LaunchOptions& o) {
-       o.stop_grace_s(parse_seconds(flag, value));
-     }},
-    {"--tail-lines",
-     [](const std::string& flag, const std::string& value, dist::LaunchOptions& o) {
-       o.tail_lines(parse_int(flag, value, 0, 100000, "a count >= 0"));
-     }},
-};
+// "--nnodes" and torchrun's "--nnodes" spelled with underscores.
+std::string spellings(const std::string& name) {
+  std::string underscored = name.substr(2);
+  for (char& c : underscored) {
+    if (c == '-') c = '_';
+  }
+  return underscored == name.substr(2) ? name : name + ",--" + underscored;
+}
 
 }  // namespace
 
 std::string launch_flag_names() {
   std::string names;
-  for (const Flag& f : kFlags) names += (names.empty() ? "" : ", ") + std::string(f.name);
+  for (const char* f : kNames) names += (names.empty() ? "" : ", ") + std::string(f);
   return names;
 }
 
-const char* launch_flag(int argc, char** argv, int& i, dist::LaunchOptions& options) {
-  const std::string arg = argv[i];
-  std::string flag = arg, value;
-  bool has_value = false;
-  const size_t eq = arg.find('=');
-  if (arg.compare(0, 2, "--") == 0 && eq != std::string::npos) {
-    flag = arg.substr(0, eq);
-    value = arg.substr(eq + 1);
-    has_value = true;
-  }
-  for (char& c : flag) {
-    if (c == '_') c = '-';  // torchrun's spellings
-  }
-  for (const Flag& f : kFlags) {
-    if (flag != f.name) continue;
-    if (!has_value) {
-      ST_CHECK(i + 1 < argc, ConfigError, flag, " needs a value; see --help");
-      value = argv[++i];
-    }
-    f.apply(flag, value, options);
-    return f.name;
-  }
-  return nullptr;
+void add_launch_flags(CLI::App& app, dist::LaunchOptions& o, int* nproc) {
+  using Value = const std::string&;
+  const auto add = [&app](const char* name, std::function<void(Value)> apply) {
+    app.add_option_function<std::string>(spellings(name), std::move(apply));
+  };
+  add("--nproc-per-node", [&o, nproc](Value v) {
+    o.nproc_per_node(v == "auto" ? online_cpus()
+                                 : static_cast<int>(parse_int("--nproc-per-node", v, 1, 65536,
+                                                              "a count >= 1 or 'auto'")));
+    if (nproc != nullptr) *nproc = o.nproc_per_node();
+  });
+  add("--nnodes", [&o](Value v) {
+    o.nnodes(static_cast<int>(parse_int("--nnodes", v, 1, 65536, "a count >= 1")));
+  });
+  add("--node-rank", [&o](Value v) {
+    o.node_rank(static_cast<int>(parse_int("--node-rank", v, 0, 65535, "a node index >= 0")));
+  });
+  add("--master-addr", [&o](Value v) {
+    ST_CHECK(!v.empty(), ConfigError, "invalid value '' for --master-addr",
+             "; expected a host name or address");
+    o.master_addr(v);
+  });
+  add("--master-port", [&o](Value v) {
+    o.master_port(static_cast<int>(parse_int("--master-port", v, 1, 65535, "a TCP port 1..65535")));
+  });
+  add("--max-restarts", [&o](Value v) {
+    o.max_restarts(static_cast<int>(parse_int("--max-restarts", v, 0, 1000000, "a count >= 0")));
+  });
+  add("--stop-grace", [&o](Value v) { o.stop_grace_s(parse_seconds("--stop-grace", v)); });
+  add("--tail-lines", [&o](Value v) {
+    o.tail_lines(static_cast<int>(parse_int("--tail-lines", v, 0, 100000, "a count >= 0")));
+  });
 }
 
 void check_launch_flags(const dist::LaunchOptions& options) {

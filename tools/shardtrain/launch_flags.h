@@ -4,22 +4,22 @@
 
 #include <string>
 
+#include "flags.h"
+
 #include "shardtrain/launch/launcher.h"
 
 namespace shardtrain::cli {
 
-/// The flags launch_flag() knows, comma-separated, for "allowed:" lists in errors.
+/// The launcher's flags, comma-separated, for "allowed:" lists in errors.
 std::string launch_flag_names();
 
 /// Usage lines describing those flags (for --help texts).
 extern const char kLaunchFlagsUsage[];
 
-/// When argv[i] is one of the launcher's flags (as `--flag value` or
-/// `--flag=value`; torchrun's underscore spellings too), applies it to
-/// `options`, leaves `i` on its last word and returns the flag's name as
-/// launch_flag_names() spells it; null for any other word. A bad value is a
-/// ConfigError naming the flag.
-const char* launch_flag(int argc, char** argv, int& i, dist::LaunchOptions& options);
+/// Adds the launcher's flags to `app` (also with torchrun's underscore
+/// spellings); a given flag sets its field of `options` and, for
+/// --nproc-per-node, `nproc`. A bad value is a ConfigError naming the flag.
+void add_launch_flags(CLI::App& app, dist::LaunchOptions& options, int* nproc = nullptr);
 
 /// The checks between flags: node rank below the node count, and a master
 /// address and port for a job of several nodes. ConfigError otherwise.

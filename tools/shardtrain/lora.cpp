@@ -4,6 +4,7 @@
 #include <string>
 
 #include "commands.h"
+#include "flags.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/lora_peft.h"
 
@@ -28,17 +29,19 @@ int lora_main(int argc, char** argv) {
     std::fputs(kUsage, argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;
   }
-  const std::string action = argv[1];
+  std::string action, base, adapter, out;
+  CLI::App app;
+  setup_app(app);
+  app.add_option("action", action);
+  add_text(app, "--base", base);
+  add_text(app, "--adapter", adapter);
+  add_text(app, "--out", out);
+  if (parse_flags(app, argc, argv, "lora", "unknown option")) {
+    std::fputs(kUsage, stdout);
+    return 0;
+  }
   ST_CHECK(action == "merge", ConfigError, "unknown action '", action,
            "'; see shardtrain lora --help");
-  std::string base, adapter, out;
-  for (int i = 2; i < argc; ++i) {
-    const std::string a = argv[i];
-    std::string* target = a == "--base" ? &base : a == "--adapter" ? &adapter : a == "--out" ? &out : nullptr;
-    ST_CHECK(target != nullptr, ConfigError, "unknown option '", a, "'; see shardtrain lora --help");
-    ST_CHECK(i + 1 < argc, ConfigError, a, " needs a value; see shardtrain lora --help");
-    *target = argv[++i];
-  }
   ST_CHECK(!base.empty() && !adapter.empty() && !out.empty(), ConfigError,
            "shardtrain lora merge needs --base, --adapter and --out; see shardtrain lora --help");
   const int64_t layers = models::merge_peft_adapter(base, adapter, out);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "flags.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/train/report.h"
 
@@ -28,23 +29,14 @@ const char kUsage[] =
 int report_main(int argc, char** argv) {
   std::vector<std::string> dirs;
   std::string out;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
-      std::printf("%s", kUsage);
-      return 0;
-    }
-    if (arg == "--out") {
-      ST_CHECK(i + 1 < argc, ConfigError, "--out needs a file name; see shardtrain report --help");
-      out = argv[++i];
-    } else if (arg.rfind("--out=", 0) == 0) {
-      out = arg.substr(6);
-    } else if (!arg.empty() && arg[0] == '-') {
-      ST_CHECK(false, ConfigError, "unexpected option '", arg,
-               "'; allowed: RUN_DIR..., --out FILE.html; see shardtrain report --help");
-    } else {
-      dirs.push_back(arg);
-    }
+  CLI::App app;
+  setup_app(app);
+  app.add_option("dirs", dirs)->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  add_text(app, "--out", out);
+  if (parse_flags(app, argc, argv, "report", "unexpected option",
+                  "allowed: RUN_DIR..., --out FILE.html; see shardtrain report --help")) {
+    std::printf("%s", kUsage);
+    return 0;
   }
   ST_CHECK(!dirs.empty(), ConfigError,
            "no run directory given; usage: shardtrain report RUN_DIR [RUN_DIR ...] [--out FILE.html]");

@@ -18,6 +18,7 @@
 
 #include "core/json.h"
 #include "commands.h"
+#include "flags.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/data/tokenizer.h"
 #include "shardtrain/data/tokens.h"
@@ -58,39 +59,20 @@ struct Options {
 
 Options parse(int argc, char** argv) {
   Options o;
-  auto value = [&](int& i, const std::string& flag) -> std::string {
-    ST_CHECK(i + 1 < argc, ConfigError, flag, " needs a value; see shardtrain tokenize --help");
-    return argv[++i];
-  };
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
-      o.help = true;
-      return o;
-    } else if (arg == "--tokenizer") {
-      o.tokenizer = value(i, arg);
-    } else if (arg == "--out") {
-      o.out = value(i, arg);
-    } else if (arg == "--threads") {
-      const std::string v = value(i, arg);
-      try {
-        o.threads = std::stoi(v);
-      } catch (const std::exception&) {
-        o.threads = -1;
-      }
-      ST_CHECK(o.threads > 0, ConfigError, "--threads ", v, " must be a positive integer; see shardtrain tokenize --help");
-    } else if (arg == "--no-eos") {
-      o.eos = false;
-    } else if (arg == "--add-special-tokens") {
-      o.add_special = true;
-    } else if (arg == "--quiet") {
-      o.quiet = true;
-    } else if (!arg.empty() && arg[0] == '-') {
-      ST_CHECK(false, ConfigError, "unexpected option '", arg,
-               "'; allowed: --tokenizer, --out, --threads, --add-special-tokens, --no-eos, --quiet; see shardtrain tokenize --help");
-    } else {
-      o.inputs.push_back(arg);
-    }
+  CLI::App app;
+  setup_app(app);
+  add_text(app, "--tokenizer", o.tokenizer);
+  add_text(app, "--out", o.out);
+  add_int(app, "--threads", o.threads, 1, 65536, "a positive count of threads");
+  app.add_flag_callback("--no-eos", [&o] { o.eos = false; });
+  app.add_flag("--add-special-tokens", o.add_special);
+  app.add_flag("--quiet", o.quiet);
+  app.add_option("inputs", o.inputs)->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  if (parse_flags(app, argc, argv, "tokenize", "unexpected option",
+                  "allowed: --tokenizer, --out, --threads, --add-special-tokens, --no-eos, --quiet; "
+                  "see shardtrain tokenize --help")) {
+    o.help = true;
+    return o;
   }
   ST_CHECK(!o.tokenizer.empty(), ConfigError, "no --tokenizer given; hint: --tokenizer path/to/tokenizer.json (or bytes)");
   ST_CHECK(!o.out.empty(), ConfigError, "no --out given; hint: --out data/train.bin");

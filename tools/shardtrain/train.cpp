@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -58,27 +59,23 @@ struct TrainArgs {
   bool launch_flags = false;  // any launcher flag given
 };
 
-TrainArgs parse(int argc, char** argv) {
+// The arguments, or nothing when --help was asked.
+std::optional<TrainArgs> parse(int argc, char** argv) {
   TrainArgs a;
-  bool have_config = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--set" || arg.rfind("--set=", 0) == 0) {
-      if (arg == "--set") {
-        ST_CHECK(i + 1 < argc, ConfigError, "--set needs a value; see shardtrain train --help");
-        a.overrides.push_back(argv[++i]);
-      } else {
-        a.overrides.push_back(arg.substr(6));
-      }
-    } else if (const char* flag = launch_flag(argc, argv, i, a.launch)) {
+  CLI::App app;
+  setup_app(app);
+  add_list(app, "--set", a.overrides);
+  add_launch_flags(app, a.launch, &a.nproc);
+  app.add_option("config", a.config);
+  if (parse_flags(app, argc, argv, "train", "unexpected argument",
+                  "allowed: CONFIG, --set, " + launch_flag_names() +
+                      "; see shardtrain train --help")) {
+    return std::nullopt;
+  }
+  for (const CLI::Option* o : app.get_options()) {
+    if (o->count() > 0 && o->get_name() != "--set" && o->get_name() != "config" &&
+        o != app.get_help_ptr()) {
       a.launch_flags = true;
-      if (std::strcmp(flag, "--nproc-per-node") == 0) a.nproc = a.launch.nproc_per_node();
-    } else if (!arg.empty() && arg[0] != '-' && !have_config) {
-      a.config = arg;
-      have_config = true;
-    } else {
-      ST_CHECK(false, ConfigError, "unexpected argument '", arg, "'; allowed: CONFIG, --set, ",
-               launch_flag_names(), "; see shardtrain train --help");
     }
   }
   return a;
@@ -146,13 +143,12 @@ config::Config load_config(const TrainArgs& args, bool say) {
 }  // namespace
 
 int train_main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h")) {
-      std::printf(kUsage, kLaunchFlagsUsage);
-      return 0;
-    }
+  const std::optional<TrainArgs> parsed = parse(argc, argv);
+  if (!parsed) {
+    std::printf(kUsage, kLaunchFlagsUsage);
+    return 0;
   }
-  const TrainArgs args = parse(argc, argv);
+  const TrainArgs& args = *parsed;
   check_launch_flags(args.launch);
   const dist::ClusterEnv env = dist::ClusterEnv::detect();
   // Said once, by the process the user started (its ranks load the same).
