@@ -10,16 +10,15 @@ CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 # the reference BLAS behind LibTorch's GEMMs (about 5 -> 90 GFLOP/s here).
 # protobuf writes TensorBoard event files; chromium renders the run report
 # in the browser test; python3-torch runs the independent model references
-# (tests/reference) that the model-family tests compare against.
+# (tests/reference) that the model-family tests compare against. Open MPI is
+# the mpi communication backend (and mpirun starts the suite's MPI runs);
+# CLI11 (header-only) parses the tool's flags, not used by the library.
 DEB_PACKAGES := build-essential cmake ninja-build ccache pkg-config \
 	libtorch-dev libgloo-dev libyaml-cpp-dev libgtest-dev libopenblas0-pthread \
 	nlohmann-json3-dev iproute2 libssl-dev tmux \
 	libprotobuf-dev protobuf-compiler chromium \
 	libpcre2-dev libutf8proc-dev libsentencepiece-dev python3-torch \
-	libopenmpi-dev openmpi-bin
-# CLI11 (header-only) parses the flags of every command of the tool and the
-# benchmark programs; the library itself does not use it.
-DEB_PACKAGES += libcli11-dev
+	libopenmpi-dev openmpi-bin libcli11-dev
 # Node runs the tokenizer parity test's independent implementation (npm
 # packages installed into the build tree at test time). Installed only when
 # npm is missing: NodeSource's nodejs, where present, ships npm and conflicts
