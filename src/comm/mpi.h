@@ -15,9 +15,11 @@
 //     low-precision avg rounds once more than on the Gloo path (where the
 //     last hop divides before rounding).
 //   - reduce_scatter and all_gather use shard_range's split as their counts.
-//   - MPI counts are ints: all_reduce and broadcast go in pieces of at most
-//     2^30 elements; reduce_scatter and all_gather refuse more than 2^31-1
-//     elements in one call (an InvalidArgument saying so).
+//   - Reductions and broadcasts go in pieces of 8 MB (reduce_scatter as one
+//     reduce per owner and piece), so that MPI's own scratch stays on the
+//     heap instead of being mapped and faulted in afresh by every call.
+//   - MPI counts are ints: reduce_scatter and all_gather refuse more than
+//     2^31-1 elements in one call (an InvalidArgument saying so).
 // MPI is initialised once per process with MPI_THREAD_MULTIPLE (the
 // communication threads of several groups and the point-to-point waiter
 // call it concurrently) and finalised at exit.
