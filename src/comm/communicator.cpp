@@ -231,19 +231,15 @@ class Group {
   // heartbeat went stale, or empty: who to blame when an op timed out.
   std::string suspects() const {
     if (!kv) return {};
-    std::string found;
+    std::vector<int> others;
     for (int member = 0; member < size; ++member) {
-      if (member == rank) continue;
-      const int global = global_ranks[member];
-      std::optional<int64_t> age;
-      try {
-        age = kv->age_ms(heartbeat_key(round, global));
-      } catch (const std::exception&) {
-        return {};  // the store is gone too; nothing to compare against
-      }
-      if (!age || *age < kStaleHeartbeatMs) continue;
-      found += str_cat(found.empty() ? "" : ", ", "rank ", global, " (no heartbeat for ",
-                       *age / 1000, " s: stopped, hung or dead)");
+      if (member != rank) others.push_back(global_ranks[member]);
+    }
+    std::string found;
+    try {
+      found = scan_heartbeats(*kv, round, others).describe();
+    } catch (const std::exception&) {
+      return {};  // the store is gone too; nothing to compare against
     }
     return found.empty() ? found : str_cat(" Suspect: ", found, ".");
   }

@@ -244,6 +244,29 @@ std::string heartbeat_key(int round, int rank) {
   return str_cat(world_prefix(round), "/heartbeat/", rank);
 }
 
+HeartbeatScan scan_heartbeats(KvStore& kv, int round, const std::vector<int>& ranks) {
+  HeartbeatScan scan;
+  for (const int r : ranks) {
+    const auto age = kv.age_ms(heartbeat_key(round, r));
+    if (!age) continue;
+    if (*age < kStaleHeartbeatMs) {
+      ++scan.fresh;
+    } else {
+      scan.stale.emplace_back(r, *age);
+    }
+  }
+  return scan;
+}
+
+std::string HeartbeatScan::describe() const {
+  std::string out;
+  for (const auto& [rank, age] : stale) {
+    out += str_cat(out.empty() ? "" : ", ", "rank ", rank, " (no heartbeat for ", age / 1000,
+                   " s: stopped, hung or dead)");
+  }
+  return out;
+}
+
 std::string new_job_token() {
   unsigned char raw[32];
   random_bytes(raw, sizeof raw);

@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace shardtrain::comm::detail {
@@ -38,6 +39,20 @@ std::string world_prefix(int round);
 std::string heartbeat_key(int round, int rank);
 /// A heartbeat older than this means its rank is stopped, hung or dead.
 constexpr int64_t kStaleHeartbeatMs = 5000;
+
+/// The heartbeats of `ranks` in `round`: how many are fresh and which went
+/// stale (rank, age in ms); a rank that never beat is in neither. The one
+/// scan behind every "who is dead" question: the communicator's suspects
+/// when an op times out, the launcher's when a rank fails, and its test of
+/// whether a node is lost. Throws what the store throws.
+struct HeartbeatScan {
+  int fresh = 0;
+  std::vector<std::pair<int, int64_t>> stale;
+  /// "rank 3 (no heartbeat for 12 s: stopped, hung or dead), rank 5 (...)",
+  /// or empty when none is stale.
+  std::string describe() const;
+};
+HeartbeatScan scan_heartbeats(KvStore& kv, int round, const std::vector<int>& ranks);
 
 /// 32 random bytes as 64 hex digits, from the kernel's generator.
 std::string new_job_token();
