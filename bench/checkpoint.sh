@@ -44,7 +44,7 @@ read -r L H E T G M S W <<< "$SPEC"
 # Built here, not by CMake, as bench/memcpy_bw.cpp is: against the build's
 # library and Debian's LibTorch, the flags CMake gives the examples.
 BENCH=$BUILD_DIR/bench_checkpoint
-if [ ! -x "$BENCH" ] || [ bench/checkpoint_bench.cpp -nt "$BENCH" ] || [ "$LIB" -nt "$BENCH" ]; then
+if [ ! -x "$BENCH" ] || [ bench/checkpoint_bench.cpp -nt "$BENCH" ] || [ bench/bench_flags.h -nt "$BENCH" ] || [ "$LIB" -nt "$BENCH" ]; then
   LIBDIR=$(cd "$BUILD_DIR" && pwd)
   build_cmd=(g++ -O2 -std=gnu++17 -D_GLIBCXX_USE_CXX11_ABI=1 -Iinclude -isystem /usr/include/torch/csrc/api/include
              bench/checkpoint_bench.cpp -o "$BENCH" -L"$LIBDIR" -Wl,-rpath,"$LIBDIR" -lshardtrain

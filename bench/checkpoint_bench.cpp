@@ -33,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_flags.h"
 #include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/checkpoint/optimizer_state.h"
 #include "shardtrain/comm/communicator.h"
@@ -60,32 +61,15 @@ Args parse(int argc, char** argv) {
   a.gpt.n_embd = 512;
   a.gpt.block_size = 256;
   a.gpt.vocab_size = 256;
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    if (i + 1 >= argc) {
-      std::fprintf(stderr, "checkpoint_bench: %s needs a value\n", k.c_str());
-      std::exit(2);
-    }
-    const std::string v = argv[++i];
-    if (k == "--dir") a.dir = v;
-    else if (k == "--n-layer") a.gpt.n_layer = std::stoll(v);
-    else if (k == "--n-head") a.gpt.n_head = std::stoll(v);
-    else if (k == "--n-embd") a.gpt.n_embd = std::stoll(v);
-    else if (k == "--block-size") a.gpt.block_size = std::stoll(v);
-    else if (k == "--vocab") a.gpt.vocab_size = std::stoll(v);
-    else if (k == "--micro") a.micro = std::stoll(v);
-    else {
-      std::fprintf(stderr,
-                   "checkpoint_bench: unknown option %s (known: --dir --n-layer --n-head --n-embd "
-                   "--block-size --vocab --micro)\n",
-                   k.c_str());
-      std::exit(2);
-    }
-  }
-  if (a.dir.empty()) {
-    std::fprintf(stderr, "checkpoint_bench: --dir DIR is required (a scratch directory every rank sees)\n");
-    std::exit(2);
-  }
+  CLI::App app("Sharded checkpoint save/load cost under fsdp/full_shard", "bench_checkpoint");
+  app.add_option("--dir", a.dir, "a scratch directory every rank sees")->required();
+  app.add_option("--n-layer", a.gpt.n_layer)->check(CLI::Range(1, 1024));
+  app.add_option("--n-head", a.gpt.n_head)->check(CLI::Range(1, 1024));
+  app.add_option("--n-embd", a.gpt.n_embd)->check(CLI::Range(1, 1 << 16));
+  app.add_option("--block-size", a.gpt.block_size)->check(CLI::Range(1, 1 << 20));
+  app.add_option("--vocab", a.gpt.vocab_size)->check(CLI::Range(1, 1 << 24));
+  app.add_option("--micro", a.micro)->check(CLI::Range(1, 1 << 16));
+  bench::parse_flags(app, argc, argv);
   return a;
 }
 

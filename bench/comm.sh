@@ -31,7 +31,7 @@ TORCH_VERSION=$("$TORCH_PY" -c 'import torch, torch.distributed as d; assert d.i
 
 # memcpy reference, rebuilt only when missing or older than its source.
 MEMCPY=$BUILD_DIR/bench_memcpy
-if [ ! -x "$MEMCPY" ] || [ bench/memcpy_bw.cpp -nt "$MEMCPY" ]; then
+if [ ! -x "$MEMCPY" ] || [ bench/memcpy_bw.cpp -nt "$MEMCPY" ] || [ bench/bench_flags.h -nt "$MEMCPY" ]; then
   echo "+ g++ -O2 -o $MEMCPY bench/memcpy_bw.cpp"
   g++ -O2 -o "$MEMCPY" bench/memcpy_bw.cpp
 fi

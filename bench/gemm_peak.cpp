@@ -20,9 +20,10 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
+
+#include "bench_flags.h"
 
 namespace {
 
@@ -85,16 +86,11 @@ double best_gflops(const Shape& s, at::ScalarType dtype, int reps, double min_s)
 int main(int argc, char** argv) {
   int reps = 5;
   double min_s = 0.2;
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) {
-      reps = std::atoi(argv[++i]);
-    } else if (!std::strcmp(argv[i], "--seconds") && i + 1 < argc) {
-      min_s = std::atof(argv[++i]);
-    } else {
-      std::fprintf(stderr, "usage: gemm_peak [--reps N] [--seconds S]\n");
-      return 2;
-    }
-  }
+  CLI::App app("GEMM peak of one core (at::mm, fp32 and bf16)", "bench_gemm_peak");
+  app.add_option("--reps", reps, "timed repetitions per shape")->check(CLI::Range(1, 1000));
+  app.add_option("--seconds", min_s, "minimum timed seconds per shape")
+      ->check(CLI::Range(0.0, 3600.0));
+  bench::parse_flags(app, argc, argv);
   at::set_num_threads(1);
   set_blas_threads(1);
 

@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "bench_flags.h"
+
 namespace {
 
 // Keeps the compiler from dropping or merging the copies.
@@ -37,23 +39,11 @@ double seconds_per_copy(char* dst, const char* src, size_t bytes, long reps) {
 int main(int argc, char** argv) {
   std::string json;
   std::vector<size_t> sizes;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--json" && i + 1 < argc) {
-      json = argv[++i];
-    } else if (a == "--help" || a == "-h") {
-      std::printf("usage: bench_memcpy [--json FILE] [BYTES...]\n");
-      return 0;
-    } else {
-      char* end = nullptr;
-      const unsigned long long v = std::strtoull(a.c_str(), &end, 10);
-      if (end == a.c_str() || *end != '\0' || v == 0) {
-        std::fprintf(stderr, "bench_memcpy: '%s' is not a positive byte count\n", a.c_str());
-        return 2;
-      }
-      sizes.push_back(static_cast<size_t>(v));
-    }
-  }
+  CLI::App app("Single-thread memcpy bandwidth", "bench_memcpy");
+  app.add_option("--json", json, "append one JSON line per size to FILE");
+  app.add_option("BYTES", sizes, "buffer sizes (default 1024 1048576 67108864)")
+      ->check(CLI::Range(size_t{1}, size_t{1} << 40));
+  bench::parse_flags(app, argc, argv);
   if (sizes.empty()) sizes = {size_t{1} << 10, size_t{1} << 20, size_t{64} << 20};
 
   FILE* out = nullptr;

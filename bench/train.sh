@@ -168,7 +168,7 @@ peer_env() {  # peer_env CORETYPE -> env arguments, one a line
 # Built here, not by CMake, as bench/checkpoint_bench.cpp is: against Debian's
 # LibTorch with the flags CMake gives the examples.
 GEMM=$BUILD_DIR/bench_gemm_peak
-if [ ! -x "$GEMM" ] || [ bench/gemm_peak.cpp -nt "$GEMM" ]; then
+if [ ! -x "$GEMM" ] || [ bench/gemm_peak.cpp -nt "$GEMM" ] || [ bench/bench_flags.h -nt "$GEMM" ]; then
   build_cmd=(g++ -O2 -std=gnu++17 -D_GLIBCXX_USE_CXX11_ABI=1 -isystem /usr/include/torch/csrc/api/include
              bench/gemm_peak.cpp -o "$GEMM" -Wl,--no-as-needed -ltorch -ltorch_cpu -Wl,--as-needed -lc10 -pthread)
   echo "+ ${build_cmd[*]}"
