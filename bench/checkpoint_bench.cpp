@@ -132,10 +132,9 @@ struct Job {
   Job(const shardtrain::models::GPTConfig& cfg, uint64_t seed, const std::shared_ptr<Communicator>& comm) {
     torch::manual_seed(seed);
     model = shardtrain::models::GPT(cfg);
-    st::StrategyOptions o;
-    o.name = "fsdp";
-    o.sharding = "full_shard";  // units: the blocks (wrap policy module_type, BlockImpl)
-    strategy = st::make_strategy(o);
+    // Units: the blocks (the default wrap policy).
+    strategy = st::make_strategy(
+        st::StrategyOptions().strategy(st::StrategyKind::Fsdp).sharding(st::Sharding::FullShard));
     strategy->setup(*model, comm);
     std::vector<torch::Tensor> params;
     for (const auto& p : strategy->optimizer_parameters()) params.push_back(p.local);
