@@ -16,6 +16,7 @@
 
 #include "comm/kv_store.h"
 #include "launch/console.h"
+#include "launch/fork_server.h"
 #include "launch/rank_group.h"
 #include "launch/rendezvous.h"
 #include "launch/signals.h"
@@ -80,6 +81,9 @@ int launch(const LaunchOptions& options) {
            "| od -An -tx1 | tr -d ' \\n')");
   if (token.empty()) token = comm::detail::new_job_token();
   const std::string master = options.master_addr().empty() ? "127.0.0.1" : options.master_addr();
+  // Before any thread (the store's) and before our signal handlers: the
+  // helper is a copy of this process as it is now.
+  const std::unique_ptr<ForkServer> fork_server = ForkServer::start_if_possible(options);
   SignalGuard signals;
   // Node 0 hosts the store for every round: a restarted group meets where
   // the first did.
@@ -91,7 +95,7 @@ int launch(const LaunchOptions& options) {
       say(str_cat("node ", options.node_rank(), " joined the job at round ", round, " (restart ",
                   round, " of ", options.max_restarts(), ")"));
     }
-    RankGroup group(options, rdzv, token, round);
+    RankGroup group(options, rdzv, token, round, fork_server.get());
     int code = group.run();
     if (group.interrupted()) return code;
     const bool local = group.failed_rank() >= 0;

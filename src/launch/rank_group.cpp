@@ -13,6 +13,7 @@
 #include <set>
 
 #include "launch/console.h"
+#include "launch/fork_server.h"
 #include "launch/signals.h"
 #include "shardtrain/core/error.h"
 
@@ -72,8 +73,8 @@ bool is_stopped(pid_t pid) {
 }  // namespace
 
 RankGroup::RankGroup(const LaunchOptions& options, Rendezvous& rdzv, const std::string& token,
-                     int round)
-    : options_(options), rdzv_(rdzv), token_(token), round_(round) {}
+                     int round, ForkServer* fork_server)
+    : options_(options), rdzv_(rdzv), token_(token), round_(round), fork_server_(fork_server) {}
 
 RankGroup::~RankGroup() {
   for (auto& r : ranks_) {
@@ -111,27 +112,19 @@ std::vector<std::string> RankGroup::child_env(int local_rank) const {
   return env;
 }
 
-void RankGroup::start(Rank& r, int local_rank) {
+// fork() and exec: the rank is a fresh copy of the program. Returns its pid,
+// or -1 with errno set when fork failed.
+static pid_t fork_and_exec(const std::vector<std::string>& args,
+                           const std::vector<std::string>& env, int out, int err) {
   // Everything the child needs is built before fork(): between fork and exec
   // only async-signal-safe calls are allowed (the caller may have threads).
-  std::vector<std::string> env_strings = child_env(local_rank);
-  std::vector<char*> envp;
+  std::vector<std::string> env_strings = env, arg_strings = args;
+  std::vector<char*> envp, argv;
   for (auto& s : env_strings) envp.push_back(s.data());
   envp.push_back(nullptr);
-  std::vector<std::string> args = options_.command();
-  std::vector<char*> argv;
-  for (auto& s : args) argv.push_back(s.data());
+  for (auto& s : arg_strings) argv.push_back(s.data());
   argv.push_back(nullptr);
   const std::string exec_error = "shardtrain launch: cannot run '" + args[0] + "': ";
-
-  int out[2], err[2];
-  ST_CHECK(::pipe2(out, O_CLOEXEC) == 0, Error, "cannot create a pipe: ", std::strerror(errno));
-  if (::pipe2(err, O_CLOEXEC) != 0) {
-    const int e = errno;
-    ::close(out[0]);
-    ::close(out[1]);
-    ST_CHECK(false, Error, "cannot create a pipe: ", std::strerror(e));
-  }
   const int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
   const pid_t parent = ::getpid();
 
@@ -150,8 +143,8 @@ void RankGroup::start(Rank& r, int local_rank) {
     // stdin is /dev/null: a rank in a background process group that read the
     // terminal would be stopped by SIGTTIN.
     if (devnull >= 0) ::dup2(devnull, STDIN_FILENO);
-    ::dup2(out[1], STDOUT_FILENO);
-    ::dup2(err[1], STDERR_FILENO);
+    ::dup2(out, STDOUT_FILENO);
+    ::dup2(err, STDERR_FILENO);
     ::execvpe(argv[0], argv.data(), envp.data());
     const int e = errno;
     ssize_t ignored = ::write(STDERR_FILENO, exec_error.data(), exec_error.size());
@@ -164,15 +157,42 @@ void RankGroup::start(Rank& r, int local_rank) {
   const int fork_errno = errno;
   ::sigprocmask(SIG_SETMASK, &old, nullptr);
   if (devnull >= 0) ::close(devnull);
+  if (pid > 0) ::setpgid(pid, pid);  // also here, so a signal sent right away finds the group
+  errno = fork_errno;
+  return pid;
+}
+
+void RankGroup::start(Rank& r, int local_rank) {
+  int out[2], err[2];
+  ST_CHECK(::pipe2(out, O_CLOEXEC) == 0, Error, "cannot create a pipe: ", std::strerror(errno));
+  if (::pipe2(err, O_CLOEXEC) != 0) {
+    const int e = errno;
+    ::close(out[0]);
+    ::close(out[1]);
+    ST_CHECK(false, Error, "cannot create a pipe: ", std::strerror(e));
+  }
+  pid_t pid = -1;
+  std::string failure;
+  try {
+    if (fork_server_ != nullptr) {
+      pid = fork_server_->spawn(options_.command(), child_env(local_rank), out[1], err[1]);
+    } else {
+      pid = fork_and_exec(options_.command(), child_env(local_rank), out[1], err[1]);
+      if (pid < 0) {
+        failure = str_cat("fork failed: ", std::strerror(errno),
+                          "; check the process limit (ulimit -u)");
+      }
+    }
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
   ::close(out[1]);
   ::close(err[1]);
   if (pid < 0) {
     ::close(out[0]);
     ::close(err[0]);
-    ST_CHECK(false, Error, "cannot start rank ", r.rank,
-             ": fork failed: ", std::strerror(fork_errno), "; check the process limit (ulimit -u)");
+    ST_CHECK(false, Error, "cannot start rank ", r.rank, ": ", failure);
   }
-  ::setpgid(pid, pid);  // also here, so a signal sent right away finds the group
   ::fcntl(out[0], F_SETFL, O_NONBLOCK);
   ::fcntl(err[0], F_SETFL, O_NONBLOCK);
   r.pid = pid;

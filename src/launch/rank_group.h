@@ -17,9 +17,13 @@
 
 namespace shardtrain::dist::detail {
 
+class ForkServer;
+
 class RankGroup {
  public:
-  RankGroup(const LaunchOptions& options, Rendezvous& rdzv, const std::string& token, int round);
+  /// Ranks are forked from `fork_server` when given, else exec'ed.
+  RankGroup(const LaunchOptions& options, Rendezvous& rdzv, const std::string& token, int round,
+            ForkServer* fork_server);
   // Whatever happens (an exception included), no rank outlives the group.
   ~RankGroup();
   RankGroup(const RankGroup&) = delete;
@@ -81,6 +85,7 @@ class RankGroup {
   Rendezvous& rdzv_;
   const std::string& token_;
   const int round_;
+  ForkServer* const fork_server_;
   std::vector<Rank> ranks_;
   Phase phase_ = Phase::kRunning;
   Clock::time_point kill_deadline_;

@@ -1,7 +1,8 @@
 // A rank program for the launcher tests; what it does is chosen by argv:
 //   lines N                 N lines to stdout ("out R.i"), one to stderr, and an
 //                           unterminated "partial R" on stdout; exit 0
-//   print-env               the launcher's variables as NAME=value (or <unset>)
+//   print-env               the launcher's variables as NAME=value (or <unset>),
+//                           then PARENT=<parent pid>
 //   fail-rank R CODE        rank R prints three lines and exits CODE after 0.2 s;
 //                           the others print "sleeping" and sleep 60 s
 //   fail-rank R CODE stubborn   the same, but the others ignore SIGTERM
@@ -38,7 +39,9 @@ int usage() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+// The probe's whole behaviour; main() below, or, in fork_launcher, the
+// rank_main of ranks forked by the launcher's fork server.
+int probe_main(int argc, char** argv) {
   if (argc < 2) return usage();
   const std::string mode = argv[1];
   const int rank = env_int("RANK");
@@ -59,6 +62,7 @@ int main(int argc, char** argv) {
       const char* v = std::getenv(name);
       std::printf("%s=%s\n", name, v ? v : "<unset>");
     }
+    std::printf("PARENT=%d\n", static_cast<int>(getppid()));
     return 0;
   }
   if (mode == "fail-rank" && (argc == 4 || argc == 5)) {
@@ -111,3 +115,7 @@ int main(int argc, char** argv) {
   }
   return usage();
 }
+
+#ifndef LAUNCH_PROBE_NO_MAIN
+int main(int argc, char** argv) { return probe_main(argc, argv); }
+#endif

@@ -37,11 +37,12 @@ until grep -q '"step": 2,' "$work/hung/metrics.jsonl" 2>/dev/null; do
   kill -0 "$launcher" 2>/dev/null || { cat "$work/hung.log"; fail "the run ended early"; }
   sleep 0.05
 done
-ranks=($(pgrep -P "$launcher"))
+ranks=($(pgrep -P "$launcher" -x shardtrain))  # not the fork server
 [ "${#ranks[@]}" -eq 2 ] || fail "expected 2 ranks, found ${#ranks[@]}"
-for pid in "${ranks[@]}"; do
-  tr '\0' '\n' <"/proc/$pid/environ" | grep -qx RANK=1 && kill -STOP "$pid" && stopped=$pid
-done
+# Rank 1 is the one started second: the larger pid (the launcher starts its
+# ranks in order, and a forked rank's /proc/PID/environ is the launcher's).
+stopped=$(printf '%s\n' "${ranks[@]}" | sort -n | tail -n 1)
+kill -STOP "$stopped"
 echo "SIGSTOP to rank 1 (pid $stopped)"
 rc=0
 wait "$launcher" || rc=$?

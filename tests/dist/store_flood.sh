@@ -42,9 +42,8 @@ done
 ranks=()
 for _ in $(seq 100); do
   ranks=()
-  for pid in $(ip netns pids "${HOST_NS[0]}"); do
-    grep -qzE "LOCAL_RANK=[01]" "/proc/$pid/environ" 2>/dev/null && ranks+=("$pid")
-  done
+  # The launcher's children but its fork server (src/launch/fork_server.h).
+  ranks=($(pgrep -P "$job" -x shardtrain || true))
   [ "${#ranks[@]}" = 2 ] && break
   sleep 0.05
 done

@@ -35,7 +35,7 @@ for k in 0 1 2; do
     kill -0 "$launcher" 2>/dev/null || { cat "$work/chaos.log"; fail "the run ended before kill $((k + 1))"; }
     sleep 0.02
   done
-  ranks=($(pgrep -P "$launcher"))
+  ranks=($(pgrep -P "$launcher" -x shardtrain))  # not the fork server
   [ "${#ranks[@]}" -eq 2 ] || fail "expected 2 ranks under the launcher, found ${#ranks[@]}"
   victim=${ranks[$((RANDOM % 2))]}
   echo "kill $((k + 1)): SIGKILL to rank pid $victim at step $s"

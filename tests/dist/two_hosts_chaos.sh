@@ -96,7 +96,7 @@ for k in 0 1; do
   node=$((RANDOM % 2))
   victim=""
   for _ in $(seq 100); do
-    victim=$(pgrep -P "${launcher[node]}" || true)
+    victim=$(pgrep -P "${launcher[node]}" -x shardtrain || true)  # not the fork server
     [ -n "$victim" ] && break
     sleep 0.1
   done

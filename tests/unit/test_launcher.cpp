@@ -24,6 +24,9 @@
 #ifndef LAUNCH_PROBE_PATH
 #error "LAUNCH_PROBE_PATH must be the absolute path of launch_probe"
 #endif
+#ifndef FORK_LAUNCHER_PATH
+#error "FORK_LAUNCHER_PATH must be the absolute path of fork_launcher"
+#endif
 
 namespace {
 
@@ -39,11 +42,12 @@ struct Result {
 class Cli {
  public:
   explicit Cli(const std::vector<std::string>& args,
-               const std::vector<std::string>& extra_env = {}) {
+               const std::vector<std::string>& extra_env = {},
+               const std::string& program = SHARDTRAIN_CLI_PATH) {
     int out[2], err[2];
     EXPECT_EQ(::pipe2(out, O_CLOEXEC), 0);
     EXPECT_EQ(::pipe2(err, O_CLOEXEC), 0);
-    std::vector<std::string> argv_s = {SHARDTRAIN_CLI_PATH};
+    std::vector<std::string> argv_s = {program};
     argv_s.insert(argv_s.end(), args.begin(), args.end());
     std::vector<char*> argv;
     for (auto& a : argv_s) argv.push_back(a.data());
@@ -482,6 +486,93 @@ char process_state(int pid) {
 
 TEST(Launcher, RanksDieWithAKilledLauncher) {
   Cli cli({"launch", "--nproc-per-node", "2", "--", kProbe, "wait-signal"});
+  std::string out;
+  ASSERT_TRUE(cli.wait_for(
+      [&](const std::string& o) {
+        out = o;
+        return count_of(o, "ready pid") == 2;
+      },
+      30));
+  std::vector<int> pids;
+  for (const auto& line : lines_of(out)) {
+    const size_t at = line.find("ready pid ");
+    if (at != std::string::npos) pids.push_back(std::stoi(line.substr(at + 10)));
+  }
+  ASSERT_EQ(pids.size(), 2u);
+  cli.signal(SIGKILL);
+  cli.finish();
+  for (int pid : pids) {
+    const auto deadline = Clock::now() + std::chrono::seconds(30);
+    char state = process_state(pid);
+    while (state != 0 && state != 'Z' && Clock::now() < deadline) {
+      ::usleep(20 * 1000);
+      state = process_state(pid);
+    }
+    EXPECT_TRUE(state == 0 || state == 'Z') << "rank pid " << pid << " outlived the launcher";
+  }
+}
+
+// ---- ranks forked by the fork server (tests/dist/fork_launcher.cpp) ---------------
+
+// fork_launcher NPROC MAX_RESTARTS MODE ARGS...
+Cli forked(const std::vector<std::string>& args) { return Cli(args, {}, FORK_LAUNCHER_PATH); }
+
+TEST(ForkServer, RanksGetTheirVariablesAndTheLauncherAsParent) {
+  Cli cli = forked({"2", "0", "print-env"});
+  const pid_t launcher = cli.pid();
+  const Result r = cli.finish();
+  ASSERT_EQ(r.code, 0) << r.err;
+  for (int k = 0; k < 2; ++k) {
+    const std::string p = "[rank " + std::to_string(k) + "] ";
+    EXPECT_TRUE(contains(r.out, p + "RANK=" + std::to_string(k) + "\n")) << r.out;
+    EXPECT_TRUE(contains(r.out, p + "WORLD_SIZE=2\n")) << r.out;
+    EXPECT_TRUE(contains(r.out, p + "SHARDTRAIN_RESTART_COUNT=0\n")) << r.out;
+  }
+  // Re-parented from the helper's intermediate process to the launcher,
+  // which waits for them as for ranks it exec'ed.
+  EXPECT_EQ(count_of(r.out, "PARENT=" + std::to_string(launcher) + "\n"), 2) << r.out;
+}
+
+TEST(ForkServer, OneFailingRankStopsTheOthers) {
+  Cli cli = forked({"3", "0", "fail-rank", "1", "3"});
+  const Result r = cli.finish();
+  EXPECT_EQ(r.code, 3) << r.err;
+  EXPECT_TRUE(contains(r.err, "rank 1 failed with exit code 3")) << r.err;
+  EXPECT_TRUE(contains(r.err, "[rank 1] rank 1 failing")) << r.err;
+  EXPECT_LT(r.seconds, 30) << "the sleeping ranks were not stopped";
+}
+
+TEST(ForkServer, ASignalReachesEveryRank) {
+  Cli cli = forked({"2", "0", "wait-signal"});
+  ASSERT_TRUE(cli.wait_for([](const std::string& out) { return count_of(out, "ready") == 2; },
+                           30))
+      << "the ranks never became ready";
+  cli.signal(SIGTERM);
+  const Result r = cli.finish();
+  EXPECT_EQ(r.code, 128 + SIGTERM) << r.err;
+  for (int k = 0; k < 2; ++k) {
+    EXPECT_TRUE(contains(r.out, "[rank " + std::to_string(k) + "] rank " + std::to_string(k) +
+                                    " got signal " + std::to_string(SIGTERM) + "\n"))
+        << r.out << r.err;
+  }
+}
+
+TEST(ForkServer, ARestartForksTheRanksAgain) {
+  Cli cli = forked({"2", "2", "fail-until-restart", "2"});
+  const Result r = cli.finish();
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(count_of(r.out, "restart count 2\n"), 2) << r.out;
+  EXPECT_TRUE(contains(r.err, "restarting all 2 ranks (restart 2 of 2)")) << r.err;
+}
+
+TEST(ForkServer, ARankKilledBySignalGives128PlusSignal) {
+  Cli cli = forked({"2", "0", "kill-self", "9"});
+  const Result r = cli.finish();
+  EXPECT_EQ(r.code, 128 + 9) << r.err;
+}
+
+TEST(ForkServer, RanksDieWithAKilledLauncher) {
+  Cli cli = forked({"2", "0", "wait-signal"});
   std::string out;
   ASSERT_TRUE(cli.wait_for(
       [&](const std::string& o) {

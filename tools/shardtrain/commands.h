@@ -14,6 +14,11 @@ class Tokenizer;
 
 namespace shardtrain::cli {
 
+/// The whole tool, `shardtrain COMMAND ARGS...` (argv[0] is the program):
+/// what main() runs, and what ranks forked by the launcher's fork server run
+/// (dist::LaunchOptions::rank_main).
+int run_tool(int argc, char** argv);
+
 /// `shardtrain launch ... -- PROGRAM ARGS`; argv[0] is "launch".
 int launch_main(int argc, char** argv);
 

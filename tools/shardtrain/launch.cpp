@@ -3,7 +3,10 @@
 // which main() turns into exit code 2.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -14,6 +17,8 @@
 #include "shardtrain/launch/launcher.h"
 
 namespace shardtrain::cli {
+
+namespace fs = std::filesystem;
 namespace {
 
 const char kUsage[] =
@@ -33,6 +38,28 @@ const char kUsage[] =
     "if it was killed by signal N, 127 if PROGRAM was not found); 128+N when the\n"
     "launcher itself got SIGINT/SIGTERM/SIGHUP; 2 for bad options; 77 when no rank failed\n"
     "and one exited 77 (skipped, as ctest's SKIP_RETURN_CODE takes it).\n";
+
+// Whether `program` (a path, or a name looked up in PATH as exec would)
+// is this very executable.
+bool is_this_program(const std::string& program) {
+  std::error_code ec;
+  const fs::path self = fs::canonical("/proc/self/exe", ec);
+  if (ec || program.empty()) return false;
+  auto same = [&](const fs::path& p) {
+    std::error_code e;
+    return fs::equivalent(p, self, e) && !e;
+  };
+  if (program.find('/') != std::string::npos) return same(program);
+  const char* path = std::getenv("PATH");
+  std::string dirs = path != nullptr ? path : "/usr/local/bin:/usr/bin:/bin";
+  for (size_t at = 0; at <= dirs.size();) {
+    const size_t end = std::min(dirs.find(':', at), dirs.size());
+    const fs::path candidate = fs::path(at == end ? "." : dirs.substr(at, end - at)) / program;
+    if (::access(candidate.c_str(), X_OK) == 0) return same(candidate);
+    at = end + 1;
+  }
+  return false;
+}
 
 }  // namespace
 
@@ -62,6 +89,9 @@ int launch_main(int argc, char** argv) {
   ST_CHECK(!options.command().empty(), ConfigError,
            "no program given; usage: shardtrain launch --nproc-per-node N -- PROGRAM [ARGS...]");
   check_launch_flags(options);
+  // `shardtrain launch -- shardtrain ...`: the ranks are forked copies of
+  // this process (the fork server) rather than new ones.
+  if (is_this_program(options.command()[0])) options.rank_main(run_tool);
   std::fflush(stdout);  // the ranks' output goes straight to fd 1 after this
   return dist::launch(options);
 }

@@ -67,7 +67,7 @@ int report(const char* command, const char* kind, const std::exception& e, int c
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int shardtrain::cli::run_tool(int argc, char** argv) {
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     usage(argc < 2 ? stderr : stdout);
     return argc < 2 ? shardtrain::dist::kBadInputExitCode : 0;
@@ -101,3 +101,5 @@ int main(int argc, char** argv) {
   usage(stderr);
   return shardtrain::dist::kBadInputExitCode;
 }
+
+int main(int argc, char** argv) { return shardtrain::cli::run_tool(argc, argv); }

@@ -89,6 +89,7 @@ int relaunch(const TrainArgs& args, int nproc) {
   const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
   ST_CHECK(n > 0, Error, "cannot find this program's path to start its ranks");
   options.command({std::string(self, static_cast<size_t>(n)), "train"});
+  options.rank_main(run_tool);  // this very program: ranks forked, not exec'ed
   if (!args.config.empty()) options.command().push_back(args.config);
   for (const auto& o : args.overrides) {
     options.command().push_back("--set");
