@@ -3,6 +3,8 @@
 // (LaunchOptions::rank_main) instead of exec'ed. Should the launcher exec
 // instead, the ranks run this main with MODE as NPROC and fail, so a test
 // that passes used the fork server.
+#include <fcntl.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -17,6 +19,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: fork_launcher NPROC MAX_RESTARTS MODE ARGS...\n");
     return 2;
   }
+  // Held across the launch as a run directory's lock is: a forked rank must
+  // not inherit it (an exec'ed one would not).
+  const int held = ::open("/dev/zero", O_RDONLY | O_CLOEXEC);
+  if (held < 0) return 1;
   std::vector<std::string> command = {argv[0]};
   for (int i = 3; i < argc; ++i) command.emplace_back(argv[i]);
   return shardtrain::dist::launch(shardtrain::dist::LaunchOptions()

@@ -8,11 +8,14 @@
 //   fail-rank R CODE stubborn   the same, but the others ignore SIGTERM
 //   wait-signal             prints "ready pid P"; on SIGINT/SIGTERM prints "rank K
 //                           got signal S" and exits 0; exits 1 after 30 s
+//   print-fds               "fd N -> TARGET" per descriptor above stderr, then
+//                           "fds listed"
 //   fail-until-restart K    prints the restart count; exits 3 while it is < K
 //   exit-codes C0 C1 ...    rank K waits K x 0.3 s, prints "rank K exits CK" and
 //                           exits CK (ranks past the list exit 0)
 //   kill-self SIG           raises SIG
 // No shardtrain or torch dependencies on purpose: it must start fast.
+#include <dirent.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -94,6 +97,22 @@ int probe_main(int argc, char** argv) {
       return 1;
     }
     std::printf("rank %d got signal %d\n", rank, static_cast<int>(g_signal));
+    return 0;
+  }
+  if (mode == "print-fds") {
+    // What each descriptor above stderr refers to (the directory's own aside).
+    if (DIR* d = opendir("/proc/self/fd")) {
+      while (const dirent* e = readdir(d)) {
+        const int fd = std::atoi(e->d_name);
+        if (fd <= 2 || fd == dirfd(d)) continue;
+        char target[512] = {};
+        const std::string link = std::string("/proc/self/fd/") + e->d_name;
+        if (readlink(link.c_str(), target, sizeof target - 1) < 0) continue;
+        std::printf("fd %d -> %s\n", fd, target);
+      }
+      closedir(d);
+    }
+    std::printf("fds listed\n");
     return 0;
   }
   if (mode == "fail-until-restart" && argc == 3) {

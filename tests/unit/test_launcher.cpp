@@ -533,6 +533,14 @@ TEST(ForkServer, RanksGetTheirVariablesAndTheLauncherAsParent) {
   EXPECT_EQ(count_of(r.out, "PARENT=" + std::to_string(launcher) + "\n"), 2) << r.out;
 }
 
+TEST(ForkServer, RanksHoldNoDescriptorAnExecWouldHaveClosed) {
+  // fork_launcher holds /dev/zero open, close-on-exec, while it launches.
+  const Result r = forked({"2", "0", "print-fds"}).finish();
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(count_of(r.out, "] fds listed\n"), 2) << r.out;
+  EXPECT_FALSE(contains(r.out, "/dev/zero")) << r.out;
+}
+
 TEST(ForkServer, OneFailingRankStopsTheOthers) {
   Cli cli = forked({"3", "0", "fail-rank", "1", "3"});
   const Result r = cli.finish();
