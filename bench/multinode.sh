@@ -24,7 +24,7 @@ RATE=${RATE:-1gbit}
 DELAY=${DELAY:-1ms}
 STEPS=${STEPS:-6}
 WARM=${WARM:-2}
-MODES=${MODES:-"ddp-flat ddp full_shard-flat full_shard hybrid_shard"}
+MODES=${MODES:-"ddp-flat ddp ddp-mpi full_shard-flat full_shard full_shard-mpi hybrid_shard"}
 cli=$(readlink -f "$BUILD_DIR/shardtrain")
 [ "$(id -u)" = 0 ] || { echo "bench/multinode.sh: needs root (it creates network namespaces)" >&2; exit 1; }
 [ -x "$cli" ] || { echo "bench/multinode.sh: no $cli; run make build first" >&2; exit 1; }
@@ -62,10 +62,24 @@ port=29700
 # Launchers started separately share the job's secret.
 export SHARDTRAIN_JOB_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
 LOAD_BEFORE=$(cut -d' ' -f1-3 /proc/loadavg)
+# The -mpi modes: one mpirun on host 0 whose remote agent enters host 1's
+# namespace (no ssh), each host with a host name of its own (Open MPI tells
+# nodes apart by name); the ranks run on the mpi backend over Open MPI's TCP.
+agent="$out/agent.sh"
+cat >"$agent" <<AGENT
+#!/bin/sh
+host=\$1; shift
+[ "\$host" = "${HOST_ADDR[1]}" ] || { echo "agent: unknown host \$host" >&2; exit 1; }
+exec ip netns exec "${HOST_NS[1]}" unshare --uts sh -c "hostname stb-host1; \$*"
+AGENT
+chmod +x "$agent"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_hwloc_base_binding_policy=none
+export OMPI_MCA_btl_vader_single_copy_mechanism=none
+
 for mode in $MODES; do
   hier=1
-  case $mode in *-flat) hier=0 ;; esac
-  case ${mode%-flat} in
+  case $mode in *-flat) hier=0 ;; *-mpi) hier=mpi ;; esac
+  case ${mode%-*} in
     ddp) extra=(--set distributed.strategy=ddp) ;;
     full_shard) extra=(--set distributed.strategy=fsdp --set distributed.sharding=full_shard) ;;
     hybrid_shard) extra=(--set distributed.strategy=fsdp --set distributed.sharding=hybrid_shard) ;;
@@ -74,13 +88,23 @@ for mode in $MODES; do
   run="$out/$mode"
   port=$((port + 1))
   pids=()
-  for node in 0 1; do
-    ip netns exec "${HOST_NS[node]}" env OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 \
-      SHARDTRAIN_HIERARCHICAL=$hier "$cli" train --nnodes 2 \
-      --node-rank "$node" --nproc-per-node 2 --master-addr "${HOST_ADDR[0]}" --master-port "$port" \
-      "${model[@]}" "${extra[@]}" --set run.dir="$run" >"$out/$mode.$node.log" 2>&1 &
+  if [ "$hier" = mpi ]; then
+    ip netns exec "${HOST_NS[0]}" unshare --uts sh -c 'hostname stb-host0; exec "$@"' sh \
+      mpirun -np 4 --host "${HOST_ADDR[0]}:2,${HOST_ADDR[1]}:2" --mca plm_rsh_agent "$agent" \
+      --mca oob_tcp_if_include 10.77.0.0/24 --mca btl_tcp_if_include 10.77.0.0/24 \
+      -x OPENBLAS_NUM_THREADS=1 -x OMP_NUM_THREADS=1 \
+      "$cli" train "${model[@]}" "${extra[@]}" --set distributed.backend=mpi --set run.dir="$run" \
+      >"$out/$mode.0.log" 2>&1 &
     pids+=($!)
-  done
+  else
+    for node in 0 1; do
+      ip netns exec "${HOST_NS[node]}" env OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 \
+        SHARDTRAIN_HIERARCHICAL=$hier "$cli" train --nnodes 2 \
+        --node-rank "$node" --nproc-per-node 2 --master-addr "${HOST_ADDR[0]}" --master-port "$port" \
+        "${model[@]}" "${extra[@]}" --set run.dir="$run" >"$out/$mode.$node.log" 2>&1 &
+      pids+=($!)
+    done
+  fi
   start_bytes=""
   while kill -0 "${pids[0]}" 2>/dev/null; do
     s=$(last_step "$run")
@@ -98,13 +122,14 @@ for mode in $MODES; do
   python3 - "$run/metrics.jsonl" "$mode" "$WARM" "$STEPS" "$start_bytes" "$end_bytes" "$hier" >>"$results" <<'PY'
 import json, statistics, sys
 path, mode, warm, steps, b0, b1 = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
-hier = sys.argv[7] == "1" and not mode.startswith("hybrid")
+across = ("MPI (Open MPI over TCP)" if sys.argv[7] == "mpi" else
+          "hierarchical" if sys.argv[7] == "1" and not mode.startswith("hybrid") else "flat rings")
 rows = [json.loads(l) for l in open(path) if '"loss"' in l]
 timed = [r for r in rows if r["step"] > warm]
 print(json.dumps({"mode": mode, "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
                   "link_bytes_per_step": (b1 - b0) / (steps - warm),
                   "peak_rss_mb": rows[-1]["peak_rss_mb"], "params": rows[-1].get("num_parameters", 0),
-                  "strategy": rows[-1]["strategy"], "across": "hierarchical" if hier else "flat rings",
+                  "strategy": rows[-1]["strategy"], "across": across,
                   "losses": [r["loss"] for r in rows]}))
 PY
   tail -n 1 "$results"
@@ -132,7 +157,9 @@ lines = ["<!-- multinode:begin -->", "", "## Two hosts over a slow link", "",
          f"the first {warm} not timed. Link bytes: the veth pair's tx counters, both directions, per optimizer step.",
          "- Across hosts: `hierarchical` (the default: reduce inside each host through shared memory, one ring per "
          "local rank between hosts) or `flat rings` (`SHARDTRAIN_HIERARCHICAL=0`: one ring through all 4 ranks). "
-         "hybrid_shard's groups are one host or one rank per host, so it never goes hierarchical.",
+         "hybrid_shard's groups are one host or one rank per host, so it never goes hierarchical. "
+         "`-mpi` rows: the same job started by one `mpirun -np 4` across both hosts, on the mpi backend "
+         "(Open MPI's own collectives over its TCP transport).",
          "", "| mode | strategy | across hosts | tokens/s | link MB per step | rank 0 peak RSS MB |",
          "|---|---|---|---:|---:|---:|"]
 for r in rows:
@@ -149,6 +176,12 @@ for mode in pairs:
     diff = max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
     lines.append(f"- {mode}: hierarchical sends {b['link_bytes_per_step'] / a['link_bytes_per_step']:.2f}x fewer "
                  f"bytes over the link than flat rings; its losses differ from theirs by at most {diff:.1e}.")
+    if mode + "-mpi" in by_mode:
+        m = by_mode[mode + "-mpi"]
+        diff = max(abs(x - y) for x, y in zip(a["losses"], m["losses"]))
+        lines.append(f"- {mode} on MPI: {m['link_bytes_per_step'] / a['link_bytes_per_step']:.2f}x the link bytes "
+                     f"of hierarchical and {m['tokens_per_s'] / a['tokens_per_s']:.2f}x its tokens/s; "
+                     f"losses within {diff:.1e} of it.")
 lines += ["", "<!-- multinode:end -->"]
 benchlib.write_section("BENCHMARKS.md", "<!-- multinode:begin -->", "<!-- multinode:end -->",
                        "\n".join(lines), "bench/multinode.sh")
