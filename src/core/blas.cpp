@@ -20,6 +20,11 @@ bool cpu_has_avx512() {
          __builtin_cpu_supports("avx512vl");
 }
 
+bool cpu_has_avx512_bf16() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16");
+}
+
 }  // namespace
 
 std::string blas_core() {
@@ -43,7 +48,19 @@ std::string blas_coretype_warning() {
          "let OpenBLAS choose";
 }
 
+std::string blas_coretype_to_set() {
+  const char* forced = std::getenv("OPENBLAS_CORETYPE");
+  return detail::blas_coretype_to_set(blas_core(), cpu_has_avx512(), cpu_has_avx512_bf16(),
+                                      forced != nullptr);
+}
+
 namespace detail {
+
+std::string blas_coretype_to_set(const std::string& core, bool cpu_has_avx512,
+                                 bool cpu_has_avx512_bf16, bool coretype_set) {
+  if (coretype_set || !blas_core_below_cpu(core, cpu_has_avx512)) return "";
+  return cpu_has_avx512_bf16 ? "COOPERLAKE" : "SKYLAKEX";
+}
 
 bool blas_core_below_cpu(const std::string& core, bool cpu_has_avx512) {
   if (core.empty() || !cpu_has_avx512) return false;

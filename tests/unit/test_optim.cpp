@@ -141,5 +141,19 @@ TEST(BlasCore, AvxTwoKernelsOnAnAvx512CpuAreBelowIt) {
   EXPECT_FALSE(blas_core_below_cpu("", true));          // not OpenBLAS
 }
 
+TEST(BlasCore, KernelsBelowTheCpuAreNamedForARestartUnlessSomeoneChose) {
+  using detail::blas_coretype_to_set;
+  // Debian's OpenBLAS 0.3.21 on a Xeon with AVX-512 FP16 picks Prescott.
+  EXPECT_EQ(blas_coretype_to_set("Prescott", true, true, false), "COOPERLAKE");
+  EXPECT_EQ(blas_coretype_to_set("Haswell", true, false, false), "SKYLAKEX");
+  EXPECT_EQ(blas_coretype_to_set("Cooperlake", true, true, false), "");
+  EXPECT_EQ(blas_coretype_to_set("SkylakeX", true, false, false), "");
+  EXPECT_EQ(blas_coretype_to_set("Haswell", false, false, false), "");  // AVX2 is the best
+  EXPECT_EQ(blas_coretype_to_set("", true, true, false), "");            // not OpenBLAS
+  // OPENBLAS_CORETYPE set (by the user, or by the first run): no second
+  // restart; blas_coretype_warning says what it costs.
+  EXPECT_EQ(blas_coretype_to_set("Prescott", true, true, true), "");
+}
+
 }  // namespace
 }  // namespace shardtrain

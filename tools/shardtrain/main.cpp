@@ -2,6 +2,8 @@
 // shardtrain's typed errors into a one-line message and a non-zero exit code.
 #include <c10/util/Exception.h>
 
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -11,6 +13,7 @@
 #include <string>
 
 #include "commands.h"
+#include "shardtrain/core/blas.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/launch/launcher.h"
 
@@ -102,4 +105,18 @@ int shardtrain::cli::run_tool(int argc, char** argv) {
   return shardtrain::dist::kBadInputExitCode;
 }
 
-int main(int argc, char** argv) { return shardtrain::cli::run_tool(argc, argv); }
+int main(int argc, char** argv) {
+  // OpenBLAS picked kernels below this CPU (its detection predates it): run
+  // again with the right ones named, since OpenBLAS reads the choice only
+  // when it loads. Once: OPENBLAS_CORETYPE is set the second time. Should
+  // exec fail, the slower kernels still compute the same results.
+  // The binary by its own path, so that the process keeps its name.
+  const std::string core = shardtrain::blas_coretype_to_set();
+  char self[4096] = {};
+  if (!core.empty() && ::readlink("/proc/self/exe", self, sizeof self - 1) > 0 &&
+      ::setenv("OPENBLAS_CORETYPE", core.c_str(), 1) == 0) {
+    ::execv(self, argv);
+    ::unsetenv("OPENBLAS_CORETYPE");
+  }
+  return shardtrain::cli::run_tool(argc, argv);
+}
