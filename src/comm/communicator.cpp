@@ -2,6 +2,8 @@
 // checks, and dispatch to the algorithm files (ring_*.cpp, chain_*.cpp).
 #include "shardtrain/comm/communicator.h"
 
+#include <signal.h>
+
 #include <ATen/core/Tensor.h>
 #include <gloo/common/error.h>
 #include <gloo/rendezvous/context.h>
@@ -585,6 +587,13 @@ std::shared_ptr<Communicator> Communicator::create(const CommOptions& options) {
     group->kv = detail::open_store(options);
     group->store = detail::gloo_store(group->kv, options.timeout());
     group->round = options.round();
+    // Gloo writes to its sockets without MSG_NOSIGNAL: a peer that died must
+    // fail the op that wrote to it (and name that peer), not kill this rank
+    // with SIGPIPE. A handler the program installed is left alone.
+    struct sigaction pipe_action {};
+    if (::sigaction(SIGPIPE, nullptr, &pipe_action) == 0 && pipe_action.sa_handler == SIG_DFL) {
+      ::signal(SIGPIPE, SIG_IGN);
+    }
     group->device = detail::make_device(options.master_addr(), group->endpoint);
     // Launchers start the same number of ranks on every node (LOCAL_WORLD_SIZE).
     if (const char* local = std::getenv("LOCAL_WORLD_SIZE")) {
