@@ -32,7 +32,11 @@ OUT = os.path.join(BUILD, "bench-first-step")
 SHAPE = dict(n_layer=8, n_head=8, n_embd=512, block_size=256, global_batch=8, micro=2)
 
 ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
-ENV.pop("OPENBLAS_CORETYPE", None)  # both pick this CPU's kernels (bench/train.sh does the same)
+ENV.pop("OPENBLAS_CORETYPE", None)  # shardtrain picks this CPU's kernels (bench/train.sh does the same)
+# The peer gets the kernel set shardtrain's run reported, as in bench/train.sh:
+# where OpenBLAS picks kernels below the CPU by itself, shardtrain runs itself
+# again with the right ones named, and Python would not (set in main()).
+PEER_ENV = dict(ENV)
 
 
 def ours(run_dir):
@@ -58,10 +62,10 @@ def peer():
     return cmd, re.compile(r"first step done in ([0-9.]+) s")
 
 
-def timed(cmd, pattern):
+def timed(cmd, pattern, env):
     """Seconds from start to the first line matching `pattern`, and the match."""
     t0 = time.monotonic()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     seen, match, lines = None, None, []
     for line in p.stdout:
         lines.append(line)
@@ -74,23 +78,27 @@ def timed(cmd, pattern):
     return seen, match
 
 
-def bare(cmd):
+def bare(cmd, env):
     t0 = time.monotonic()
-    subprocess.run(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return time.monotonic() - t0
 
 
 def one_round(k):
     run_dir = os.path.join(OUT, f"run{k}")
     subprocess.run(["rm", "-rf", run_dir], check=True)
-    total_o, _ = timed(*ours(run_dir))
+    total_o, _ = timed(*ours(run_dir), ENV)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        step_o = json.loads(f.readline())["step_time_s"]
-    total_p, m = timed(*peer())
+        first = json.loads(f.readline())
+    step_o = first["step_time_s"]
+    if first.get("blas_core"):
+        PEER_ENV["OPENBLAS_CORETYPE"] = first["blas_core"].upper()
+    total_p, m = timed(*peer(), PEER_ENV)
     step_p = float(m.group(1))
     return {"ours": total_o, "ours_step": step_o, "peer": total_p, "peer_step": step_p,
-            "ours_load": bare([CLI]),
-            "peer_load": bare(["/usr/bin/python3", "-c", "import torch, torch.distributed"])}
+            "ours_load": bare([CLI], ENV),
+            "peer_load": bare(["/usr/bin/python3", "-c", "import torch, torch.distributed"], PEER_ENV),
+            "blas_core": first.get("blas_core", "")}
 
 
 def main():
@@ -101,7 +109,8 @@ def main():
     one_round("-warm")
     rounds = [one_round(k) for k in range(ROUNDS)]
     load_after = open("/proc/loadavg").read().split()[:3]
-    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0] if k != "blas_core"}
+    core = rounds[-1]["blas_core"] or "not OpenBLAS"
     start_o = statistics.median(r["ours"] - r["ours_step"] for r in rounds)
     start_p = statistics.median(r["peer"] - r["peer_step"] for r in rounds)
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
@@ -114,7 +123,9 @@ def main():
         f"- Command: `make bench-first-step   # runs: python3 bench/first_step.py` "
         f"(load average {' '.join(load_before)} before, {' '.join(load_after)} after)",
         f"- Machine: {cpu}, {os.cpu_count()} cores; flags: {' '.join(flags) or 'none of avx2/avx512'}; "
-        "OPENBLAS_CORETYPE unset (OpenBLAS picks this CPU's kernels), one BLAS thread per rank.",
+        f"OpenBLAS kernels {core} on both sides (shardtrain's choice, OPENBLAS_CORETYPE unset; the peer "
+        "given the same), one BLAS thread per rank. Ranks of `shardtrain train --nproc-per-node` are "
+        "forked from the launcher's fork server; the peer's are exec'ed by the same launcher.",
         f"- Job: 2 ranks on this host through `shardtrain launch`, fp32 DDP, the gpt-25m shape "
         f"({s['n_layer']} layers, n_embd {s['n_embd']}, block {s['block_size']}, global batch "
         f"{s['global_batch']}, micro {s['micro']}); `shardtrain train configs/default.yaml` against "
