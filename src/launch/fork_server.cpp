@@ -118,7 +118,7 @@ void close_on_exec_descriptors() {
   ::prctl(PR_SET_NAME, name);  // the program's name again, not the helper's
   // Wait to be re-parented to the launcher (the intermediate exits at once),
   // so that the death signal below is tied to the launcher, not to it.
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (::getppid() != launcher) {
     if (std::chrono::steady_clock::now() > give_up) ::_exit(128 + SIGKILL);
     std::this_thread::sleep_for(std::chrono::microseconds(50));
@@ -179,7 +179,14 @@ void close_on_exec_descriptors() {
       reply = -errno;
       if (!write_all(sock, &reply, sizeof reply)) ::_exit(0);
     } else {
-      ::waitpid(middle, nullptr, 0);
+      int status = 0;
+      ::waitpid(middle, &status, 0);
+      // An intermediate that died before it answered: answer for it, or the
+      // launcher would wait forever.
+      if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        reply = -ECHILD;
+        if (!write_all(sock, &reply, sizeof reply)) ::_exit(0);
+      }
     }
     ::close(req.out);
     ::close(req.err);
