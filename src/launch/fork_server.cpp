@@ -17,6 +17,7 @@
 #include <cstring>
 #include <thread>
 
+#include "launch/signals.h"
 #include "shardtrain/core/error.h"
 
 namespace shardtrain::dist::detail {
@@ -51,6 +52,24 @@ bool read_all(int fd, void* data, size_t n) {
   return true;
 }
 
+// The message header of a request's first part: the 8-byte length, with
+// room for the two descriptors sent along. Not copyable: it points into
+// itself.
+struct LengthAndFds {
+  uint64_t bytes = 0;
+  char control[CMSG_SPACE(2 * sizeof(int))] = {};
+  iovec iov{&bytes, sizeof bytes};
+  msghdr msg{};
+  LengthAndFds() {
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+  }
+  LengthAndFds(const LengthAndFds&) = delete;
+  LengthAndFds& operator=(const LengthAndFds&) = delete;
+};
+
 struct Request {
   std::vector<std::string> argv, env;
   int out = -1, err = -1;
@@ -59,20 +78,14 @@ struct Request {
 // Reads one request; false when the launcher closed the socket (or sent
 // something malformed, which only a bug could).
 bool receive(int sock, Request& req) {
-  uint64_t bytes = 0;
-  char control[CMSG_SPACE(2 * sizeof(int))];
-  iovec iov{&bytes, sizeof bytes};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof control;
+  LengthAndFds head;
   ssize_t r;
   do {
-    r = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | MSG_WAITALL);
+    r = ::recvmsg(sock, &head.msg, MSG_CMSG_CLOEXEC | MSG_WAITALL);
   } while (r < 0 && errno == EINTR);
-  if (r != static_cast<ssize_t>(sizeof bytes)) return false;
-  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  if (r != static_cast<ssize_t>(sizeof head.bytes)) return false;
+  const uint64_t bytes = head.bytes;
+  cmsghdr* c = CMSG_FIRSTHDR(&head.msg);
   if (c == nullptr || c->cmsg_type != SCM_RIGHTS || c->cmsg_len != CMSG_LEN(2 * sizeof(int))) {
     return false;
   }
@@ -125,13 +138,7 @@ void close_on_exec_descriptors() {
   }
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (::getppid() != launcher) ::_exit(128 + SIGKILL);  // the launcher died meanwhile
-  struct sigaction dfl {};
-  dfl.sa_handler = SIG_DFL;
-  for (int sig : {SIGINT, SIGTERM, SIGCHLD, SIGPIPE}) ::sigaction(sig, &dfl, nullptr);
-  ::sigaction(SIGHUP, &hup_at_start, nullptr);  // ignored under nohup, as for an exec'ed rank
-  sigset_t none;
-  sigemptyset(&none);
-  ::sigprocmask(SIG_SETMASK, &none, nullptr);
+  reset_signals_in_child(hup_at_start);
   const int devnull = ::open("/dev/null", O_RDONLY);
   if (devnull >= 0) ::dup2(devnull, STDIN_FILENO);
   ::dup2(req.out, STDOUT_FILENO);
@@ -227,9 +234,8 @@ std::unique_ptr<ForkServer> ForkServer::start_if_possible(const LaunchOptions& o
   int pair[2];
   ST_CHECK(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) == 0, Error,
            "cannot create the fork server's socket: ", std::strerror(errno));
-  struct sigaction hup_at_start {};
-  ::sigaction(SIGHUP, nullptr, &hup_at_start);
-  if (hup_at_start.sa_handler != SIG_IGN) hup_at_start.sa_handler = SIG_DFL;
+  // Read before the helper ignores SIGHUP for itself.
+  const struct sigaction hup_at_start = hup_for_children();
   const pid_t launcher = ::getpid();
   std::fflush(nullptr);  // nothing buffered may be written twice
   const pid_t helper = ::fork();
@@ -264,15 +270,9 @@ pid_t ForkServer::spawn(const std::vector<std::string>& argv, const std::vector<
   for (const auto* list : {&argv, &env}) {
     for (const std::string& s : *list) payload.append(s.c_str(), s.size() + 1);
   }
-  uint64_t bytes = payload.size();
-  char control[CMSG_SPACE(2 * sizeof(int))] = {};
-  iovec iov{&bytes, sizeof bytes};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof control;
-  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  LengthAndFds head;
+  head.bytes = payload.size();
+  cmsghdr* c = CMSG_FIRSTHDR(&head.msg);
   c->cmsg_level = SOL_SOCKET;
   c->cmsg_type = SCM_RIGHTS;
   c->cmsg_len = CMSG_LEN(2 * sizeof(int));
@@ -280,10 +280,10 @@ pid_t ForkServer::spawn(const std::vector<std::string>& argv, const std::vector<
   std::memcpy(CMSG_DATA(c), fds, sizeof fds);
   ssize_t sent;
   do {
-    sent = ::sendmsg(socket_, &msg, MSG_NOSIGNAL);
+    sent = ::sendmsg(socket_, &head.msg, MSG_NOSIGNAL);
   } while (sent < 0 && errno == EINTR);
   int64_t reply = 0;
-  const bool ok = sent == static_cast<ssize_t>(sizeof bytes) &&
+  const bool ok = sent == static_cast<ssize_t>(sizeof head.bytes) &&
                   write_all(socket_, payload.data(), payload.size()) &&
                   read_all(socket_, &reply, sizeof reply);
   ST_CHECK(ok, Error, "the launcher's fork server (pid ", helper_,

@@ -127,6 +127,7 @@ static pid_t fork_and_exec(const std::vector<std::string>& args,
   const std::string exec_error = "shardtrain launch: cannot run '" + args[0] + "': ";
   const int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
   const pid_t parent = ::getpid();
+  const struct sigaction hup = hup_for_children();
 
   // Blocked across fork so that our handlers never run in the child.
   sigset_t all, old;
@@ -139,7 +140,7 @@ static pid_t fork_and_exec(const std::vector<std::string>& args,
     ::setpgid(0, 0);
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != parent) ::_exit(128 + SIGKILL);  // the launcher died before prctl
-    reset_signals_in_child();
+    reset_signals_in_child(hup);
     // stdin is /dev/null: a rank in a background process group that read the
     // terminal would be stopped by SIGTTIN.
     if (devnull >= 0) ::dup2(devnull, STDIN_FILENO);

@@ -75,15 +75,21 @@ std::vector<int> drain_stop_signals() {
 
 int first_stop_signal() { return g_first_stop; }
 
-void reset_signals_in_child() {
+struct sigaction hup_for_children() {
+  struct sigaction hup {};
+  ::sigaction(SIGHUP, nullptr, &hup);
+  if (hup.sa_handler != SIG_IGN) {
+    hup = {};
+    hup.sa_handler = SIG_DFL;
+  }
+  return hup;
+}
+
+void reset_signals_in_child(const struct sigaction& hup) {
   struct sigaction dfl {};
   dfl.sa_handler = SIG_DFL;
   for (int sig : {SIGINT, SIGTERM, SIGCHLD, SIGPIPE}) ::sigaction(sig, &dfl, nullptr);
-  // SIGHUP too, unless it is ignored (nohup), which the rank inherits.
-  struct sigaction hup {};
-  if (::sigaction(SIGHUP, nullptr, &hup) == 0 && hup.sa_handler == on_signal) {
-    ::sigaction(SIGHUP, &dfl, nullptr);
-  }
+  ::sigaction(SIGHUP, &hup, nullptr);
   sigset_t none;
   sigemptyset(&none);
   ::sigprocmask(SIG_SETMASK, &none, nullptr);

@@ -38,9 +38,13 @@ std::vector<int> drain_stop_signals();
 /// installed, or 0.
 int first_stop_signal();
 
-/// In a child between fork and exec (async-signal-safe): default
-/// dispositions for the signals the launcher handles (SIGHUP stays ignored
-/// under nohup) and an empty signal mask.
-void reset_signals_in_child();
+/// SIGHUP's disposition for a rank, from this process's: ignored when it is
+/// ignored here (nohup), else the default (never the launcher's handler).
+struct sigaction hup_for_children();
+
+/// In a child, before it runs the rank's program (async-signal-safe):
+/// default dispositions for SIGINT, SIGTERM, SIGCHLD and SIGPIPE, `hup`
+/// (from hup_for_children()) for SIGHUP, and an empty signal mask.
+void reset_signals_in_child(const struct sigaction& hup);
 
 }  // namespace shardtrain::dist::detail
