@@ -97,6 +97,28 @@ void repack(const char* from, char* to, int64_t numel, int hosts, int k, size_t 
   }
 }
 
+// The two steps inside a host: through shared memory when the host level
+// has it, else its ring. `phase` tells an all-gather's messages apart from
+// those of the op's earlier steps.
+void host_reduce_scatter(const OpContext& host, const void* in, void* out, int64_t numel,
+                         DType dtype, ReduceOp op) {
+  if (host.shm != nullptr) {
+    host.shm->reduce_scatter(host, in, out, numel, dtype, op);
+  } else {
+    ring_reduce_scatter(host, in, out, numel, dtype, op);
+  }
+}
+
+void host_all_gather(const OpContext& host, void* buf, int64_t numel, DType dtype, int phase) {
+  OpContext gather = host;
+  gather.phase = phase;
+  if (host.shm != nullptr) {
+    host.shm->all_gather(gather, buf, numel, dtype);
+  } else {
+    ring_all_gather(gather, buf, numel, dtype);
+  }
+}
+
 }  // namespace
 
 void hierarchical_all_reduce(const OpContext& oc, void* buf, int64_t numel, DType dtype,
@@ -110,11 +132,7 @@ void hierarchical_all_reduce(const OpContext& oc, void* buf, int64_t numel, DTyp
   // 1. This host's sum of piece i lands in place, in piece i of `buf`.
   const ShardRange piece = shard_range(numel, host.size, host.rank);
   char* mine = all + piece.offset * es;
-  if (host.shm != nullptr) {
-    host.shm->reduce_scatter(host, all, mine, numel, dtype, inner);
-  } else {
-    ring_reduce_scatter(host, all, mine, numel, dtype, inner);
-  }
+  host_reduce_scatter(host, all, mine, numel, dtype, inner);
 
   // 2. Piece i across hosts: a ring all-reduce among the ranks with local index i.
   const ShardRange part = shard_range(piece.count, cross.size, cross.rank);
@@ -125,13 +143,7 @@ void hierarchical_all_reduce(const OpContext& oc, void* buf, int64_t numel, DTyp
   ring_all_gather(cross_gather, mine, piece.count, dtype);
 
   // 3. Every piece to every rank of the host.
-  OpContext host_gather = host;
-  host_gather.phase = 2;
-  if (host.shm != nullptr) {
-    host.shm->all_gather(host_gather, all, numel, dtype);
-  } else {
-    ring_all_gather(host_gather, all, numel, dtype);
-  }
+  host_all_gather(host, all, numel, dtype, 2);
 }
 
 void hierarchical_reduce_scatter(const OpContext& oc, const void* in, void* out, int64_t numel,
@@ -146,11 +158,7 @@ void hierarchical_reduce_scatter(const OpContext& oc, const void* in, void* out,
   // 1. Local rank i gets its host's sum of block i: its shards on every host.
   const ShardRange block = shard_range(numel, host.size, host.rank);
   char* sum = oc.scratch->get(1, std::max<size_t>(1, block.count * es));
-  if (host.shm != nullptr) {
-    host.shm->reduce_scatter(host, packed, sum, numel, dtype, inner);
-  } else {
-    ring_reduce_scatter(host, packed, sum, numel, dtype, inner);
-  }
+  host_reduce_scatter(host, packed, sum, numel, dtype, inner);
   // 2. Across hosts: host h's part of block i is world shard h*k + i.
   ring_reduce_scatter(cross, sum, out, block.count, dtype, op, op == ReduceOp::Avg ? oc.size : 0);
 }
@@ -169,13 +177,7 @@ void hierarchical_all_gather(const OpContext& oc, const void* in, void* out, int
   if (part.count > 0) std::memcpy(mine + part.offset * es, in, part.count * es);
   ring_all_gather(cross, mine, block.count, dtype);
   // 2. Every block to every rank of the host, then back to the world order.
-  OpContext host_gather = host;
-  host_gather.phase = 1;
-  if (host.shm != nullptr) {
-    host.shm->all_gather(host_gather, packed, numel, dtype);
-  } else {
-    ring_all_gather(host_gather, packed, numel, dtype);
-  }
+  host_all_gather(host, packed, numel, dtype, 1);
   repack(packed, static_cast<char*>(out), numel, cross.size, host.size, es, false);
 }
 
