@@ -19,6 +19,9 @@ namespace shardtrain::cli {
 /// (dist::LaunchOptions::rank_main).
 int run_tool(int argc, char** argv);
 
+/// This executable's path (/proc/self/exe), or "" when it cannot be read.
+std::string this_program();
+
 /// `shardtrain launch ... -- PROGRAM ARGS`; argv[0] is "launch".
 int launch_main(int argc, char** argv);
 

@@ -42,9 +42,8 @@ const char kUsage[] =
 // Whether `program` (a path, or a name looked up in PATH as exec would)
 // is this very executable.
 bool is_this_program(const std::string& program) {
-  std::error_code ec;
-  const fs::path self = fs::canonical("/proc/self/exe", ec);
-  if (ec || program.empty()) return false;
+  const fs::path self = this_program();
+  if (self.empty() || program.empty()) return false;
   auto same = [&](const fs::path& p) {
     std::error_code e;
     return fs::equivalent(p, self, e) && !e;

@@ -70,6 +70,12 @@ int report(const char* command, const char* kind, const std::exception& e, int c
 
 }  // namespace
 
+std::string shardtrain::cli::this_program() {
+  char self[4096] = {};
+  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
+  return n > 0 ? std::string(self, static_cast<size_t>(n)) : std::string();
+}
+
 int shardtrain::cli::run_tool(int argc, char** argv) {
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     usage(argc < 2 ? stderr : stdout);
@@ -112,10 +118,9 @@ int main(int argc, char** argv) {
   // exec fail, the slower kernels still compute the same results.
   // The binary by its own path, so that the process keeps its name.
   const std::string core = shardtrain::blas_coretype_to_set();
-  char self[4096] = {};
-  if (!core.empty() && ::readlink("/proc/self/exe", self, sizeof self - 1) > 0 &&
-      ::setenv("OPENBLAS_CORETYPE", core.c_str(), 1) == 0) {
-    ::execv(self, argv);
+  const std::string self = core.empty() ? std::string() : shardtrain::cli::this_program();
+  if (!self.empty() && ::setenv("OPENBLAS_CORETYPE", core.c_str(), 1) == 0) {
+    ::execv(self.c_str(), argv);
     ::unsetenv("OPENBLAS_CORETYPE");
   }
   return shardtrain::cli::run_tool(argc, argv);

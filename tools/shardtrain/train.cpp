@@ -85,10 +85,9 @@ std::optional<TrainArgs> parse(int argc, char** argv) {
 int relaunch(const TrainArgs& args, int nproc) {
   dist::LaunchOptions options = args.launch;
   options.nproc_per_node(nproc);
-  char self[4096] = {0};
-  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-  ST_CHECK(n > 0, Error, "cannot find this program's path to start its ranks");
-  options.command({std::string(self, static_cast<size_t>(n)), "train"});
+  const std::string self = this_program();
+  ST_CHECK(!self.empty(), Error, "cannot find this program's path to start its ranks");
+  options.command({self, "train"});
   options.rank_main(run_tool);  // this very program: ranks forked, not exec'ed
   if (!args.config.empty()) options.command().push_back(args.config);
   for (const auto& o : args.overrides) {
@@ -106,12 +105,12 @@ int relaunch(const TrainArgs& args, int nproc) {
 // beside an installed one (PREFIX/bin/shardtrain -> PREFIX/share/shardtrain),
 // or in the checkout above its build directory. "" when none holds `relative`.
 std::string project_file(const std::string& relative) {
-  std::error_code ec;
-  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  if (ec) return "";
+  const fs::path exe = this_program();
+  if (exe.empty()) return "";
   for (const fs::path& root : {exe.parent_path().parent_path() / "share" / "shardtrain",
                                exe.parent_path().parent_path()}) {
     const fs::path candidate = root / relative;
+    std::error_code ec;
     if (fs::exists(candidate, ec)) return candidate.string();
   }
   return "";
