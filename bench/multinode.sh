@@ -62,17 +62,8 @@ port=29700
 # Launchers started separately share the job's secret.
 export SHARDTRAIN_JOB_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
 LOAD_BEFORE=$(cut -d' ' -f1-3 /proc/loadavg)
-# The -mpi modes: one mpirun on host 0 whose remote agent enters host 1's
-# namespace (no ssh), each host with a host name of its own (Open MPI tells
-# nodes apart by name); the ranks run on the mpi backend over Open MPI's TCP.
-agent="$out/agent.sh"
-cat >"$agent" <<AGENT
-#!/bin/sh
-host=\$1; shift
-[ "\$host" = "${HOST_ADDR[1]}" ] || { echo "agent: unknown host \$host" >&2; exit 1; }
-exec ip netns exec "${HOST_NS[1]}" unshare --uts sh -c "hostname stb-host1; \$*"
-AGENT
-chmod +x "$agent"
+# The -mpi modes: one mpirun across both hosts (mpirun_two_hosts, no ssh);
+# the ranks run on the mpi backend over Open MPI's TCP.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_hwloc_base_binding_policy=none
 export OMPI_MCA_btl_vader_single_copy_mechanism=none
 
@@ -89,10 +80,7 @@ for mode in $MODES; do
   port=$((port + 1))
   pids=()
   if [ "$hier" = mpi ]; then
-    ip netns exec "${HOST_NS[0]}" unshare --uts sh -c 'hostname stb-host0; exec "$@"' sh \
-      mpirun -np 4 --host "${HOST_ADDR[0]}:2,${HOST_ADDR[1]}:2" --mca plm_rsh_agent "$agent" \
-      --mca oob_tcp_if_include 10.77.0.0/24 --mca btl_tcp_if_include 10.77.0.0/24 \
-      -x OPENBLAS_NUM_THREADS=1 -x OMP_NUM_THREADS=1 \
+    mpirun_two_hosts "$out" stb 10.77.0. 2 -x OPENBLAS_NUM_THREADS=1 -x OMP_NUM_THREADS=1 \
       "$cli" train "${model[@]}" "${extra[@]}" --set distributed.backend=mpi --set run.dir="$run" \
       >"$out/$mode.0.log" 2>&1 &
     pids+=($!)

@@ -61,24 +61,11 @@ mpirun -np 3 "$cli" train "${common[@]}" --set trainer.max_steps=4 --set distrib
 same "ddp x2 then full_shard x3 under mpirun" "${ref[*]}" "$(losses "$run/metrics.jsonl")" ||
   fail "resumed under mpirun: losses differ"
 
-# 3. Two hosts under one mpirun. mpirun runs on host 0; its agent starts the
-#    daemon of host 1 inside host 1's namespace. Each host gets a host name
-#    of its own (a UTS namespace), as real hosts have: MPI tells nodes apart
-#    by name, and would otherwise take both for one and share memory across.
+# 3. Two hosts under one mpirun (mpirun_two_hosts: its agent starts host 1's
+#    daemon inside host 1's namespace, each host with a host name of its own).
 hosts_up "$tag" "$net"
-agent="$work/agent.sh"
-cat >"$agent" <<EOF
-#!/bin/sh
-# Called as an ssh would be: HOST COMMAND...; HOST is host 1's address.
-host=\$1; shift
-[ "\$host" = "${HOST_ADDR[1]}" ] || { echo "agent: unknown host \$host" >&2; exit 1; }
-exec ip netns exec "${HOST_NS[1]}" unshare --uts sh -c "hostname $tag-host1; \$*"
-EOF
-chmod +x "$agent"
 run="$work/hosts"
-ip netns exec "${HOST_NS[0]}" unshare --uts sh -c 'hostname "$0-host0"; exec "$@"' "$tag" mpirun -np 4 --host "${HOST_ADDR[0]}:2,${HOST_ADDR[1]}:2" \
-  --mca plm_rsh_agent "$agent" --mca oob_tcp_if_include "${net}0/24" \
-  --mca btl_tcp_if_include "${net}0/24" \
+mpirun_two_hosts "$work" "$tag" "$net" 2 \
   "$cli" train "${common[@]}" --set trainer.max_steps=4 --set distributed.strategy=ddp \
   --set run.dir="$run" >"$work/hosts.log" 2>&1 || { cat "$work/hosts.log"; fail "ddp across two hosts under mpirun failed"; }
 same "ddp 2 hosts x 2 under mpirun" "${ref[*]}" "$(losses "$run/metrics.jsonl")" ||

@@ -12,6 +12,15 @@
 #                         namespace TAG-br, so every host reaches every other
 #                         and nothing touches the root namespace. Sets the
 #                         same arrays, N entries each.
+#   mpirun_two_hosts DIR TAG NET K ARGS...
+#                         after hosts_up: one mpirun on host 0 starting K
+#                         ranks on each of the two hosts (ARGS: more mpirun
+#                         options, then the program). Its remote agent, written
+#                         to DIR, enters host 1's namespace instead of using
+#                         ssh; each host gets a host name of its own (TAG-host0,
+#                         TAG-host1; a UTS namespace), as Open MPI tells nodes
+#                         apart by name and would otherwise take both for one
+#                         and share memory across. Traffic stays on NET0/24.
 #   hosts_kill NODE       SIGKILLs every process in that node's namespace.
 #   hosts_down            kills everything in every host and deletes the
 #                         namespaces (the veths and the bridge go with them);
@@ -57,6 +66,23 @@ hosts_up_n() {
     ip -n "${HOST_NS[node]}" link set lo up
     ip -n "${HOST_NS[node]}" link set "${HOST_DEV[node]}" up
   done
+}
+
+mpirun_two_hosts() {
+  local dir=$1 tag=$2 net=$3 k=$4
+  shift 4
+  cat >"$dir/agent.sh" <<AGENT
+#!/bin/sh
+# Called as an ssh would be: HOST COMMAND...; HOST is host 1's address.
+host=\$1; shift
+[ "\$host" = "${HOST_ADDR[1]}" ] || { echo "agent: unknown host \$host" >&2; exit 1; }
+exec ip netns exec "${HOST_NS[1]}" unshare --uts sh -c "hostname $tag-host1; \$*"
+AGENT
+  chmod +x "$dir/agent.sh"
+  ip netns exec "${HOST_NS[0]}" unshare --uts sh -c 'hostname "$0-host0"; exec "$@"' "$tag" \
+    mpirun -np $((2 * k)) --host "${HOST_ADDR[0]}:$k,${HOST_ADDR[1]}:$k" \
+    --mca plm_rsh_agent "$dir/agent.sh" --mca oob_tcp_if_include "${net}0/24" \
+    --mca btl_tcp_if_include "${net}0/24" "$@"
 }
 
 hosts_kill() {

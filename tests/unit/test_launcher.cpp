@@ -484,8 +484,9 @@ char process_state(int pid) {
   return paren == std::string::npos || paren + 2 >= text.size() ? 0 : text[paren + 2];
 }
 
-TEST(Launcher, RanksDieWithAKilledLauncher) {
-  Cli cli({"launch", "--nproc-per-node", "2", "--", kProbe, "wait-signal"});
+// Waits for `cli`'s two wait-signal ranks, SIGKILLs the launcher, and
+// expects both ranks gone (or zombies) within 30 s.
+void expect_ranks_die_with_a_killed_launcher(Cli& cli) {
   std::string out;
   ASSERT_TRUE(cli.wait_for(
       [&](const std::string& o) {
@@ -510,6 +511,11 @@ TEST(Launcher, RanksDieWithAKilledLauncher) {
     }
     EXPECT_TRUE(state == 0 || state == 'Z') << "rank pid " << pid << " outlived the launcher";
   }
+}
+
+TEST(Launcher, RanksDieWithAKilledLauncher) {
+  Cli cli({"launch", "--nproc-per-node", "2", "--", kProbe, "wait-signal"});
+  expect_ranks_die_with_a_killed_launcher(cli);
 }
 
 // ---- ranks forked by the fork server (tests/dist/fork_launcher.cpp) ---------------
@@ -581,30 +587,7 @@ TEST(ForkServer, ARankKilledBySignalGives128PlusSignal) {
 
 TEST(ForkServer, RanksDieWithAKilledLauncher) {
   Cli cli = forked({"2", "0", "wait-signal"});
-  std::string out;
-  ASSERT_TRUE(cli.wait_for(
-      [&](const std::string& o) {
-        out = o;
-        return count_of(o, "ready pid") == 2;
-      },
-      30));
-  std::vector<int> pids;
-  for (const auto& line : lines_of(out)) {
-    const size_t at = line.find("ready pid ");
-    if (at != std::string::npos) pids.push_back(std::stoi(line.substr(at + 10)));
-  }
-  ASSERT_EQ(pids.size(), 2u);
-  cli.signal(SIGKILL);
-  cli.finish();
-  for (int pid : pids) {
-    const auto deadline = Clock::now() + std::chrono::seconds(30);
-    char state = process_state(pid);
-    while (state != 0 && state != 'Z' && Clock::now() < deadline) {
-      ::usleep(20 * 1000);
-      state = process_state(pid);
-    }
-    EXPECT_TRUE(state == 0 || state == 'Z') << "rank pid " << pid << " outlived the launcher";
-  }
+  expect_ranks_die_with_a_killed_launcher(cli);
 }
 
 TEST(Launcher, MissingProgramExits127) {
