@@ -6,7 +6,10 @@
 // every matrix.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <thread>
@@ -321,6 +324,22 @@ TEST(Transport, RanksOfOneHostShareMemoryUnlessTurnedOff) {
     auto pair = world().new_group({0, 1});
     if (pair) EXPECT_EQ(shares(*pair), expect) << pair->endpoint();
   }
+}
+
+// Gloo writes to its sockets without MSG_NOSIGNAL, so on the gloo path a
+// write to a peer that died must fail with EPIPE instead of killing this
+// rank with SIGPIPE: the op then fails with an error that names the peer.
+// Checked with a plain write() to a socket whose other end is closed.
+TEST(Transport, AWriteToADeadPeerFailsInsteadOfKillingTheRank) {
+  if (world().size() < 2 || on_mpi(world())) return;  // no Gloo sockets here
+  int pair[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, pair), 0);
+  ::close(pair[1]);
+  const char byte = 1;
+  errno = 0;
+  EXPECT_EQ(::write(pair[0], &byte, 1), -1);
+  EXPECT_EQ(errno, EPIPE);
+  ::close(pair[0]);
 }
 
 // A peer that is alive but never joins the collective: the op fails with a
