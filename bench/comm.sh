@@ -17,7 +17,12 @@ BUILD_DIR=${BUILD_DIR:-build}
 OUT_DIR=${OUT_DIR:-$BUILD_DIR/bench-comm}
 SIZES=${SIZES:-"1024 1048576 67108864"}
 WORLD_SIZES=${WORLD_SIZES:-"2 4"}
-OPS="all_reduce reduce_scatter all_gather"
+OPS="all_reduce reduce_scatter all_gather broadcast"
+TORCH_OPS="all_reduce broadcast"   # what PyTorch 1.13 Gloo has of OPS
+# Across two network-namespace hosts (needs root; TWO_HOSTS=0 skips it):
+# all_reduce at these sizes and a barrier, 1 and 2 ranks per host.
+TWO_HOSTS=${TWO_HOSTS:-1}
+HOST_SIZES=${HOST_SIZES:-"1024 65536 1048576"}
 TORCH_PY=/usr/bin/python3          # Debian's python3-torch; the python3 on PATH may lack torch
 LAUNCH_TIMEOUT=600                 # seconds; a hung collective fails the run instead of stalling it
 
@@ -37,8 +42,8 @@ if [ ! -x "$MEMCPY" ] || [ bench/memcpy_bw.cpp -nt "$MEMCPY" ] || [ bench/bench_
 fi
 
 # Iterations per size: enough to be stable, small enough for ~5 minutes on 2 cores.
-iters_for() { case $1 in 1024) echo 200 ;; 1048576) echo 20 ;; *) echo 5 ;; esac; }
-warmup_for() { case $1 in 1024) echo 20 ;; 1048576) echo 5 ;; *) echo 3 ;; esac; }
+iters_for() { case $1 in 1024) echo 200 ;; 65536) echo 100 ;; 1048576) echo 20 ;; *) echo 5 ;; esac; }
+warmup_for() { case $1 in 1024|65536) echo 20 ;; 1048576) echo 5 ;; *) echo 3 ;; esac; }
 
 mkdir -p "$OUT_DIR"
 RESULTS=$OUT_DIR/results.jsonl
@@ -79,9 +84,14 @@ for n in $WORLD_SIZES; do
       run mpirun -np "$n" "$SHARDTRAIN" bench-comm \
         --op "$op" --bytes "$bytes" --dtype float32 --iters "$it" --warmup "$wu" --json "$MPI_RESULTS"
     done
-    run "$SHARDTRAIN" launch --nproc-per-node "$n" -- "$TORCH_PY" bench/torch_collectives.py \
-      --op all_reduce --bytes "$bytes" --dtype float32 --iters "$it" --warmup "$wu" --json "$RESULTS"
+    for op in $TORCH_OPS; do
+      run "$SHARDTRAIN" launch --nproc-per-node "$n" -- "$TORCH_PY" bench/torch_collectives.py \
+        --op "$op" --bytes "$bytes" --dtype float32 --iters "$it" --warmup "$wu" --json "$RESULTS"
+    done
   done
+  run "$SHARDTRAIN" launch --nproc-per-node "$n" -- "$SHARDTRAIN" bench-comm --op barrier --iters 200 --warmup 20 --json "$RESULTS"
+  run mpirun -np "$n" "$SHARDTRAIN" bench-comm --op barrier --iters 200 --warmup 20 --json "$MPI_RESULTS"
+  run "$SHARDTRAIN" launch --nproc-per-node "$n" -- "$TORCH_PY" bench/torch_collectives.py --op barrier --iters 200 --warmup 20 --json "$RESULTS"
   # PyTorch 1.13 Gloo has no flat reduce_scatter / all_gather: one probe each
   # records that (as a "status":"unsupported" line) instead of a number.
   for op in reduce_scatter all_gather; do
@@ -93,9 +103,49 @@ done
 run "$MEMCPY" --json "$RESULTS"
 sed 's/"impl":"shardtrain"/"impl":"shardtrain-mpi"/' "$MPI_RESULTS" >> "$RESULTS"
 
+# Two hosts: each launch is one launcher per host (namespace), rank 0's line
+# marked with "hosts":2 and the ranks per host.
+n_two_hosts=0
+if [ "$TWO_HOSTS" = 1 ]; then
+  # shellcheck source=../tests/dist/netns_hosts.sh
+  source tests/dist/netns_hosts.sh
+  trap hosts_down EXIT
+  hosts_up stcomm 10.79.0.
+  SHARDTRAIN_JOB_TOKEN=${SHARDTRAIN_JOB_TOKEN:-$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')}
+  export SHARDTRAIN_JOB_TOKEN
+  HOST_RESULTS=$OUT_DIR/two-hosts.jsonl
+  : > "$HOST_RESULTS"
+  port=29610
+  on_two_hosts() {  # K PROGRAM ARGS...: one launcher per host, K ranks each
+    local k=$1 node pids=(); shift
+    port=$((port + 1))
+    printf '+ on two hosts, %s per host:' "$k"; printf ' %q' "$@"; echo
+    for node in 0 1; do
+      ip netns exec "${HOST_NS[node]}" env GLOO_SOCKET_IFNAME="${HOST_DEV[node]}" \
+        timeout "$LAUNCH_TIMEOUT" "$SHARDTRAIN" launch --nnodes 2 --node-rank "$node" \
+        --nproc-per-node "$k" --master-addr "${HOST_ADDR[0]}" --master-port "$port" -- "$@" &
+      pids+=($!)
+    done
+    for node in 0 1; do wait "${pids[node]}"; done
+  }
+  for k in 1 2; do
+    for bytes in $HOST_SIZES barrier; do
+      if [ "$bytes" = barrier ]; then args=(--op barrier --iters 200 --warmup 20)
+      else args=(--op all_reduce --bytes "$bytes" --iters "$(iters_for "$bytes")" --warmup "$(warmup_for "$bytes")"); fi
+      before=$(wc -l < "$HOST_RESULTS")
+      on_two_hosts "$k" "$SHARDTRAIN" bench-comm "${args[@]}" --json "$HOST_RESULTS"
+      on_two_hosts "$k" "$TORCH_PY" bench/torch_collectives.py "${args[@]}" --json "$HOST_RESULTS"
+      sed -i "$((before + 1)),\$ s/^{/{\"hosts\":2,\"per_host\":$k,/" "$HOST_RESULTS"
+      n_two_hosts=$((n_two_hosts + 2))
+    done
+  done
+  hosts_down
+  cat "$HOST_RESULTS" >> "$RESULTS"
+fi
+
 # Every launch above appends exactly one line (rank 0); fewer means a rank failed quietly.
 n_ws=$(wc -w <<< "$WORLD_SIZES"); n_sizes=$(wc -w <<< "$SIZES")
-expected=$(( n_ws * n_sizes * 7 + n_ws * 2 + 3 ))
+expected=$(( n_ws * n_sizes * (2 * $(wc -w <<< "$OPS") + $(wc -w <<< "$TORCH_OPS")) + n_ws * 5 + 3 + n_two_hosts ))
 got=$(wc -l < "$RESULTS")
 [ "$got" -eq "$expected" ] || die "$RESULTS has $got lines, expected $expected"
 

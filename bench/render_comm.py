@@ -12,9 +12,11 @@ import benchlib
 
 BEGIN, END = "<!-- comm:begin -->", "<!-- comm:end -->"
 SUP = "¹²³⁴⁵"
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
 
 def human_bytes(b):
+    if b == 0:
+        return "—"
     for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
         if b >= scale and b % scale == 0:
             return f"{b // scale} {unit}"
@@ -34,7 +36,39 @@ def usec(x):
 
 
 
+def ratio(ours, peer):
+    """Speed ratio of two runs of the same op, size and ranks (above 1: ours faster)."""
+    return f"{peer['time_us'] / ours['time_us']:.2f}×"
+
+
+def busbw(r):
+    return gbps(r["busbw_gbps"]) if r["bytes"] else "—"
+
+
+def render_two_hosts(rows, a):
+    st = {(r["op"], r["bytes"], r["per_host"]): r for r in rows if r.get("impl") == "shardtrain"}
+    pt = {(r["op"], r["bytes"], r["per_host"]): r for r in rows if r.get("impl") == "pytorch-gloo"}
+    out = ["### Across two hosts (network namespaces joined by a veth pair)", "",
+           "- Each host is a network namespace of this machine with a launcher of its own (`shardtrain launch "
+           "--nnodes 2`), PyTorch under the same launchers with `GLOO_SOCKET_IFNAME` set to the host's "
+           "interface. With 2 ranks per host shardtrain goes hierarchically (shared memory inside the host); "
+           "an all_reduce of up to 64 KB across hosts goes in one round (every rank sends its buffer to "
+           "every peer), larger ones as rings. Same measurement as above; 64 KB: "
+           f"{next((r['iters'] for r in rows if r['bytes'] == 65536), '?')} timed iterations.", "",
+           "| op | bytes | ranks (per host) | shardtrain time µs | PyTorch Gloo time µs | shardtrain / PyTorch |",
+           "|---|---:|---:|---:|---:|---:|"]
+    for key in sorted(st, key=lambda k: (k[2], OPS.index(k[0]), k[1])):
+        op, b, k = key
+        s, p = st[key], pt.get(key)
+        out.append(f"| {op} | {human_bytes(b)} | {2 * k} ({k}) | {usec(s['time_us'])} | "
+                   + (f"{usec(p['time_us'])} | {ratio(s, p)} |" if p else "— | — |"))
+    out.append("")
+    return out
+
+
 def render(rows, a):
+    two_hosts = [r for r in rows if r.get("hosts") == 2]
+    rows = [r for r in rows if "hosts" not in r]
     st = {(r["op"], r["bytes"], r["world_size"]): r for r in rows if r.get("impl") == "shardtrain"}
     mpi = {(r["op"], r["bytes"], r["world_size"]): r for r in rows if r.get("impl") == "shardtrain-mpi"}
     pt = {(r["op"], r["bytes"], r["world_size"]): r for r in rows
@@ -50,7 +84,10 @@ def render(rows, a):
     dtypes = sorted({r["dtype"] for r in st.values()})
     iters = {}
     for r in st.values():
-        iters.setdefault(r["bytes"], r["iters"])
+        if r["bytes"]:
+            iters.setdefault(r["bytes"], r["iters"])
+    barrier_iters = next((r["iters"] for r in st.values() if r["op"] == "barrier"), None)
+    dram = next((r["gbps"] for r in memcpy if r["bytes"] >= 1 << 26), None)
     world_sizes = sorted({k[2] for k in st})
 
     out = [BEGIN, "", "## Collective communication (CPU, loopback)", ""]
@@ -59,9 +96,12 @@ def render(rows, a):
     out.append(
         "- Method: " + ", ".join(dtypes) + "; each figure is one launch of the ranks on this machine, "
         + "; ".join(f"{human_bytes(b)}: {n} timed iterations" for b, n in sorted(iters.items()))
+        + (f"; barrier: {barrier_iters}" if barrier_iters else "")
         + " after a warm-up. Time = mean over iterations of the slowest rank's time; "
-        "busbw = bytes/time × 2(n−1)/n for all_reduce, × (n−1)/n for reduce_scatter and all_gather "
-        "(nccl-tests definitions). Ratio = shardtrain busbw / PyTorch busbw (above 1: shardtrain faster). "
+        "busbw = bytes/time × 2(n−1)/n for all_reduce, × (n−1)/n for reduce_scatter and all_gather, "
+        "× 1 for broadcast (nccl-tests definitions). Ratio = PyTorch time / shardtrain time, the same as "
+        "the busbw ratio (above 1: shardtrain faster). % memcpy = shardtrain busbw / the single-thread "
+        "64 MB memcpy below, for 64 MB rows. "
         "shardtrain is the gloo backend (rings over TCP, shared memory among the ranks of this host); "
         "MPI is the same program on the mpi backend under `mpirun` (Open MPI; its shared-memory "
         "transport here), and gloo / MPI compares the two backends.")
@@ -70,17 +110,17 @@ def render(rows, a):
         out.append(f"- World size {', '.join(map(str, over))} oversubscribes the {a.nproc} cores: "
                    "ranks time-share the CPUs with each other.")
     out.append("")
-    out.append("| op | bytes | ranks | shardtrain busbw GB/s | shardtrain time µs "
+    out.append("| op | bytes | ranks | shardtrain busbw GB/s | shardtrain time µs | % memcpy "
                "| PyTorch Gloo busbw GB/s | PyTorch time µs | shardtrain / PyTorch "
                "| MPI busbw GB/s | MPI time µs | gloo / MPI |")
-    out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     notes = []
     for key in sorted(st, key=lambda k: (OPS.index(k[0]) if k[0] in OPS else 99, k[1], k[2])):
         op, b, n = key
         s = st[key]
         p = pt.get(key)
         if p:
-            cols = [gbps(p["busbw_gbps"]), usec(p["time_us"]), f"{s['busbw_gbps'] / p['busbw_gbps']:.2f}×"]
+            cols = [busbw(p), usec(p["time_us"]), ratio(s, p)]
         else:
             mark = ""
             if op in unsupported:
@@ -89,9 +129,9 @@ def render(rows, a):
                 mark = SUP[notes.index(op)]
             cols = ["n/a" + mark, "—", "—"]
         m = mpi.get(key)
-        cols += ([gbps(m["busbw_gbps"]), usec(m["time_us"]), f"{s['busbw_gbps'] / m['busbw_gbps']:.2f}×"]
-                 if m else ["—", "—", "—"])
-        out.append(f"| {op} | {human_bytes(b)} | {n} | {gbps(s['busbw_gbps'])} | {usec(s['time_us'])} | "
+        cols += ([busbw(m), usec(m["time_us"]), ratio(s, m)] if m else ["—", "—", "—"])
+        share = f"{100 * s['busbw_gbps'] / dram:.0f} %" if dram and b >= 1 << 26 else "—"
+        out.append(f"| {op} | {human_bytes(b)} | {n} | {busbw(s)} | {usec(s['time_us'])} | {share} | "
                    + " | ".join(cols) + " |")
     out.append("")
     if memcpy:
@@ -108,6 +148,8 @@ def render(rows, a):
                    f"(probe: “{unsupported[op]}”).{extra}")
     if notes:
         out.append("")
+    if two_hosts:
+        out += render_two_hosts(two_hosts, a)
     out.append(END)
     return "\n".join(out)
 

@@ -38,7 +38,7 @@ import benchlib
 def markers(section):
     """The BENCHMARKS.md markers of a section: train (GPT) or train-llama."""
     return f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
-MODEL_ORDER = ("gpt-25m", "default")
+MODEL_ORDER = ("gpt-25m", "gpt2-124m", "default")
 # Mode name -> (text, the mode of PyTorch's row it is compared with).
 MODES = {
     "ddp": ("fp32 DDP", "ddp"),

@@ -44,7 +44,7 @@ def parse_bytes(text):
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
 
 
 def main():
@@ -66,7 +66,7 @@ def main():
     rank, n = dist.get_rank(), dist.get_world_size()
     dtype = DTYPES[args.dtype]
     esize = torch.tensor([], dtype=dtype).element_size()
-    numel = max(1, args.bytes // esize)
+    numel = 0 if args.op == "barrier" else max(1, args.bytes // esize)
     nbytes = numel * esize
     full = torch.ones(numel, dtype=dtype)
 
@@ -111,6 +111,8 @@ def main():
     def run_once():
         if args.op == "all_reduce":
             dist.all_reduce(full)
+        elif args.op == "barrier":
+            dist.barrier()
         else:
             dist.broadcast(full, src=0)
 

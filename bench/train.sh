@@ -13,6 +13,8 @@
 #   gpt-25m    single fp32, DDP fp32, ZeRO-1 fp32, FULL_SHARD fp32, DDP bf16-mixed
 #   llama-25m  DDP fp32, FULL_SHARD fp32, DDP bf16-mixed (8 layers, hidden 512,
 #              8 heads over 2 key/value heads, SwiGLU 1408, untied head)
+#   gpt2-124m  DDP fp32, FULL_SHARD fp32, DDP bf16-mixed (GPT-2 124M: 12 layers,
+#              768 wide, context 1024, vocabulary 50257; global batch 2, micro 1)
 #   default    single fp32, DDP fp32
 # PyTorch peers: DDP, DDP + ZeroRedundancyOptimizer, DDP under bf16 autocast
 # (bench/torch_gpt_ddp.py; bench/torch_llama_ddp.py for llama-25m); gpt-25m's
@@ -21,7 +23,7 @@
 # bf16 rows run only when the CPU has native bf16 (avx512_bf16 or amx_bf16).
 #
 # Environment: BUILD_DIR (default build), OUT_DIR (default $BUILD_DIR/bench-train),
-# MODELS (subset of "default gpt-25m llama-25m"; default the first two),
+# MODELS (subset of "default gpt-25m gpt2-124m llama-25m"; default the first three),
 # SECTION (train; train-llama, between <!-- train-llama:begin/end -->, for
 # MODELS=llama-25m: `make bench-llama`), MODES (subset of "single ddp zero1
 # fsdp bf16-ddp"; FULL_SHARD's row needs ddp's beside it), PROFILE (1: profile runs, the default;
@@ -49,7 +51,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 BUILD_DIR=${BUILD_DIR:-build}
 OUT_DIR=${OUT_DIR:-$BUILD_DIR/bench-train}
-MODELS=${MODELS:-"default gpt-25m"}
+MODELS=${MODELS:-"default gpt-25m gpt2-124m"}
 SECTION=${SECTION:-train}          # train-llama: `make bench-llama`'s section
 PROFILE=${PROFILE:-1}
 QUICK=${QUICK:-0}
@@ -90,7 +92,16 @@ model_spec() {
   case $1 in
     default) echo "4 4 128 128 32 8 30 10" ;;
     gpt-25m|llama-25m) echo "8 8 512 256 8 2 10 3" ;;
-    *) die "unknown model '$1' (known: default gpt-25m llama-25m)" ;;
+    gpt2-124m) echo "12 12 768 1024 2 1 6 2" ;;
+    *) die "unknown model '$1' (known: default gpt-25m gpt2-124m llama-25m)" ;;
+  esac
+}
+# Vocabulary size: bytes, except GPT-2 124M's own (its output layer is GPT-2's
+# cost; the byte data uses the first 256 rows).
+model_vocab() {
+  case $1 in
+    gpt2-124m) echo 50257 ;;
+    *) echo 256 ;;
   esac
 }
 # What else a model sets: shardtrain's --set arguments, then the peer script.
@@ -114,6 +125,7 @@ model_modes() {
     gpt-25m) printf '%s\n' "single 1 single fp32 -" "ddp 2 ddp fp32 -" "zero1 2 zero1 fp32 --zero1" \
                            "fsdp 2 fsdp fp32 =ddp" "bf16-ddp 2 ddp bf16-mixed --bf16" ;;
     llama-25m) printf '%s\n' "ddp 2 ddp fp32 -" "fsdp 2 fsdp fp32 -" "bf16-ddp 2 ddp bf16-mixed --bf16" ;;
+    gpt2-124m) printf '%s\n' "ddp 2 ddp fp32 -" "fsdp 2 fsdp fp32 =ddp" "bf16-ddp 2 ddp bf16-mixed --bf16" ;;
   esac
 }
 PROFILE_STEPS=7 PROFILE_STEP=6   # profile runs: step 6 of 7 (warm: the first steps still grow the heap; the last saves a checkpoint)
@@ -123,7 +135,8 @@ if [ "$QUICK" = 1 ]; then
     case $1 in
       default) echo "4 4 128 128 32 8 5 2" ;;
       gpt-25m|llama-25m) echo "8 8 512 256 8 2 3 1" ;;
-      *) die "unknown model '$1' (known: default gpt-25m llama-25m)" ;;
+      gpt2-124m) echo "12 12 768 1024 2 1 3 1" ;;
+      *) die "unknown model '$1' (known: default gpt-25m gpt2-124m llama-25m)" ;;
     esac
   }
 fi
@@ -211,7 +224,7 @@ shardtrain_run() {  # shardtrain_run DIR RANKS STRATEGY PRECISION STEPS [--set .
     --set model.n_layer="$L" --set model.n_head="$H" --set model.n_embd="$E" --set model.block_size="$T" \
     --set batch.global="$G" --set batch.micro="$M" --set batch.accumulate=null \
     --set trainer.max_steps="$steps" --set trainer.eval_every=0 --set trainer.sample_tokens=0 \
-    --set trainer.progress=plain --set precision="$prec" \
+    --set trainer.progress=plain --set precision="$prec" --set model.vocab_size="$V" \
     --set distributed.strategy="$strat" --set distributed.threads_per_rank=1 \
     --nproc-per-node "$np" $EXTRA "$@"
   rm -rf "$dir/model.safetensors" "$dir/checkpoints"   # up to a few hundred MB each for gpt-25m
@@ -222,7 +235,7 @@ peer_run() {  # peer_run CORETYPE RANKS ARGS...
   local e
   mapfile -t e < <(peer_env "$core")
   local py=("$TORCH_PY" "$PEER_PY" --n-layer "$L" --n-head "$H" --n-embd "$E"
-            --block-size "$T" --global-batch "$G" --micro "$M" --threads 1 "$@")
+            --block-size "$T" --vocab-size "$V" --global-batch "$G" --micro "$M" --threads 1 "$@")
   if [ "$np" -eq 1 ]; then
     run "${e[@]}" "${py[@]}"
   else
@@ -233,12 +246,13 @@ peer_run() {  # peer_run CORETYPE RANKS ARGS...
 summarize() {  # summarize RUN_DIR MODE: one throughput line for a shardtrain run
   run "${RENDER[@]}" summarize --metrics "$1/metrics.jsonl" --label "$model" --mode "$2" \
     --warmup "$W" --threads 1 --global-batch "$G" --micro "$M" --block-size "$T" \
-    --n-layer "$L" --n-embd "$E" --model-type "$([[ $model == llama* ]] && echo llama || echo gpt)" --json "$RESULTS"
+    --n-layer "$L" --n-embd "$E" --vocab-size "$V" --model-type "$([[ $model == llama* ]] && echo llama || echo gpt)" --json "$RESULTS"
 }
 
 n_rows=0
 for model in $MODELS; do
   read -r L H E T G M S W <<< "$(model_spec "$model")"
+  V=$(model_vocab "$model")
   EXTRA=$(model_extra "$model")
   PEER_PY=$(model_peer "$model")
   mapfile -t modes < <(model_modes "$model")

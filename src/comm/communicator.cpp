@@ -189,6 +189,7 @@ class Group {
   std::vector<int> global_ranks{0};
   Timeout timeout{std::chrono::minutes(10)};
   int64_t segment_bytes = int64_t{1} << 20;
+  int64_t one_round_bytes = kOneRoundBytes;  // SHARDTRAIN_ONE_ROUND_BYTES
   // Rendezvous state kept for new_group(); null for a world of one.
   std::shared_ptr<KvStore> kv;
   std::shared_ptr<gloo::rendezvous::Store> store;  // Gloo's view of kv
@@ -258,6 +259,7 @@ class Group {
     oc.ranks_per_node = ranks_per_node;
     oc.deadline = Clock::now() + (op_timeout.count() > 0 ? op_timeout : timeout);
     oc.segment_bytes = segment_bytes;
+    oc.one_round_bytes = one_round_bytes;
     oc.scratch = &scratch;
     oc.shm = shm.get();
     oc.mpi = mpi.get();
@@ -474,6 +476,7 @@ std::unique_ptr<Group> level_group(Group& parent, const std::vector<int>& member
   group->name = str_cat(parent.name, "/", tag, "[", list, "]");
   group->timeout = parent.timeout;
   group->segment_bytes = parent.segment_bytes;
+  group->one_round_bytes = parent.one_round_bytes;
   group->kv = parent.kv;
   group->store = parent.store;
   group->round = parent.round;
@@ -576,6 +579,7 @@ std::shared_ptr<Communicator> Communicator::create(const CommOptions& options) {
   for (int i = 0; i < options.world_size(); ++i) group->global_ranks[i] = i;
   group->timeout = options.timeout();
   group->segment_bytes = options.segment_bytes();
+  group->one_round_bytes = detail::byte_count_from_env("SHARDTRAIN_ONE_ROUND_BYTES", detail::kOneRoundBytes, 0);
   if (group->size > 1 && mpi) {
     group->mpi = detail::MpiComm::world(group->rank, group->size);
     group->worker = std::make_unique<detail::Worker>();
@@ -685,31 +689,40 @@ Work run_collective(detail::Group& g, const char* op, Timeout timeout, bool asyn
 
 }  // namespace
 
+namespace {
+
+// All-reduce in place by whichever path the group has: MPI, hierarchical
+// across hosts, shared memory on one host, one round for a small buffer,
+// else the ring.
+void all_reduce_in_place(const detail::OpContext& oc, char* buf, int64_t n, detail::DType dtype, ReduceOp op) {
+  if (oc.size == 1) return;  // x op nothing = x, and avg over one rank divides by 1
+  if (oc.mpi != nullptr) return oc.mpi->all_reduce(oc, buf, n, dtype, op);
+  if (oc.host != nullptr) return detail::hierarchical_all_reduce(oc, buf, n, dtype, op);
+  const ShardRange mine = shard_range(n, oc.size, oc.rank);
+  char* mine_ptr = buf + mine.offset * detail::element_size(dtype);
+  if (oc.shm != nullptr) {
+    oc.shm->reduce_scatter(oc, buf, mine_ptr, n, dtype, op);
+    oc.shm->all_gather(oc, buf, n, dtype);
+    return;
+  }
+  if (n * static_cast<int64_t>(detail::element_size(dtype)) <= oc.one_round_bytes) {
+    return detail::one_round_all_reduce(oc, buf, n, dtype, op);
+  }
+  detail::ring_reduce_scatter(oc, buf, mine_ptr, n, dtype, op);
+  detail::OpContext gather = oc;
+  gather.phase = 1;
+  detail::ring_all_gather(gather, buf, n, dtype);
+}
+
+}  // namespace
+
 Work Communicator::all_reduce(const at::Tensor& tensor, const AllReduceOptions& options) {
   const detail::DType dtype = detail::check_tensor(tensor, "all_reduce", "tensor");
   detail::check_op(options.op(), dtype, "all_reduce");
   const ReduceOp op = options.op();
   return run_collective(*group_, "all_reduce", options.timeout(), options.async(),
                         [tensor, dtype, op](const detail::OpContext& oc) {
-    const int64_t n = tensor.numel();
-    char* buf = detail::bytes(tensor);
-    if (oc.size == 1) return;  // x op nothing = x, and avg over one rank divides by 1
-    if (oc.mpi != nullptr) {
-      oc.mpi->all_reduce(oc, buf, n, dtype, op);
-      return;
-    }
-    if (oc.host != nullptr) return detail::hierarchical_all_reduce(oc, buf, n, dtype, op);
-    const ShardRange mine = shard_range(n, oc.size, oc.rank);
-    char* mine_ptr = buf + mine.offset * detail::element_size(dtype);
-    if (oc.shm != nullptr) {
-      oc.shm->reduce_scatter(oc, buf, mine_ptr, n, dtype, op);
-      oc.shm->all_gather(oc, buf, n, dtype);
-      return;
-    }
-    detail::ring_reduce_scatter(oc, buf, mine_ptr, n, dtype, op);
-    detail::OpContext gather = oc;
-    gather.phase = 1;
-    detail::ring_all_gather(gather, buf, n, dtype);
+    all_reduce_in_place(oc, detail::bytes(tensor), tensor.numel(), dtype, op);
   });
 }
 
@@ -785,6 +798,8 @@ Work Communicator::broadcast(const at::Tensor& tensor, const BroadcastOptions& o
     if (oc.size == 1) return;
     if (oc.mpi != nullptr) {
       oc.mpi->broadcast(oc, detail::bytes(tensor), tensor.numel(), dtype, root);
+    } else if (oc.shm != nullptr) {
+      oc.shm->broadcast(oc, detail::bytes(tensor), tensor.numel(), dtype, root);
     } else {
       detail::chain_broadcast(oc, detail::bytes(tensor), tensor.numel(), dtype, root);
     }
@@ -792,18 +807,16 @@ Work Communicator::broadcast(const at::Tensor& tensor, const BroadcastOptions& o
 }
 
 void Communicator::barrier(const BarrierOptions& options) {
-  // A one-element all-reduce: returns on a rank only after every rank's
+  // Through shared memory when every rank is on this host; else a
+  // one-element all-reduce: it returns on a rank only after every rank's
   // contribution arrived, which is what a barrier promises.
   auto token = std::make_shared<float>(0.0f);
   run_collective(*group_, "barrier", options.timeout(), false,
                  [token](const detail::OpContext& oc) {
     if (oc.size == 1) return;
     if (oc.mpi != nullptr) return oc.mpi->barrier(oc);
-    detail::ring_reduce_scatter(oc, token.get(), oc.rank == 0 ? token.get() : nullptr, 1,
-                                detail::DType::Float32, ReduceOp::Sum);
-    detail::OpContext gather = oc;
-    gather.phase = 1;
-    detail::ring_all_gather(gather, token.get(), 1, detail::DType::Float32);
+    if (oc.shm != nullptr) return oc.shm->barrier(oc);
+    all_reduce_in_place(oc, reinterpret_cast<char*>(token.get()), 1, detail::DType::Float32, ReduceOp::Sum);
   });
 }
 
@@ -904,6 +917,7 @@ std::shared_ptr<Communicator> Communicator::new_group(std::vector<int> ranks) {
   group->name = str_cat(parent.name == "world" ? "" : parent.name + "/", "group", id, "[", list, "]");
   group->timeout = parent.timeout;
   group->segment_bytes = parent.segment_bytes;
+  group->one_round_bytes = parent.one_round_bytes;
   if (group->size > 1 && mpi) {
     group->mpi = std::move(mpi);
     group->ranks_per_node = parent.ranks_per_node;

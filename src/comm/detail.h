@@ -69,6 +69,9 @@ struct OpContext {
   int ranks_per_node = 0;
   Clock::time_point deadline;
   int64_t segment_bytes = int64_t{1} << 20;
+  // All-reduces of up to this many bytes go in one round where they would
+  // take a ring (one_round_all_reduce).
+  int64_t one_round_bytes = 0;
   ScratchArena* scratch = nullptr;
   // The group's shared-memory path when all its ranks are on this host (shm.h).
   ShmChannel* shm = nullptr;
@@ -139,6 +142,17 @@ void ring_reduce_scatter(const OpContext& oc, const void* in, void* out, int64_t
 /// Ring all-gather in place: `buf` (numel elements) holds this rank's shard at
 /// its shard_range; on return it holds every rank's shard.
 void ring_all_gather(const OpContext& oc, void* buf, int64_t numel, DType dtype);
+
+/// All-reduce in place in one round: every rank sends `buf` to every peer
+/// and combines all contributions in rank order. Avg divides by
+/// `avg_divisor`, or by the group's size when it is 0. For buffers of up to
+/// oc.one_round_bytes, where a ring's 2(n-1) steps of latency cost more than
+/// sending the buffer n-1 times. Uses oc.scratch slot 0.
+void one_round_all_reduce(const OpContext& oc, void* buf, int64_t numel, DType dtype, ReduceOp op,
+                          int avg_divisor = 0);
+/// OpContext::one_round_bytes unless SHARDTRAIN_ONE_ROUND_BYTES says
+/// otherwise (0 turns the path off).
+constexpr int64_t kOneRoundBytes = int64_t{64} << 10;
 
 /// Pipelined chain broadcast from group rank `root` along root, root+1, ...
 void chain_broadcast(const OpContext& oc, void* buf, int64_t numel, DType dtype, int root);

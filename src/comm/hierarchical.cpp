@@ -6,7 +6,8 @@
 //      the host's sum of piece i = shard_range(N, k, i);
 //   2. ring all-reduce of piece i among the ranks with local index i on every
 //      host: k rings of N/k, one per local index, so every rank's connection
-//      carries an equal share and each host sends 2(H-1)/H of the buffer;
+//      carries an equal share and each host sends 2(H-1)/H of the buffer
+//      (a small piece goes in one round instead: one_round_all_reduce);
 //   3. all-gather inside the host (shared memory).
 // Rounding: bfloat16/float16 are combined in float32 and rounded once per
 // combination, k-1 times inside the host and H-1 times across hosts, so at
@@ -134,13 +135,18 @@ void hierarchical_all_reduce(const OpContext& oc, void* buf, int64_t numel, DTyp
   char* mine = all + piece.offset * es;
   host_reduce_scatter(host, all, mine, numel, dtype, inner);
 
-  // 2. Piece i across hosts: a ring all-reduce among the ranks with local index i.
-  const ShardRange part = shard_range(piece.count, cross.size, cross.rank);
-  ring_reduce_scatter(cross, mine, mine + part.offset * es, piece.count, dtype, op,
-                      op == ReduceOp::Avg ? oc.size : 0);
-  OpContext cross_gather = cross;
-  cross_gather.phase = 1;
-  ring_all_gather(cross_gather, mine, piece.count, dtype);
+  // 2. Piece i across hosts: an all-reduce among the ranks with local index
+  //    i, in one round when it is small, else as a ring.
+  const int avg_divisor = op == ReduceOp::Avg ? oc.size : 0;
+  if (piece.count * static_cast<int64_t>(es) <= oc.one_round_bytes) {
+    one_round_all_reduce(cross, mine, piece.count, dtype, op, avg_divisor);
+  } else {
+    const ShardRange part = shard_range(piece.count, cross.size, cross.rank);
+    ring_reduce_scatter(cross, mine, mine + part.offset * es, piece.count, dtype, op, avg_divisor);
+    OpContext cross_gather = cross;
+    cross_gather.phase = 1;
+    ring_all_gather(cross_gather, mine, piece.count, dtype);
+  }
 
   // 3. Every piece to every rank of the host.
   host_all_gather(host, all, numel, dtype, 2);

@@ -167,36 +167,39 @@ void ShmChannel::publish() {
 // areas, or they have finished reading this rank's.
 void ShmChannel::wait_all(const OpContext& oc) const {
   for (int p = 0; p < size_; ++p) {
-    if (p == rank_) continue;
-    std::atomic<uint32_t>& w = word(p);
-    auto next_check = Clock::now() + std::chrono::milliseconds(100);
-    for (int spin = 0;; ++spin) {
-      const uint32_t seen = w.load(std::memory_order_acquire);
-      if (static_cast<int32_t>(seen - phase_) >= 0) break;
-      if (closed(p).load(std::memory_order_acquire) != 0) {
-        throw CommError(oc.describe(p) +
-                        ": the peer closed its side of the group. Hint: the peer probably exited "
-                        "or failed; see its own output for why.");
-      }
-      if (spin < 200) continue;
-      const auto now = Clock::now();
-      if (now >= oc.deadline) {
-        throw TimeoutError(oc.describe(p) +
-                           ": timed out waiting for the peer in shared memory. Hint: the peer may "
-                           "have hung or issued collectives in another order; raise "
-                           "SHARDTRAIN_TIMEOUT_S if steps are legitimately this slow.");
-      }
-      if (now >= next_check) {
-        if (exited(pids_[p])) {
-          throw CommError(oc.describe(p) + ": the peer process (pid " + std::to_string(pids_[p]) +
-                          ") exited. Hint: the peer probably exited; see its own output for why.");
-        }
-        next_check = now + std::chrono::milliseconds(100);
-      }
-      // Bounded, so the deadline and the peer's life are checked again.
-      const timespec nap{0, 20 * 1000 * 1000};
-      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&w), FUTEX_WAIT, seen, &nap, nullptr, 0);
+    if (p != rank_) wait_for(oc, p);
+  }
+}
+
+void ShmChannel::wait_for(const OpContext& oc, int p) const {
+  std::atomic<uint32_t>& w = word(p);
+  auto next_check = Clock::now() + std::chrono::milliseconds(100);
+  for (int spin = 0;; ++spin) {
+    const uint32_t seen = w.load(std::memory_order_acquire);
+    if (static_cast<int32_t>(seen - phase_) >= 0) break;
+    if (closed(p).load(std::memory_order_acquire) != 0) {
+      throw CommError(oc.describe(p) +
+                      ": the peer closed its side of the group. Hint: the peer probably exited "
+                      "or failed; see its own output for why.");
     }
+    if (spin < 200) continue;
+    const auto now = Clock::now();
+    if (now >= oc.deadline) {
+      throw TimeoutError(oc.describe(p) +
+                         ": timed out waiting for the peer in shared memory. Hint: the peer may "
+                         "have hung or issued collectives in another order; raise "
+                         "SHARDTRAIN_TIMEOUT_S if steps are legitimately this slow.");
+    }
+    if (now >= next_check) {
+      if (exited(pids_[p])) {
+        throw CommError(oc.describe(p) + ": the peer process (pid " + std::to_string(pids_[p]) +
+                        ") exited. Hint: the peer probably exited; see its own output for why.");
+      }
+      next_check = now + std::chrono::milliseconds(100);
+    }
+    // Bounded, so the deadline and the peer's life are checked again.
+    const timespec nap{0, 20 * 1000 * 1000};
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&w), FUTEX_WAIT, seen, &nap, nullptr, 0);
   }
 }
 
@@ -264,6 +267,32 @@ void ShmChannel::reduce_scatter(const OpContext& oc, const void* in, void* out, 
     }
     publish();
   }
+}
+
+// The root stages a piece, every other rank copies it out: one copy per
+// reader, all readers at once, where a chain over TCP forwards rank to rank.
+void ShmChannel::broadcast(const OpContext& oc, void* buf, int64_t numel, DType dtype, int root) {
+  const size_t es = element_size(dtype);
+  char* data = static_cast<char*>(buf);
+  const int64_t per = static_cast<int64_t>(stage_bytes_ / es);
+  for (int64_t lo = 0; lo < numel; lo += per) {
+    const int64_t count = piece(numel, lo, per);
+    if (rank_ == root) {
+      wait_all(oc);  // every reader has copied out the previous piece (or op)
+      std::memcpy(stage(root), data + lo * es, count * es);
+    }
+    publish();
+    if (rank_ != root) {
+      wait_for(oc, root);
+      std::memcpy(data + lo * es, stage(root), count * es);
+    }
+    publish();
+  }
+}
+
+void ShmChannel::barrier(const OpContext& oc) {
+  publish();
+  wait_all(oc);
 }
 
 }  // namespace shardtrain::comm::detail

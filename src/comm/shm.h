@@ -41,6 +41,10 @@ class ShmChannel {
   /// `out` may be that range of `in` itself.
   void reduce_scatter(const OpContext& oc, const void* in, void* out, int64_t numel, DType dtype,
                       ReduceOp op);
+  /// `buf` (numel elements) on every rank receives group rank `root`'s.
+  void broadcast(const OpContext& oc, void* buf, int64_t numel, DType dtype, int root);
+  /// Returns once every rank of the group has entered it.
+  void barrier(const OpContext& oc);
 
  private:
   ShmChannel(char* base, size_t bytes, size_t stage_bytes, int rank, int size, std::vector<int64_t> pids);
@@ -48,6 +52,7 @@ class ShmChannel {
   std::atomic<uint32_t>& closed(int r) const;  // set when rank r's channel is destroyed
   char* stage(int r) const;  // after the header of size_ lines
   void publish();
+  void wait_for(const OpContext& oc, int p) const;  // until rank p has published this rank's phase
   void wait_all(const OpContext& oc) const;
 
   char* base_;

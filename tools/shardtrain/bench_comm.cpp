@@ -36,7 +36,8 @@ struct BenchArgs {
 void print_help() {
   std::printf(
       "usage: shardtrain launch --nproc-per-node N -- shardtrain bench-comm [options]\n"
-      "  --op OP        all_reduce | reduce_scatter | all_gather | broadcast (default all_reduce)\n"
+      "  --op OP        all_reduce | reduce_scatter | all_gather | broadcast | barrier\n"
+      "                 (default all_reduce; barrier ignores --bytes and --dtype)\n"
       "  --bytes B      buffer size in bytes; suffixes K, M, G (default 1M)\n"
       "  --dtype D      float32 | bfloat16 | float16 (default float32)\n"
       "  --iters K      timed iterations (default 20), after --warmup W (default 5)\n"
@@ -70,8 +71,10 @@ std::optional<BenchArgs> parse(int argc, char** argv) {
   add_text(app, "--json", a.json);
   if (parse_flags(app, argc, argv, "bench-comm", "unknown option")) return std::nullopt;
   ST_CHECK(a.op == "all_reduce" || a.op == "reduce_scatter" || a.op == "all_gather" ||
-               a.op == "broadcast",
-           ConfigError, "--op '", a.op, "' is not one of all_reduce, reduce_scatter, all_gather, broadcast");
+               a.op == "broadcast" || a.op == "barrier",
+           ConfigError, "--op '", a.op,
+           "' is not one of all_reduce, reduce_scatter, all_gather, broadcast, barrier");
+  if (a.op == "barrier") a.bytes = 0;
   ST_CHECK(a.iters > 0 && a.warmup >= 0, ConfigError, "--iters must be positive and --warmup >= 0");
   return a;
 }
@@ -96,7 +99,9 @@ int bench_comm_main(int argc, char** argv) {
   auto comm = comm::Communicator::create(comm::CommOptions::from_env());
   const int n = comm->size();
   const at::ScalarType dtype = scalar_type(args.dtype);
-  const int64_t numel = std::max<int64_t>(1, args.bytes / static_cast<int64_t>(c10::elementSize(dtype)));
+  const bool barrier = args.op == "barrier";
+  const int64_t numel =
+      barrier ? 0 : std::max<int64_t>(1, args.bytes / static_cast<int64_t>(c10::elementSize(dtype)));
   const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
   const comm::ShardRange mine = comm::shard_range(numel, n, comm->rank());
   auto full = at::ones({numel}, dtype);
@@ -106,6 +111,7 @@ int bench_comm_main(int argc, char** argv) {
     if (args.op == "all_reduce") comm->all_reduce(full);
     else if (args.op == "reduce_scatter") comm->reduce_scatter(full, shard);
     else if (args.op == "all_gather") comm->all_gather(shard, full);
+    else if (barrier) comm->barrier();
     else comm->broadcast(full);
   };
   for (int i = 0; i < args.warmup; ++i) run_once();
@@ -136,6 +142,8 @@ int bench_comm_main(int argc, char** argv) {
       const comm::ShardRange part = comm::shard_range(numel, n, k);
       want.narrow(0, part.offset, part.count).fill_(k + 1);
     }
+  } else if (barrier) {
+    want = got;  // nothing to check: BarrierWaitsForTheLastRank tests it
   } else {
     want = at::ones({numel}, dtype);  // rank 0's
   }
@@ -150,7 +158,7 @@ int bench_comm_main(int argc, char** argv) {
   const double algbw = bytes / avg_s / 1e9;
   const double factor = args.op == "all_reduce" ? 2.0 * (n - 1) / n
                         : args.op == "broadcast" ? 1.0
-                                                 : static_cast<double>(n - 1) / n;
+                                                 : static_cast<double>(n - 1) / n;  // barrier: 0 bytes
   const double busbw = algbw * factor;
   if (comm->rank() == 0) {
     std::printf("%-15s %-9s %12lld bytes  %2d ranks  %10.1f us  algbw %8.3f GB/s  busbw %8.3f GB/s\n",
