@@ -92,7 +92,7 @@ model_spec() {
   case $1 in
     default) echo "4 4 128 128 32 8 30 10" ;;
     gpt-25m|llama-25m) echo "8 8 512 256 8 2 10 3" ;;
-    gpt2-124m) echo "12 12 768 1024 2 1 6 2" ;;
+    gpt2-124m) echo "12 12 768 1024 2 1 5 2" ;;
     *) die "unknown model '$1' (known: default gpt-25m gpt2-124m llama-25m)" ;;
   esac
 }

@@ -167,16 +167,16 @@ void ShmChannel::publish() {
 // areas, or they have finished reading this rank's.
 void ShmChannel::wait_all(const OpContext& oc) const {
   for (int p = 0; p < size_; ++p) {
-    if (p != rank_) wait_for(oc, p);
+    if (p != rank_) wait_for(oc, p, phase_);
   }
 }
 
-void ShmChannel::wait_for(const OpContext& oc, int p) const {
+void ShmChannel::wait_for(const OpContext& oc, int p, uint32_t phase) const {
   std::atomic<uint32_t>& w = word(p);
   auto next_check = Clock::now() + std::chrono::milliseconds(100);
   for (int spin = 0;; ++spin) {
     const uint32_t seen = w.load(std::memory_order_acquire);
-    if (static_cast<int32_t>(seen - phase_) >= 0) break;
+    if (static_cast<int32_t>(seen - phase) >= 0) break;
     if (closed(p).load(std::memory_order_acquire) != 0) {
       throw CommError(oc.describe(p) +
                       ": the peer closed its side of the group. Hint: the peer probably exited "
@@ -271,20 +271,29 @@ void ShmChannel::reduce_scatter(const OpContext& oc, const void* in, void* out, 
 
 // The root stages a piece, every other rank copies it out: one copy per
 // reader, all readers at once, where a chain over TCP forwards rank to rank.
+// The root's area is used in two halves, so that it stages piece i+1 while
+// the others copy piece i out. Each rank publishes once per piece: the root
+// when a piece is staged, a reader when it has copied one out.
 void ShmChannel::broadcast(const OpContext& oc, void* buf, int64_t numel, DType dtype, int root) {
   const size_t es = element_size(dtype);
   char* data = static_cast<char*>(buf);
-  const int64_t per = static_cast<int64_t>(stage_bytes_ / es);
-  for (int64_t lo = 0; lo < numel; lo += per) {
+  const size_t half = stage_bytes_ / 2 / kLine * kLine;
+  const int64_t per = static_cast<int64_t>(half / es);
+  const uint32_t base = phase_;
+  uint32_t i = 0;
+  for (int64_t lo = 0; lo < numel; lo += per, ++i) {
     const int64_t count = piece(numel, lo, per);
+    char* staged = stage(root) + (i % 2) * half;
     if (rank_ == root) {
-      wait_all(oc);  // every reader has copied out the previous piece (or op)
-      std::memcpy(stage(root), data + lo * es, count * es);
-    }
-    publish();
-    if (rank_ != root) {
-      wait_for(oc, root);
-      std::memcpy(data + lo * es, stage(root), count * es);
+      // Every reader has copied out piece i-2, the last one in this half
+      // (for the first two pieces: has finished the op before this one).
+      for (int p = 0; p < size_; ++p) {
+        if (p != rank_) wait_for(oc, p, base + (i < 2 ? 0 : i - 1));
+      }
+      std::memcpy(staged, data + lo * es, count * es);
+    } else {
+      wait_for(oc, root, base + i + 1);
+      std::memcpy(data + lo * es, staged, count * es);
     }
     publish();
   }

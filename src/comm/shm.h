@@ -52,7 +52,7 @@ class ShmChannel {
   std::atomic<uint32_t>& closed(int r) const;  // set when rank r's channel is destroyed
   char* stage(int r) const;  // after the header of size_ lines
   void publish();
-  void wait_for(const OpContext& oc, int p) const;  // until rank p has published this rank's phase
+  void wait_for(const OpContext& oc, int p, uint32_t phase) const;  // until rank p has published `phase`
   void wait_all(const OpContext& oc) const;
 
   char* base_;

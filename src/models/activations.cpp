@@ -44,8 +44,9 @@ void for_chunks(const at::Tensor& like, const Fn& fn) {
 
 struct FusedGelu : public torch::autograd::Function<FusedGelu> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x) {
-    // Named as LibTorch's own GELU ops are, so a profile shows these loops.
-    RECORD_FUNCTION("shardtrain::gelu", std::vector<c10::IValue>());
+    // Named as LibTorch's own GELU ops are (in a namespace of their own: the
+    // profile takes shardtrain:: ranges for phases), so a profile shows these loops.
+    RECORD_FUNCTION("fused::gelu", std::vector<c10::IValue>());
     ctx->save_for_backward({x});
     at::Tensor y = at::empty_like(x);
     for_chunks(x, [&](auto tag, int64_t i, int64_t n) {
@@ -57,7 +58,7 @@ struct FusedGelu : public torch::autograd::Function<FusedGelu> {
 
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grads) {
-    RECORD_FUNCTION("shardtrain::gelu_backward", std::vector<c10::IValue>());
+    RECORD_FUNCTION("fused::gelu_backward", std::vector<c10::IValue>());
     const at::Tensor x = ctx->get_saved_variables()[0];
     const at::Tensor dy = grads[0].to(x.scalar_type()).contiguous();
     at::Tensor dx = at::empty_like(x);
@@ -71,7 +72,7 @@ struct FusedGelu : public torch::autograd::Function<FusedGelu> {
 
 struct FusedSwiGlu : public torch::autograd::Function<FusedSwiGlu> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& g, const at::Tensor& u) {
-    RECORD_FUNCTION("shardtrain::swiglu", std::vector<c10::IValue>());
+    RECORD_FUNCTION("fused::swiglu", std::vector<c10::IValue>());
     ctx->save_for_backward({g, u});
     at::Tensor y = at::empty_like(g);
     for_chunks(g, [&](auto tag, int64_t i, int64_t n) {
@@ -83,7 +84,7 @@ struct FusedSwiGlu : public torch::autograd::Function<FusedSwiGlu> {
 
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grads) {
-    RECORD_FUNCTION("shardtrain::swiglu_backward", std::vector<c10::IValue>());
+    RECORD_FUNCTION("fused::swiglu_backward", std::vector<c10::IValue>());
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &g = saved[0], &u = saved[1];
     const at::Tensor dy = grads[0].to(g.scalar_type()).contiguous();
