@@ -14,4 +14,8 @@ namespace shardtrain::precision::detail {
 /// loss-scaling path runs on CPU with real float16 gradients.
 std::unique_ptr<Precision> make_fp16_mixed_for_tests(const LossScalerOptions& options = {});
 
+/// What `auto` takes on a CPU (resolve_precision without a CUDA device),
+/// given whether it has native bf16 and, when measured, its GEMM rates.
+ResolvedPrecision auto_on_cpu(bool native_bf16, const GemmRates* rates);
+
 }  // namespace shardtrain::precision::detail

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <fstream>
 #include <sstream>
@@ -243,15 +244,57 @@ bool cpu_has_native_bf16() {
   return native;
 }
 
-ResolvedPrecision resolve_precision(PrecisionKind kind, bool cuda_available) {
-  if (kind != PrecisionKind::Auto) return {kind, ""};
-  if (cuda_available) return {PrecisionKind::Bf16Mixed, "auto: a CUDA device"};
-  if (cpu_has_native_bf16()) {
+GemmRates measure_gemm_rates() {
+  constexpr int64_t kSide = 512;
+  constexpr double kFlops = 2.0 * kSide * kSide * kSide;
+  struct Operands {
+    at::Tensor a, b, c;
+    double best = 0.0;
+  };
+  const auto operands = [](at::ScalarType dtype) {
+    Operands o{at::rand({kSide, kSide}).to(dtype), at::rand({kSide, kSide}).to(dtype), {}};
+    o.c = at::mm(o.a, o.b);  // warm-up: the kernels' buffers
+    return o;
+  };
+  Operands fp32 = operands(at::kFloat), bf16 = operands(at::kBFloat16);
+  // Alternately, so that a busy moment of the machine slows both alike; the
+  // best of five each.
+  for (int i = 0; i < 5; ++i) {
+    for (Operands* o : {&fp32, &bf16}) {
+      const auto start = std::chrono::steady_clock::now();
+      at::mm_out(o->c, o->a, o->b);
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      o->best = std::max(o->best, kFlops / std::max(seconds, 1e-9) / 1e9);
+    }
+  }
+  return {fp32.best, bf16.best};
+}
+
+ResolvedPrecision detail::auto_on_cpu(bool native_bf16, const GemmRates* rates) {
+  if (!native_bf16) {
+    return {PrecisionKind::Fp32,
+            "auto: this CPU has no native bf16 (avx512_bf16/amx_bf16), where bf16 GEMMs run far "
+            "slower than fp32"};
+  }
+  if (rates == nullptr) {
     return {PrecisionKind::Bf16Mixed, "auto: this CPU computes bf16 natively (avx512_bf16/amx_bf16)"};
   }
+  const std::string measured =
+      ::shardtrain::detail::str_cat(std::lround(rates->bf16_gflops), " against ",
+                                    std::lround(rates->fp32_gflops), " GFLOP/s");
+  if (rates->bf16_gflops > rates->fp32_gflops) {
+    return {PrecisionKind::Bf16Mixed,
+            "auto: this CPU computes bf16 natively, and its bf16 GEMMs outrun fp32 ones (" + measured + ")"};
+  }
   return {PrecisionKind::Fp32,
-          "auto: this CPU has no native bf16 (avx512_bf16/amx_bf16), where bf16 GEMMs run far "
-          "slower than fp32"};
+          "auto: this CPU computes bf16 natively (avx512_bf16/amx_bf16), but its bf16 GEMMs run "
+          "slower than fp32 ones here (" + measured + "); set precision: bf16-mixed to use it anyway"};
+}
+
+ResolvedPrecision resolve_precision(PrecisionKind kind, bool cuda_available, const GemmRates* cpu_rates) {
+  if (kind != PrecisionKind::Auto) return {kind, ""};
+  if (cuda_available) return {PrecisionKind::Bf16Mixed, "auto: a CUDA device"};
+  return detail::auto_on_cpu(cpu_has_native_bf16(), cpu_rates);
 }
 
 std::unique_ptr<Precision> Precision::create(PrecisionKind kind, const LossScalerOptions& scaler,

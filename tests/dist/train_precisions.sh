@@ -2,7 +2,8 @@
 # Every precision mode runs `shardtrain train` to its end (final checkpoint,
 # exported model, sample) and `shardtrain generate` reads what it exported;
 # fp16-mixed, which needs CUDA, is refused up front as a configuration error;
-# auto says what it chose and why: bf16-mixed on a CPU with native bf16, else fp32.
+# auto says what it chose and why: fp32 on a CPU without native bf16; on one
+# with it, bf16-mixed or fp32 as the GEMM rates it measured (and names) say.
 set -euo pipefail
 cli=$1 src=$2
 cd "$src"
@@ -15,6 +16,13 @@ for precision in fp32 bf16-mixed bf16-true auto; do
     echo "$out"; rm -rf "$run"; fail "$precision: shardtrain train exited non-zero"; }
   grep -q "sample:" <<<"$out" || { rm -rf "$run"; fail "$precision: no sample printed"; }
   if [ "$precision" = auto ]; then
+    if [ "$auto_runs" = bf16-mixed ]; then
+      # "... (B against F GFLOP/s)": bf16-mixed exactly when B > F.
+      rates=$(sed -n 's/^precision: .*(\([0-9]*\) against \([0-9]*\) GFLOP\/s).*/\1 \2/p' <<<"$out")
+      [ -n "$rates" ] || { echo "$out" | head -3; rm -rf "$run"; fail "auto: the start-up line names no measured GEMM rates"; }
+      read -r bf16 fp32 <<<"$rates"
+      if [ "$bf16" -gt "$fp32" ]; then auto_runs=bf16-mixed; else auto_runs=fp32; fi
+    fi
     grep -q "^precision: $auto_runs (auto: " <<<"$out" || {
       echo "$out" | head -3; rm -rf "$run"; fail "auto: the start-up line does not say $auto_runs and why"; }
     grep -q "\"precision\": \"$auto_runs\"" "$run/metrics.jsonl" || { rm -rf "$run"; fail "auto: metrics do not record $auto_runs"; }

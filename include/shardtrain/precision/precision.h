@@ -23,9 +23,10 @@
 //               machine without CUDA it is a ConfigError.
 //   bf16-true   parameters, gradients, activations and optimizer state all in
 //               bfloat16; no master weights.
-//   auto        bf16-mixed where bf16 is native (a CUDA device, or a CPU with
-//               avx512_bf16 or amx_bf16), else fp32: resolve_precision()
-//               decides once, before anything is built.
+//   auto        bf16-mixed where bf16 is native and fast (a CUDA device, or a
+//               CPU with avx512_bf16 or amx_bf16 whose bf16 GEMMs, measured,
+//               outrun its fp32 ones), else fp32: resolve_precision() decides
+//               once, before anything is built.
 #pragma once
 
 #include <cstdint>
@@ -65,7 +66,22 @@ struct ResolvedPrecision {
   PrecisionKind kind = PrecisionKind::Fp32;
   std::string reason;  // for `auto`: what decided, e.g. "auto: a CUDA device"
 };
-ResolvedPrecision resolve_precision(PrecisionKind kind, bool cuda_available);
+/// This CPU's GEMM rates in GFLOP/s, fp32 and bf16, on the calling thread's
+/// settings (intra-op and BLAS threads): the best of five 512-square
+/// at::mm calls each, some milliseconds in all.
+struct GemmRates {
+  double fp32_gflops = 0.0;
+  double bf16_gflops = 0.0;
+};
+GemmRates measure_gemm_rates();
+
+/// With `cpu_rates` (what measure_gemm_rates() found, agreed by every rank),
+/// `auto` on a CPU with native bf16 takes bf16-mixed only when bf16 GEMMs
+/// run faster than fp32 ones there: native bf16 does not make them fast
+/// everywhere (some Xeons run OpenBLAS's bf16 kernels at half their fp32
+/// rate). Without it the CPU flags alone decide.
+ResolvedPrecision resolve_precision(PrecisionKind kind, bool cuda_available,
+                                    const GemmRates* cpu_rates = nullptr);
 
 /// Dynamic loss scaling, with DeepSpeed's semantics and defaults. This struct
 /// is also the `loss_scaler` section of the YAML config (docs/config.md).
