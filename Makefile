@@ -85,6 +85,8 @@ mutants: build
 train: build
 	$(BUILD_DIR)/shardtrain train configs/default.yaml
 
+# One host at 2 and 4 ranks, then two network-namespace hosts (needs root;
+# TWO_HOSTS=0 skips them); about 4 minutes.
 bench-comm: build bench-deps
 	bash bench/comm.sh
 
