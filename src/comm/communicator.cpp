@@ -698,20 +698,13 @@ void all_reduce_in_place(const detail::OpContext& oc, char* buf, int64_t n, deta
   if (oc.size == 1) return;  // x op nothing = x, and avg over one rank divides by 1
   if (oc.mpi != nullptr) return oc.mpi->all_reduce(oc, buf, n, dtype, op);
   if (oc.host != nullptr) return detail::hierarchical_all_reduce(oc, buf, n, dtype, op);
-  const ShardRange mine = shard_range(n, oc.size, oc.rank);
-  char* mine_ptr = buf + mine.offset * detail::element_size(dtype);
   if (oc.shm != nullptr) {
-    oc.shm->reduce_scatter(oc, buf, mine_ptr, n, dtype, op);
+    const ShardRange mine = shard_range(n, oc.size, oc.rank);
+    oc.shm->reduce_scatter(oc, buf, buf + mine.offset * detail::element_size(dtype), n, dtype, op);
     oc.shm->all_gather(oc, buf, n, dtype);
     return;
   }
-  if (n * static_cast<int64_t>(detail::element_size(dtype)) <= oc.one_round_bytes) {
-    return detail::one_round_all_reduce(oc, buf, n, dtype, op);
-  }
-  detail::ring_reduce_scatter(oc, buf, mine_ptr, n, dtype, op);
-  detail::OpContext gather = oc;
-  gather.phase = 1;
-  detail::ring_all_gather(gather, buf, n, dtype);
+  detail::tcp_all_reduce(oc, buf, n, dtype, op);
 }
 
 }  // namespace

@@ -154,6 +154,12 @@ void one_round_all_reduce(const OpContext& oc, void* buf, int64_t numel, DType d
 /// otherwise (0 turns the path off).
 constexpr int64_t kOneRoundBytes = int64_t{64} << 10;
 
+/// All-reduce in place over the group's TCP connections: in one round up to
+/// oc.one_round_bytes, else a ring reduce-scatter and all-gather. Avg as in
+/// one_round_all_reduce.
+void tcp_all_reduce(const OpContext& oc, void* buf, int64_t numel, DType dtype, ReduceOp op,
+                    int avg_divisor = 0);
+
 /// Pipelined chain broadcast from group rank `root` along root, root+1, ...
 void chain_broadcast(const OpContext& oc, void* buf, int64_t numel, DType dtype, int root);
 

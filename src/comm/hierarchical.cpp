@@ -138,15 +138,7 @@ void hierarchical_all_reduce(const OpContext& oc, void* buf, int64_t numel, DTyp
   // 2. Piece i across hosts: an all-reduce among the ranks with local index
   //    i, in one round when it is small, else as a ring.
   const int avg_divisor = op == ReduceOp::Avg ? oc.size : 0;
-  if (piece.count * static_cast<int64_t>(es) <= oc.one_round_bytes) {
-    one_round_all_reduce(cross, mine, piece.count, dtype, op, avg_divisor);
-  } else {
-    const ShardRange part = shard_range(piece.count, cross.size, cross.rank);
-    ring_reduce_scatter(cross, mine, mine + part.offset * es, piece.count, dtype, op, avg_divisor);
-    OpContext cross_gather = cross;
-    cross_gather.phase = 1;
-    ring_all_gather(cross_gather, mine, piece.count, dtype);
-  }
+  tcp_all_reduce(cross, mine, piece.count, dtype, op, avg_divisor);
 
   // 3. Every piece to every rank of the host.
   host_all_gather(host, all, numel, dtype, 2);

@@ -7,6 +7,7 @@
 // sending (n-1) times the buffer instead of 2(n-1)/n of it: worth it below
 // some tens of kilobytes. Every rank combines the contributions in the same
 // order (rank 0, 1, ..., n-1), so every rank ends with the same bits.
+// tcp_all_reduce chooses between it and the rings.
 #include <gloo/context.h>
 #include <gloo/transport/unbound_buffer.h>
 
@@ -50,6 +51,20 @@ void one_round_all_reduce(const OpContext& oc, void* buf, int64_t numel, DType d
     const int divisor = p == n - 1 && op == ReduceOp::Avg ? (avg_divisor > 0 ? avg_divisor : n) : 0;
     reduce(buf, p == 1 ? part(0) : buf, part(p), numel, dtype, op, divisor);
   }
+}
+
+void tcp_all_reduce(const OpContext& oc, void* buf, int64_t numel, DType dtype, ReduceOp op,
+                    int avg_divisor) {
+  const size_t es = element_size(dtype);
+  if (numel * static_cast<int64_t>(es) <= oc.one_round_bytes) {
+    return one_round_all_reduce(oc, buf, numel, dtype, op, avg_divisor);
+  }
+  char* all = static_cast<char*>(buf);
+  const ShardRange mine = shard_range(numel, oc.size, oc.rank);
+  ring_reduce_scatter(oc, all, all + mine.offset * es, numel, dtype, op, avg_divisor);
+  OpContext gather = oc;
+  gather.phase = 1;
+  ring_all_gather(gather, all, numel, dtype);
 }
 
 }  // namespace shardtrain::comm::detail

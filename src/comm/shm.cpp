@@ -165,9 +165,11 @@ void ShmChannel::publish() {
 
 // Until every peer has published this rank's phase: their data is in their
 // areas, or they have finished reading this rank's.
-void ShmChannel::wait_all(const OpContext& oc) const {
+void ShmChannel::wait_all(const OpContext& oc) const { wait_all(oc, phase_); }
+
+void ShmChannel::wait_all(const OpContext& oc, uint32_t phase) const {
   for (int p = 0; p < size_; ++p) {
-    if (p != rank_) wait_for(oc, p, phase_);
+    if (p != rank_) wait_for(oc, p, phase);
   }
 }
 
@@ -287,9 +289,7 @@ void ShmChannel::broadcast(const OpContext& oc, void* buf, int64_t numel, DType 
     if (rank_ == root) {
       // Every reader has copied out piece i-2, the last one in this half
       // (for the first two pieces: has finished the op before this one).
-      for (int p = 0; p < size_; ++p) {
-        if (p != rank_) wait_for(oc, p, base + (i < 2 ? 0 : i - 1));
-      }
+      wait_all(oc, base + (i < 2 ? 0 : i - 1));
       std::memcpy(staged, data + lo * es, count * es);
     } else {
       wait_for(oc, root, base + i + 1);

@@ -53,7 +53,8 @@ class ShmChannel {
   char* stage(int r) const;  // after the header of size_ lines
   void publish();
   void wait_for(const OpContext& oc, int p, uint32_t phase) const;  // until rank p has published `phase`
-  void wait_all(const OpContext& oc) const;
+  void wait_all(const OpContext& oc) const;  // every peer has published this rank's phase
+  void wait_all(const OpContext& oc, uint32_t phase) const;
 
   char* base_;
   size_t bytes_;

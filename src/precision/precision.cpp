@@ -297,6 +297,20 @@ ResolvedPrecision resolve_precision(PrecisionKind kind, bool cuda_available, con
   return detail::auto_on_cpu(cpu_has_native_bf16(), cpu_rates);
 }
 
+ResolvedPrecision resolve_precision_measured(PrecisionKind kind, bool cuda_available,
+                                             comm::Communicator* comm) {
+  if (kind != PrecisionKind::Auto || cuda_available || !cpu_has_native_bf16()) {
+    return resolve_precision(kind, cuda_available);
+  }
+  GemmRates rates = measure_gemm_rates();
+  if (comm != nullptr) {
+    at::Tensor both = at::tensor({rates.fp32_gflops, rates.bf16_gflops}, at::kDouble);
+    comm->all_reduce(both, comm::AllReduceOptions().op(comm::ReduceOp::Avg));
+    rates = {both[0].item<double>(), both[1].item<double>()};
+  }
+  return resolve_precision(kind, cuda_available, &rates);
+}
+
 std::unique_ptr<Precision> Precision::create(PrecisionKind kind, const LossScalerOptions& scaler,
                                              bool cuda_available) {
   kind = resolve_precision(kind, cuda_available).kind;

@@ -165,16 +165,8 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
   // strategy's dtypes, checkpoints, the run's config.yaml) sees what runs.
   // On a CPU with native bf16, whether its bf16 GEMMs outrun fp32 ones is
   // measured, and the ranks average their figures so that all decide alike.
-  std::optional<precision::GemmRates> rates;
-  if (config_.precision == precision::PrecisionKind::Auto && !torch::cuda::is_available() &&
-      precision::cpu_has_native_bf16()) {
-    const precision::GemmRates mine = precision::measure_gemm_rates();
-    at::Tensor both = at::tensor({mine.fp32_gflops, mine.bf16_gflops}, at::kDouble);
-    comm_->all_reduce(both, comm::AllReduceOptions().op(comm::ReduceOp::Avg));
-    rates = precision::GemmRates{both[0].item<double>(), both[1].item<double>()};
-  }
-  const precision::ResolvedPrecision resolved = precision::resolve_precision(
-      config_.precision, torch::cuda::is_available(), rates ? &*rates : nullptr);
+  const precision::ResolvedPrecision resolved =
+      precision::resolve_precision_measured(config_.precision, torch::cuda::is_available(), comm_.get());
   config_.precision = resolved.kind;
   precision_reason_ = resolved.reason;
   precision_ = precision::Precision::create(config_.precision, config_.loss_scaler,

@@ -4,7 +4,8 @@
 #   - the start-up line and metrics name OpenBLAS's kernel set, and a
 #     OPENBLAS_CORETYPE that holds OpenBLAS below an AVX-512 CPU is warned about;
 #   - each rank's BLAS threads equal distributed.threads_per_rank;
-#   - trainer.profile_step writes each rank's profile of that step, ops by phase;
+#   - trainer.profile_step writes each rank's profile of that step, ops by phase
+#     (the fused GELU among them);
 #   - two ranks of one host exchange through shared memory, and say so.
 set -euo pipefail
 cli=$1 src=$2
@@ -73,6 +74,9 @@ ops = p["ops"]
 gemm = [o for o in ops if o["scope"] == "forward" and o["name"] in ("aten::addmm", "aten::mm", "aten::bmm")]
 assert gemm and all(o["self_us"] > 0 and o["calls"] > 0 for o in gemm), "no GEMM in forward"
 assert any(o["scope"] == "backward" and o["name"] in ("aten::mm", "aten::bmm") for o in ops), "no GEMM in backward"
+# The fused activation loops are ops of their own, not phases.
+for name, phase in (("fused::gelu", "forward"), ("fused::gelu_backward", "backward")):
+    assert any(o["name"] == name and o["scope"] == phase and o["self_us"] > 0 for o in ops), f"no {name} in {phase}"
 total = sum(o["self_us"] for o in ops)
 assert 0 < total <= p["step_us"] * 1.05, (total, p["step_us"])
 print(f"rank {p['rank']}: {len(ops)} op rows, own time {total / 1e3:.1f} ms of a {p['step_us'] / 1e3:.1f} ms step")

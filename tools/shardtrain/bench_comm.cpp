@@ -74,7 +74,6 @@ std::optional<BenchArgs> parse(int argc, char** argv) {
                a.op == "broadcast" || a.op == "barrier",
            ConfigError, "--op '", a.op,
            "' is not one of all_reduce, reduce_scatter, all_gather, broadcast, barrier");
-  if (a.op == "barrier") a.bytes = 0;
   ST_CHECK(a.iters > 0 && a.warmup >= 0, ConfigError, "--iters must be positive and --warmup >= 0");
   return a;
 }
@@ -158,7 +157,7 @@ int bench_comm_main(int argc, char** argv) {
   const double algbw = bytes / avg_s / 1e9;
   const double factor = args.op == "all_reduce" ? 2.0 * (n - 1) / n
                         : args.op == "broadcast" ? 1.0
-                                                 : static_cast<double>(n - 1) / n;  // barrier: 0 bytes
+                                                 : static_cast<double>(n - 1) / n;
   const double busbw = algbw * factor;
   if (comm->rank() == 0) {
     std::printf("%-15s %-9s %12lld bytes  %2d ranks  %10.1f us  algbw %8.3f GB/s  busbw %8.3f GB/s\n",

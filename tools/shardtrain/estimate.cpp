@@ -138,13 +138,8 @@ int estimate_main(int argc, char** argv) {
   const EstimateArgs& args = *parsed;
   config::Config config = config::Config::load(args.config, args.overrides);
   // As the trainer will: `auto` becomes what this machine would run.
-  std::optional<precision::GemmRates> rates;
-  if (config.precision == precision::PrecisionKind::Auto && !torch::cuda::is_available() &&
-      precision::cpu_has_native_bf16()) {
-    rates = precision::measure_gemm_rates();
-  }
-  const precision::ResolvedPrecision resolved = precision::resolve_precision(
-      config.precision, torch::cuda::is_available(), rates ? &*rates : nullptr);
+  const precision::ResolvedPrecision resolved =
+      precision::resolve_precision_measured(config.precision, torch::cuda::is_available());
   config.precision = resolved.kind;
   const config::DistributedConfig& dc = config.distributed;
 

@@ -83,6 +83,14 @@ GemmRates measure_gemm_rates();
 ResolvedPrecision resolve_precision(PrecisionKind kind, bool cuda_available,
                                     const GemmRates* cpu_rates = nullptr);
 
+/// resolve_precision as a run decides it: where `auto` meets a CPU with
+/// native bf16, measure_gemm_rates() runs here and, with `comm`, on every
+/// rank, whose figures are averaged so that all ranks decide alike (a
+/// collective then: every rank of `comm` calls it). Elsewhere nothing is
+/// measured.
+ResolvedPrecision resolve_precision_measured(PrecisionKind kind, bool cuda_available,
+                                             comm::Communicator* comm = nullptr);
+
 /// Dynamic loss scaling, with DeepSpeed's semantics and defaults. This struct
 /// is also the `loss_scaler` section of the YAML config (docs/config.md).
 struct LossScalerOptions {
