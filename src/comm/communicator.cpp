@@ -699,9 +699,7 @@ void all_reduce_in_place(const detail::OpContext& oc, char* buf, int64_t n, deta
   if (oc.mpi != nullptr) return oc.mpi->all_reduce(oc, buf, n, dtype, op);
   if (oc.host != nullptr) return detail::hierarchical_all_reduce(oc, buf, n, dtype, op);
   if (oc.shm != nullptr) {
-    const ShardRange mine = shard_range(n, oc.size, oc.rank);
-    oc.shm->reduce_scatter(oc, buf, buf + mine.offset * detail::element_size(dtype), n, dtype, op);
-    oc.shm->all_gather(oc, buf, n, dtype);
+    oc.shm->all_reduce(oc, buf, n, dtype, op);
     return;
   }
   detail::tcp_all_reduce(oc, buf, n, dtype, op);

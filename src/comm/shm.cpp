@@ -1,6 +1,7 @@
 #include "comm/shm.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <linux/futex.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -90,9 +91,9 @@ std::unique_ptr<ShmChannel> ShmChannel::open(const OpContext& setup) {
   // A rank that cannot take part offers a key no other rank has.
   const int64_t key = usable ? static_cast<int64_t>(fnv1a(host)) : -1 - oc.rank;
   const int64_t nonce = oc.rank == 0 ? static_cast<int64_t>(++g_segments) : 0;
-  // At least a cache line per rank's slice of a staging area.
+  // At least a cache line per rank's slot in each of a staging area's two sets.
   const int64_t stage = byte_count_from_env("SHARDTRAIN_SHM_STAGE_BYTES", static_cast<int64_t>(kStageBytes),
-                                            static_cast<int64_t>(kLine) * n);
+                                            2 * static_cast<int64_t>(kLine) * n);
   constexpr int kFields = 4;
   std::vector<int64_t> all = exchange(oc, {key, static_cast<int64_t>(getpid()), nonce, stage});
   std::vector<int64_t> pids(static_cast<size_t>(n));
@@ -136,7 +137,11 @@ std::unique_ptr<ShmChannel> ShmChannel::open(const OpContext& setup) {
 
 ShmChannel::ShmChannel(char* base, size_t bytes, size_t stage_bytes, int rank, int size,
                        std::vector<int64_t> pids)
-    : base_(base), bytes_(bytes), stage_bytes_(stage_bytes), rank_(rank), size_(size), pids_(std::move(pids)) {}
+    : base_(base), bytes_(bytes), stage_bytes_(stage_bytes), rank_(rank), size_(size), pids_(std::move(pids)) {
+  // With more ranks than CPUs, a spinning rank holds the CPU a peer needs.
+  cpu_set_t cpus;
+  spin_in_op_ = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && CPU_COUNT(&cpus) >= size;
+}
 
 // A peer waiting on this rank learns at once that it will not come, as it
 // would from a closed connection.
@@ -154,29 +159,52 @@ std::atomic<uint32_t>& ShmChannel::closed(int r) const {
   return *reinterpret_cast<std::atomic<uint32_t>*>(base_ + static_cast<size_t>(r) * kLine + sizeof(uint32_t));
 }
 
+std::atomic<uint32_t>& ShmChannel::sleepers(int r) const {
+  return *reinterpret_cast<std::atomic<uint32_t>*>(base_ + static_cast<size_t>(r) * kLine + 2 * sizeof(uint32_t));
+}
+
 char* ShmChannel::stage(int r) const {
   return base_ + header_bytes(size_) + static_cast<size_t>(r) * stage_bytes_;
 }
 
+// The futex wake is a system call; it is made only when a peer has said
+// (in the word's line) that it sleeps or is about to. Both sides order their
+// store before their load (seq_cst), so either the publisher sees the
+// sleeper or the sleeper sees the new phase before it sleeps.
 void ShmChannel::publish() {
-  word(rank_).store(++phase_, std::memory_order_release);
-  wake_all(word(rank_));
+  word(rank_).store(++phase_, std::memory_order_seq_cst);
+  if (sleepers(rank_).load(std::memory_order_seq_cst) != 0) wake_all(word(rank_));
 }
 
 // Until every peer has published this rank's phase: their data is in their
 // areas, or they have finished reading this rank's.
 void ShmChannel::wait_all(const OpContext& oc) const { wait_all(oc, phase_); }
 
-void ShmChannel::wait_all(const OpContext& oc, uint32_t phase) const {
+void ShmChannel::wait_all(const OpContext& oc, uint32_t phase, Spin spin) const {
   for (int p = 0; p < size_; ++p) {
-    if (p != rank_) wait_for(oc, p, phase);
+    if (p != rank_) wait_for(oc, p, phase, spin);
   }
 }
 
-void ShmChannel::wait_for(const OpContext& oc, int p, uint32_t phase) const {
+namespace {
+
+void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+}  // namespace
+
+void ShmChannel::wait_for(const OpContext& oc, int p, uint32_t phase, Spin spin) const {
   std::atomic<uint32_t>& w = word(p);
-  auto next_check = Clock::now() + std::chrono::milliseconds(100);
-  for (int spin = 0;; ++spin) {
+  const auto start = Clock::now();
+  const auto spin_until = start + (spin == Spin::InOp && spin_in_op_ ? std::chrono::microseconds(100)
+                                                                      : std::chrono::microseconds(2));
+  auto next_check = start + std::chrono::milliseconds(100);
+  for (;;) {
     const uint32_t seen = w.load(std::memory_order_acquire);
     if (static_cast<int32_t>(seen - phase) >= 0) break;
     if (closed(p).load(std::memory_order_acquire) != 0) {
@@ -184,8 +212,11 @@ void ShmChannel::wait_for(const OpContext& oc, int p, uint32_t phase) const {
                       ": the peer closed its side of the group. Hint: the peer probably exited "
                       "or failed; see its own output for why.");
     }
-    if (spin < 200) continue;
     const auto now = Clock::now();
+    if (now < spin_until) {
+      cpu_relax();
+      continue;
+    }
     if (now >= oc.deadline) {
       throw TimeoutError(oc.describe(p) +
                          ": timed out waiting for the peer in shared memory. Hint: the peer may "
@@ -201,7 +232,11 @@ void ShmChannel::wait_for(const OpContext& oc, int p, uint32_t phase) const {
     }
     // Bounded, so the deadline and the peer's life are checked again.
     const timespec nap{0, 20 * 1000 * 1000};
-    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&w), FUTEX_WAIT, seen, &nap, nullptr, 0);
+    sleepers(p).fetch_add(1, std::memory_order_seq_cst);
+    if (w.load(std::memory_order_seq_cst) == seen) {
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&w), FUTEX_WAIT, seen, &nap, nullptr, 0);
+    }
+    sleepers(p).fetch_sub(1, std::memory_order_relaxed);
   }
 }
 
@@ -214,61 +249,136 @@ int64_t most_per_rank(int64_t numel, int n) { return (numel + n - 1) / n; }
 
 }  // namespace
 
-void ShmChannel::all_gather(const OpContext& oc, void* buf, int64_t numel, DType dtype) {
-  const size_t es = element_size(dtype);
-  char* out = static_cast<char*>(buf);
-  const int64_t per = static_cast<int64_t>(stage_bytes_ / es);
-  const int64_t most = most_per_rank(numel, size_);
-  const ShardRange mine = shard_range(numel, size_, rank_);
-  for (int64_t lo = 0; lo < most; lo += per) {
-    wait_all(oc);  // peers have read what this rank staged before
-    std::memcpy(stage(rank_), out + (mine.offset + lo) * es, piece(mine.count, lo, per) * es);
-    publish();
-    wait_all(oc);
-    for (int p = 0; p < size_; ++p) {
-      if (p == rank_) continue;
-      const ShardRange theirs = shard_range(numel, size_, p);
-      std::memcpy(out + (theirs.offset + lo) * es, stage(p), piece(theirs.count, lo, per) * es);
-    }
+// all_reduce, reduce_scatter and all_gather move a buffer in pieces small
+// enough to stay in cache from the rank that stages one to the rank that
+// reads it. Each rank's area holds two sets of slots, so that a rank stages
+// piece k+1 while its peers still read piece k. An op is a list of steps;
+// step j first consumes what every peer published in step j-1 (after
+// waiting for it), then stages what step j+1 needs, then publishes once:
+// step j ends at phase base + j + 2, and the first staging at base + 1.
+// A set is staged again two pieces later; by then every peer has published
+// the step that read it last, which this rank has waited for.
+char* ShmChannel::slot(int owner, int64_t k, int p, size_t slot_bytes) const {
+  return stage(owner) + static_cast<size_t>(k % 2) * (stage_bytes_ / 2) + static_cast<size_t>(p) * slot_bytes;
+}
+
+size_t ShmChannel::slot_bytes() const {
+  return std::min(stage_bytes_ / 2 / static_cast<size_t>(size_) / kLine * kLine, kPieceBytes);
+}
+
+template <typename First, typename Step>
+void ShmChannel::pipeline(const OpContext& oc, int64_t steps, const First& first, const Step& step) {
+  if (steps == 0) return;
+  const uint32_t base = phase_;
+  wait_all(oc, base);  // every peer has finished reading this rank's areas in the op before
+  first();
+  publish();
+  for (int64_t j = 0; j < steps; ++j) {
+    // Until every peer has staged its first piece it may still be computing.
+    wait_all(oc, static_cast<uint32_t>(base + j + 1), j == 0 ? Spin::Brief : Spin::InOp);
+    step(j);
     publish();
   }
 }
 
+namespace {
+
+// Calls f(p, where, bytes) for each peer p with the part of piece k (of
+// `per` elements) of p's shard_range of a `numel` buffer at `data`.
+template <typename F>
+void each_peer(int rank, int size, int64_t numel, size_t es, int64_t k, int64_t per, char* data, const F& f) {
+  for (int p = 0; p < size; ++p) {
+    if (p == rank) continue;
+    const ShardRange theirs = shard_range(numel, size, p);
+    f(p, data + (theirs.offset + k * per) * es, static_cast<size_t>(piece(theirs.count, k * per, per)) * es);
+  }
+}
+
+}  // namespace
+
+// Step k: copy each peer's piece k out of its own slot, stage piece k+1.
+void ShmChannel::all_gather(const OpContext& oc, void* buf, int64_t numel, DType dtype) {
+  const size_t es = element_size(dtype);
+  char* data = static_cast<char*>(buf);
+  const size_t sb = slot_bytes();
+  const auto per = static_cast<int64_t>(sb / es);
+  const int64_t pieces = (most_per_rank(numel, size_) + per - 1) / per;
+  const ShardRange mine = shard_range(numel, size_, rank_);
+  const auto stage_piece = [&](int64_t k) {
+    std::memcpy(slot(rank_, k, rank_, sb), data + (mine.offset + k * per) * es,
+                static_cast<size_t>(piece(mine.count, k * per, per)) * es);
+  };
+  pipeline(oc, pieces, [&] { stage_piece(0); }, [&](int64_t k) {
+    each_peer(rank_, size_, numel, es, k, per, data,
+              [&](int p, char* to, size_t bytes) { std::memcpy(to, slot(p, k, p, sb), bytes); });
+    if (k + 1 < pieces) stage_piece(k + 1);
+  });
+}
+
+// This rank's values, then each peer's in rank order; Avg divides on the last.
+void ShmChannel::combine(const void* own, void* out, int64_t k, int64_t count, DType dtype, ReduceOp op) const {
+  const void* acc = own;
+  int combined = 0;
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_) continue;
+    const bool last = ++combined == size_ - 1;
+    reduce(out, acc, slot(p, k, rank_, slot_bytes()), count, dtype, op, last && op == ReduceOp::Avg ? size_ : 0);
+    acc = out;
+  }
+}
+
+// Step k: combine this rank's piece k from the peers' slots for it, stage
+// piece k+1 (each peer's part in that peer's slot).
 void ShmChannel::reduce_scatter(const OpContext& oc, const void* in, void* out, int64_t numel,
                                 DType dtype, ReduceOp op) {
   const size_t es = element_size(dtype);
-  const char* src = static_cast<const char*>(in);
+  char* src = const_cast<char*>(static_cast<const char*>(in));  // read only
   char* dst = static_cast<char*>(out);
-  // Each area holds one slice per destination rank.
-  const size_t slice_bytes = stage_bytes_ / static_cast<size_t>(size_) / kLine * kLine;
-  const int64_t per = static_cast<int64_t>(slice_bytes / es);
-  const int64_t most = most_per_rank(numel, size_);
+  const size_t sb = slot_bytes();
+  const auto per = static_cast<int64_t>(sb / es);
+  const int64_t pieces = (most_per_rank(numel, size_) + per - 1) / per;
   const ShardRange mine = shard_range(numel, size_, rank_);
-  for (int64_t lo = 0; lo < most; lo += per) {
-    wait_all(oc);
-    for (int p = 0; p < size_; ++p) {
-      if (p == rank_) continue;
-      const ShardRange theirs = shard_range(numel, size_, p);
-      std::memcpy(stage(rank_) + p * slice_bytes, src + (theirs.offset + lo) * es,
-                  piece(theirs.count, lo, per) * es);
-    }
-    publish();
-    wait_all(oc);
-    const int64_t count = piece(mine.count, lo, per);
-    if (count > 0) {
-      // This rank's values, then each peer's in rank order; Avg divides on the last.
-      const void* acc = src + (mine.offset + lo) * es;
-      int combined = 0;
-      for (int p = 0; p < size_; ++p) {
-        if (p == rank_) continue;
-        const bool last = ++combined == size_ - 1;
-        reduce(dst + lo * es, acc, stage(p) + rank_ * slice_bytes, count, dtype, op,
-               last && op == ReduceOp::Avg ? size_ : 0);
-        acc = dst + lo * es;
+  const auto stage_piece = [&](int64_t k) {
+    each_peer(rank_, size_, numel, es, k, per, src,
+              [&](int p, const char* from, size_t bytes) { std::memcpy(slot(rank_, k, p, sb), from, bytes); });
+  };
+  pipeline(oc, pieces, [&] { stage_piece(0); }, [&](int64_t k) {
+    const int64_t count = piece(mine.count, k * per, per);
+    if (count > 0) combine(src + (mine.offset + k * per) * es, dst + k * per * es, k, count, dtype, op);
+    if (k + 1 < pieces) stage_piece(k + 1);
+  });
+}
+
+// Two steps per piece: step 2k combines this rank's piece k in place and
+// stages the result in its own slot; step 2k+1 copies each peer's result
+// out and stages piece k+1. Each byte of the buffer is read once and
+// written once outside the cache, as by a memcpy.
+void ShmChannel::all_reduce(const OpContext& oc, void* buf, int64_t numel, DType dtype, ReduceOp op) {
+  const size_t es = element_size(dtype);
+  char* data = static_cast<char*>(buf);
+  const size_t sb = slot_bytes();
+  const auto per = static_cast<int64_t>(sb / es);
+  const int64_t pieces = (most_per_rank(numel, size_) + per - 1) / per;
+  const ShardRange mine = shard_range(numel, size_, rank_);
+  const auto stage_piece = [&](int64_t k) {
+    each_peer(rank_, size_, numel, es, k, per, data,
+              [&](int p, const char* from, size_t bytes) { std::memcpy(slot(rank_, k, p, sb), from, bytes); });
+  };
+  pipeline(oc, 2 * pieces, [&] { stage_piece(0); }, [&](int64_t j) {
+    const int64_t k = j / 2;
+    if (j % 2 == 0) {
+      const int64_t count = piece(mine.count, k * per, per);
+      if (count > 0) {
+        char* acc = data + (mine.offset + k * per) * es;
+        combine(acc, acc, k, count, dtype, op);
+        std::memcpy(slot(rank_, k, rank_, sb), acc, static_cast<size_t>(count) * es);
       }
+      return;
     }
-    publish();
-  }
+    each_peer(rank_, size_, numel, es, k, per, data,
+              [&](int p, char* to, size_t bytes) { std::memcpy(to, slot(p, k, p, sb), bytes); });
+    if (k + 1 < pieces) stage_piece(k + 1);
+  });
 }
 
 // The root stages a piece, every other rank copies it out: one copy per

@@ -35,6 +35,9 @@ class ShmChannel {
   ShmChannel(const ShmChannel&) = delete;
   ShmChannel& operator=(const ShmChannel&) = delete;
 
+  /// In place: every rank's `buf` (numel elements) receives the reduction
+  /// of all of them, the same bits on every rank.
+  void all_reduce(const OpContext& oc, void* buf, int64_t numel, DType dtype, ReduceOp op);
   /// In place: `buf` (numel elements) holds this rank's shard_range.
   void all_gather(const OpContext& oc, void* buf, int64_t numel, DType dtype);
   /// `out` receives the reduction of every rank's shard_range of `in`;
@@ -50,11 +53,28 @@ class ShmChannel {
   ShmChannel(char* base, size_t bytes, size_t stage_bytes, int rank, int size, std::vector<int64_t> pids);
   std::atomic<uint32_t>& word(int r) const;
   std::atomic<uint32_t>& closed(int r) const;  // set when rank r's channel is destroyed
+  std::atomic<uint32_t>& sleepers(int r) const;  // peers asleep (or about to be) on rank r's word
   char* stage(int r) const;  // after the header of size_ lines
+  // Slot p of the set that piece k uses in rank `owner`'s area.
+  char* slot(int owner, int64_t k, int p, size_t slot_bytes) const;
+  size_t slot_bytes() const;
+  template <typename First, typename Step>
+  void pipeline(const OpContext& oc, int64_t steps, const First& first, const Step& step);
+  // out = this rank's values (`own`) combined with each peer's slot for
+  // this rank in piece k.
+  void combine(const void* own, void* out, int64_t k, int64_t count, DType dtype, ReduceOp op) const;
+  /// all_reduce's pieces: small enough to stay in cache from the rank that
+  /// stages one to the rank that reads it.
+  static constexpr size_t kPieceBytes = size_t{256} << 10;
   void publish();
-  void wait_for(const OpContext& oc, int p, uint32_t phase) const;  // until rank p has published `phase`
+  // How long a wait spins before it sleeps: briefly where the peer may still
+  // be computing, longer (about 100 µs) where every peer is inside the same
+  // op, so the wait is a piece's worth of copying and a sleep would cost
+  // more than it saves (unless the ranks outnumber the CPUs).
+  enum class Spin { Brief, InOp };
+  void wait_for(const OpContext& oc, int p, uint32_t phase, Spin spin = Spin::Brief) const;  // until rank p has published `phase`
   void wait_all(const OpContext& oc) const;  // every peer has published this rank's phase
-  void wait_all(const OpContext& oc, uint32_t phase) const;
+  void wait_all(const OpContext& oc, uint32_t phase, Spin spin = Spin::Brief) const;
 
   char* base_;
   size_t bytes_;
@@ -63,6 +83,7 @@ class ShmChannel {
   int size_;
   std::vector<int64_t> pids_;  // per group rank, for noticing a peer that exited
   uint32_t phase_ = 0;         // the last phase this rank published
+  bool spin_in_op_ = false;    // whether Spin::InOp spins (not with more ranks than CPUs)
 };
 
 }  // namespace shardtrain::comm::detail

@@ -24,5 +24,5 @@ foreach(n 65 130)
   add_test(NAME dist.shm_many_ranks.world${n}
            COMMAND ${SHARDTRAIN_CLI} launch --nproc-per-node 1 -- $<TARGET_FILE:shm_many_ranks> ${n})
   set_tests_properties(dist.shm_many_ranks.world${n} PROPERTIES TIMEOUT 300 RUN_SERIAL TRUE
-                       ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=60;SHARDTRAIN_SHM_STAGE_BYTES=16384")
+                       ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=60;SHARDTRAIN_SHM_STAGE_BYTES=33280")
 endforeach()
