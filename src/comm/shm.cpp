@@ -140,7 +140,7 @@ ShmChannel::ShmChannel(char* base, size_t bytes, size_t stage_bytes, int rank, i
     : base_(base), bytes_(bytes), stage_bytes_(stage_bytes), rank_(rank), size_(size), pids_(std::move(pids)) {
   // With more ranks than CPUs, a spinning rank holds the CPU a peer needs.
   cpu_set_t cpus;
-  spin_in_op_ = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && CPU_COUNT(&cpus) >= size;
+  may_spin_long_ = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && CPU_COUNT(&cpus) >= size;
 }
 
 // A peer waiting on this rank learns at once that it will not come, as it
@@ -201,7 +201,7 @@ void cpu_relax() {
 void ShmChannel::wait_for(const OpContext& oc, int p, uint32_t phase, Spin spin) const {
   std::atomic<uint32_t>& w = word(p);
   const auto start = Clock::now();
-  const auto spin_until = start + (spin == Spin::InOp && spin_in_op_ ? std::chrono::microseconds(100)
+  const auto spin_until = start + (spin == Spin::Long && may_spin_long_ ? std::chrono::microseconds(100)
                                                                       : std::chrono::microseconds(2));
   auto next_check = start + std::chrono::milliseconds(100);
   for (;;) {
@@ -275,7 +275,7 @@ void ShmChannel::pipeline(const OpContext& oc, int64_t steps, const First& first
   publish();
   for (int64_t j = 0; j < steps; ++j) {
     // Until every peer has staged its first piece it may still be computing.
-    wait_all(oc, static_cast<uint32_t>(base + j + 1), j == 0 ? Spin::Brief : Spin::InOp);
+    wait_all(oc, static_cast<uint32_t>(base + j + 1), j == 0 ? Spin::Brief : Spin::Long);
     step(j);
     publish();
   }
@@ -411,7 +411,7 @@ void ShmChannel::broadcast(const OpContext& oc, void* buf, int64_t numel, DType 
 
 void ShmChannel::barrier(const OpContext& oc) {
   publish();
-  wait_all(oc);
+  wait_all(oc, phase_, Spin::Long);
 }
 
 }  // namespace shardtrain::comm::detail

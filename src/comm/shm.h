@@ -68,10 +68,11 @@ class ShmChannel {
   static constexpr size_t kPieceBytes = size_t{256} << 10;
   void publish();
   // How long a wait spins before it sleeps: briefly where the peer may still
-  // be computing, longer (about 100 µs) where every peer is inside the same
-  // op, so the wait is a piece's worth of copying and a sleep would cost
-  // more than it saves (unless the ranks outnumber the CPUs).
-  enum class Spin { Brief, InOp };
+  // be computing; longer (about 100 µs) where every peer is inside the same
+  // op, so the wait is a piece's worth of copying, and in a barrier, whose
+  // caller asked to wait: there a sleep's wake-up would cost more than the
+  // wait (unless the ranks outnumber the CPUs).
+  enum class Spin { Brief, Long };
   void wait_for(const OpContext& oc, int p, uint32_t phase, Spin spin = Spin::Brief) const;  // until rank p has published `phase`
   void wait_all(const OpContext& oc) const;  // every peer has published this rank's phase
   void wait_all(const OpContext& oc, uint32_t phase, Spin spin = Spin::Brief) const;
@@ -83,7 +84,7 @@ class ShmChannel {
   int size_;
   std::vector<int64_t> pids_;  // per group rank, for noticing a peer that exited
   uint32_t phase_ = 0;         // the last phase this rank published
-  bool spin_in_op_ = false;    // whether Spin::InOp spins (not with more ranks than CPUs)
+  bool may_spin_long_ = false;    // whether Spin::Long spins (not with more ranks than CPUs)
 };
 
 }  // namespace shardtrain::comm::detail
