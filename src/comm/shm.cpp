@@ -102,7 +102,9 @@ std::unique_ptr<ShmChannel> ShmChannel::open(const OpContext& setup) {
     pids[r] = all[kFields * r + 1];
   }
   const std::string name = "/shardtrain-" + std::to_string(pids[0]) + "-" + std::to_string(all[2]);
-  const auto stage_bytes = static_cast<size_t>(all[3]);  // rank 0's, so every rank agrees
+  // Rank 0's, so every rank agrees; whole lines in each of the two halves,
+  // so every slot and every rank's area starts on a cache line.
+  const auto stage_bytes = static_cast<size_t>(all[3]) / (2 * kLine) * (2 * kLine);
   const size_t bytes = header_bytes(n) + static_cast<size_t>(n) * stage_bytes;
 
   // Rank 0 makes the segment; the others open it once it exists; rank 0
@@ -146,7 +148,7 @@ ShmChannel::ShmChannel(char* base, size_t bytes, size_t stage_bytes, int rank, i
 // A peer waiting on this rank learns at once that it will not come, as it
 // would from a closed connection.
 ShmChannel::~ShmChannel() {
-  closed(rank_).store(1, std::memory_order_release);
+  closed(rank_).store(1, std::memory_order_seq_cst);
   wake_all(word(rank_));
   munmap(base_, bytes_);
 }
@@ -175,10 +177,6 @@ void ShmChannel::publish() {
   word(rank_).store(++phase_, std::memory_order_seq_cst);
   if (sleepers(rank_).load(std::memory_order_seq_cst) != 0) wake_all(word(rank_));
 }
-
-// Until every peer has published this rank's phase: their data is in their
-// areas, or they have finished reading this rank's.
-void ShmChannel::wait_all(const OpContext& oc) const { wait_all(oc, phase_); }
 
 void ShmChannel::wait_all(const OpContext& oc, uint32_t phase, Spin spin) const {
   for (int p = 0; p < size_; ++p) {
@@ -233,7 +231,7 @@ void ShmChannel::wait_for(const OpContext& oc, int p, uint32_t phase, Spin spin)
     // Bounded, so the deadline and the peer's life are checked again.
     const timespec nap{0, 20 * 1000 * 1000};
     sleepers(p).fetch_add(1, std::memory_order_seq_cst);
-    if (w.load(std::memory_order_seq_cst) == seen) {
+    if (w.load(std::memory_order_seq_cst) == seen && closed(p).load(std::memory_order_seq_cst) == 0) {
       syscall(SYS_futex, reinterpret_cast<uint32_t*>(&w), FUTEX_WAIT, seen, &nap, nullptr, 0);
     }
     sleepers(p).fetch_sub(1, std::memory_order_relaxed);

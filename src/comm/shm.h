@@ -23,7 +23,8 @@ namespace shardtrain::comm::detail {
 class ShmChannel {
  public:
   /// Bytes of each rank's staging area (SHARDTRAIN_SHM_STAGE_BYTES sets
-  /// another; larger transfers go through it in pieces).
+  /// another, rounded down to whole cache lines in each half; larger
+  /// transfers go through it in pieces).
   static constexpr size_t kStageBytes = size_t{8} << 20;
 
   /// Every rank of `oc`'s group calls this together; it agrees over the
@@ -63,8 +64,9 @@ class ShmChannel {
   // out = this rank's values (`own`) combined with each peer's slot for
   // this rank in piece k.
   void combine(const void* own, void* out, int64_t k, int64_t count, DType dtype, ReduceOp op) const;
-  /// all_reduce's pieces: small enough to stay in cache from the rank that
-  /// stages one to the rank that reads it.
+  /// Most bytes per slot of all_reduce, reduce_scatter and all_gather's
+  /// pieces: small enough to stay in cache from the rank that stages one to
+  /// the rank that reads it.
   static constexpr size_t kPieceBytes = size_t{256} << 10;
   void publish();
   // How long a wait spins before it sleeps: briefly where the peer may still
@@ -74,7 +76,6 @@ class ShmChannel {
   // wait (unless the ranks outnumber the CPUs).
   enum class Spin { Brief, Long };
   void wait_for(const OpContext& oc, int p, uint32_t phase, Spin spin = Spin::Brief) const;  // until rank p has published `phase`
-  void wait_all(const OpContext& oc) const;  // every peer has published this rank's phase
   void wait_all(const OpContext& oc, uint32_t phase, Spin spin = Spin::Brief) const;
 
   char* base_;
