@@ -142,7 +142,7 @@ ShmChannel::ShmChannel(char* base, size_t bytes, size_t stage_bytes, int rank, i
     : base_(base), bytes_(bytes), stage_bytes_(stage_bytes), rank_(rank), size_(size), pids_(std::move(pids)) {
   // With more ranks than CPUs, a spinning rank holds the CPU a peer needs.
   cpu_set_t cpus;
-  may_spin_long_ = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && CPU_COUNT(&cpus) >= size;
+  may_spin_ = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && CPU_COUNT(&cpus) >= size;
 }
 
 // A peer waiting on this rank learns at once that it will not come, as it
@@ -178,9 +178,9 @@ void ShmChannel::publish() {
   if (sleepers(rank_).load(std::memory_order_seq_cst) != 0) wake_all(word(rank_));
 }
 
-void ShmChannel::wait_all(const OpContext& oc, uint32_t phase, Spin spin) const {
+void ShmChannel::wait_all(const OpContext& oc, uint32_t phase) const {
   for (int p = 0; p < size_; ++p) {
-    if (p != rank_) wait_for(oc, p, phase, spin);
+    if (p != rank_) wait_for(oc, p, phase);
   }
 }
 
@@ -196,11 +196,10 @@ void cpu_relax() {
 
 }  // namespace
 
-void ShmChannel::wait_for(const OpContext& oc, int p, uint32_t phase, Spin spin) const {
+void ShmChannel::wait_for(const OpContext& oc, int p, uint32_t phase) const {
   std::atomic<uint32_t>& w = word(p);
   const auto start = Clock::now();
-  const auto spin_until = start + (spin == Spin::Long && may_spin_long_ ? std::chrono::microseconds(100)
-                                                                      : std::chrono::microseconds(2));
+  const auto spin_until = start + std::chrono::microseconds(may_spin_ ? 100 : 2);
   auto next_check = start + std::chrono::milliseconds(100);
   for (;;) {
     const uint32_t seen = w.load(std::memory_order_acquire);
@@ -272,8 +271,7 @@ void ShmChannel::pipeline(const OpContext& oc, int64_t steps, const First& first
   first();
   publish();
   for (int64_t j = 0; j < steps; ++j) {
-    // Until every peer has staged its first piece it may still be computing.
-    wait_all(oc, static_cast<uint32_t>(base + j + 1), j == 0 ? Spin::Brief : Spin::Long);
+    wait_all(oc, static_cast<uint32_t>(base + j + 1));
     step(j);
     publish();
   }
@@ -409,7 +407,7 @@ void ShmChannel::broadcast(const OpContext& oc, void* buf, int64_t numel, DType 
 
 void ShmChannel::barrier(const OpContext& oc) {
   publish();
-  wait_all(oc, phase_, Spin::Long);
+  wait_all(oc, phase_);
 }
 
 }  // namespace shardtrain::comm::detail

@@ -69,14 +69,11 @@ class ShmChannel {
   /// the rank that reads it.
   static constexpr size_t kPieceBytes = size_t{256} << 10;
   void publish();
-  // How long a wait spins before it sleeps: briefly where the peer may still
-  // be computing; longer (about 100 µs) where every peer is inside the same
-  // op, so the wait is a piece's worth of copying, and in a barrier, whose
-  // caller asked to wait: there a sleep's wake-up would cost more than the
-  // wait (unless the ranks outnumber the CPUs).
-  enum class Spin { Brief, Long };
-  void wait_for(const OpContext& oc, int p, uint32_t phase, Spin spin = Spin::Brief) const;  // until rank p has published `phase`
-  void wait_all(const OpContext& oc, uint32_t phase, Spin spin = Spin::Brief) const;
+  // A wait spins (up to 100 µs, unless the ranks outnumber the CPUs) before
+  // it sleeps: a peer that is about to publish is usually microseconds away,
+  // and waking from a futex costs tens of them.
+  void wait_for(const OpContext& oc, int p, uint32_t phase) const;  // until rank p has published `phase`
+  void wait_all(const OpContext& oc, uint32_t phase) const;
 
   char* base_;
   size_t bytes_;
@@ -85,7 +82,7 @@ class ShmChannel {
   int size_;
   std::vector<int64_t> pids_;  // per group rank, for noticing a peer that exited
   uint32_t phase_ = 0;         // the last phase this rank published
-  bool may_spin_long_ = false;    // whether Spin::Long spins (not with more ranks than CPUs)
+  bool may_spin_ = false;      // not with more ranks than CPUs
 };
 
 }  // namespace shardtrain::comm::detail
