@@ -142,8 +142,7 @@ ShmChannel::ShmChannel(char* base, size_t bytes, size_t stage_bytes, int rank, i
     : base_(base), bytes_(bytes), stage_bytes_(stage_bytes), rank_(rank), size_(size), pids_(std::move(pids)) {
   // With more ranks than CPUs, a spinning rank holds the CPU a peer needs.
   cpu_set_t cpus;
-  if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && CPU_COUNT(&cpus) >= size) most_spin_us_ = kMostSpinUs;
-  spin_us_ = most_spin_us_;
+  may_spin_ = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && CPU_COUNT(&cpus) >= size;
 }
 
 // A peer waiting on this rank learns at once that it will not come, as it
@@ -200,17 +199,11 @@ void cpu_relax() {
 void ShmChannel::wait_for(const OpContext& oc, int p, uint32_t phase) const {
   std::atomic<uint32_t>& w = word(p);
   const auto start = Clock::now();
-  const auto spin_until = start + std::chrono::microseconds(spin_us_);
+  const auto spin_until = start + std::chrono::microseconds(may_spin_ ? 100 : 2);
   auto next_check = start + std::chrono::milliseconds(100);
-  bool slept = false;
   for (;;) {
     const uint32_t seen = w.load(std::memory_order_acquire);
-    if (static_cast<int32_t>(seen - phase) >= 0) {
-      // Spin longer while spinning pays, shorter while peers keep this rank
-      // waiting past it (they are computing, or waiting for a CPU).
-      spin_us_ = slept ? std::max(kLeastSpinUs, spin_us_ / 2) : std::min(most_spin_us_, spin_us_ * 2);
-      return;
-    }
+    if (static_cast<int32_t>(seen - phase) >= 0) break;
     if (closed(p).load(std::memory_order_acquire) != 0) {
       throw CommError(oc.describe(p) +
                       ": the peer closed its side of the group. Hint: the peer probably exited "
@@ -236,7 +229,6 @@ void ShmChannel::wait_for(const OpContext& oc, int p, uint32_t phase) const {
     }
     // Bounded, so the deadline and the peer's life are checked again.
     const timespec nap{0, 20 * 1000 * 1000};
-    slept = true;
     sleepers(p).fetch_add(1, std::memory_order_seq_cst);
     if (w.load(std::memory_order_seq_cst) == seen && closed(p).load(std::memory_order_seq_cst) == 0) {
       syscall(SYS_futex, reinterpret_cast<uint32_t*>(&w), FUTEX_WAIT, seen, &nap, nullptr, 0);

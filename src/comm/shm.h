@@ -69,12 +69,9 @@ class ShmChannel {
   /// the rank that reads it.
   static constexpr size_t kPieceBytes = size_t{256} << 10;
   void publish();
-  // A wait spins before it sleeps: a peer that is about to publish is
-  // usually microseconds away, and waking from a futex costs tens of them.
-  // How long adapts (spin_us_): doubled after a wait that spinning ended,
-  // halved after one that slept, between 2 µs and 100 µs (2 µs when the
-  // ranks outnumber the CPUs), so that ranks that share CPUs with other work
-  // stop spinning.
+  // A wait spins (up to 100 µs, unless the ranks outnumber the CPUs) before
+  // it sleeps: a peer that is about to publish is usually microseconds away,
+  // and waking from a futex costs tens of them.
   void wait_for(const OpContext& oc, int p, uint32_t phase) const;  // until rank p has published `phase`
   void wait_all(const OpContext& oc, uint32_t phase) const;
 
@@ -85,10 +82,7 @@ class ShmChannel {
   int size_;
   std::vector<int64_t> pids_;  // per group rank, for noticing a peer that exited
   uint32_t phase_ = 0;         // the last phase this rank published
-  static constexpr int64_t kLeastSpinUs = 2;
-  static constexpr int64_t kMostSpinUs = 100;
-  int64_t most_spin_us_ = kLeastSpinUs;
-  mutable int64_t spin_us_ = kLeastSpinUs;  // one thread at a time runs the channel's ops
+  bool may_spin_ = false;      // not with more ranks than CPUs
 };
 
 }  // namespace shardtrain::comm::detail
