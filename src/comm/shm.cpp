@@ -255,12 +255,18 @@ int64_t most_per_rank(int64_t numel, int n) { return (numel + n - 1) / n; }
 // step j ends at phase base + j + 2, and the first staging at base + 1.
 // A set is staged again two pieces later; by then every peer has published
 // the step that read it last, which this rank has waited for.
-char* ShmChannel::slot(int owner, int64_t k, int p, size_t slot_bytes) const {
-  return stage(owner) + static_cast<size_t>(k % 2) * (stage_bytes_ / 2) + static_cast<size_t>(p) * slot_bytes;
-}
-
 size_t ShmChannel::slot_bytes() const {
   return std::min(stage_bytes_ / 2 / static_cast<size_t>(size_) / kLine * kLine, kPieceBytes);
+}
+
+char* ShmChannel::slot(int owner, int64_t k, int p) const {
+  return stage(owner) + static_cast<size_t>(k % 2) * (stage_bytes_ / 2) + static_cast<size_t>(p) * slot_bytes();
+}
+
+ShmChannel::Pieces ShmChannel::pieces(int64_t numel, DType dtype) const {
+  const size_t es = element_size(dtype);
+  const auto per = static_cast<int64_t>(slot_bytes() / es);
+  return {numel, es, per, (most_per_rank(numel, size_) + per - 1) / per, shard_range(numel, size_, rank_)};
 }
 
 template <typename First, typename Step>
@@ -277,38 +283,23 @@ void ShmChannel::pipeline(const OpContext& oc, int64_t steps, const First& first
   }
 }
 
-namespace {
-
-// Calls f(p, where, bytes) for each peer p with the part of piece k (of
-// `per` elements) of p's shard_range of a `numel` buffer at `data`.
+// Calls f(p, offset, bytes) for each peer p with where piece k of p's
+// shard_range lies in the buffer, and its length.
 template <typename F>
-void each_peer(int rank, int size, int64_t numel, size_t es, int64_t k, int64_t per, char* data, const F& f) {
-  for (int p = 0; p < size; ++p) {
-    if (p == rank) continue;
-    const ShardRange theirs = shard_range(numel, size, p);
-    f(p, data + (theirs.offset + k * per) * es, static_cast<size_t>(piece(theirs.count, k * per, per)) * es);
+void ShmChannel::each_peer(const Pieces& pc, int64_t k, const F& f) const {
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_) continue;
+    const ShardRange theirs = shard_range(pc.numel, size_, p);
+    f(p, (theirs.offset + k * pc.per) * pc.es, static_cast<size_t>(piece(theirs.count, k * pc.per, pc.per)) * pc.es);
   }
 }
 
-}  // namespace
+void ShmChannel::stage_for_peers(const Pieces& pc, int64_t k, const char* data) const {
+  each_peer(pc, k, [&](int p, int64_t at, size_t bytes) { std::memcpy(slot(rank_, k, p), data + at, bytes); });
+}
 
-// Step k: copy each peer's piece k out of its own slot, stage piece k+1.
-void ShmChannel::all_gather(const OpContext& oc, void* buf, int64_t numel, DType dtype) {
-  const size_t es = element_size(dtype);
-  char* data = static_cast<char*>(buf);
-  const size_t sb = slot_bytes();
-  const auto per = static_cast<int64_t>(sb / es);
-  const int64_t pieces = (most_per_rank(numel, size_) + per - 1) / per;
-  const ShardRange mine = shard_range(numel, size_, rank_);
-  const auto stage_piece = [&](int64_t k) {
-    std::memcpy(slot(rank_, k, rank_, sb), data + (mine.offset + k * per) * es,
-                static_cast<size_t>(piece(mine.count, k * per, per)) * es);
-  };
-  pipeline(oc, pieces, [&] { stage_piece(0); }, [&](int64_t k) {
-    each_peer(rank_, size_, numel, es, k, per, data,
-              [&](int p, char* to, size_t bytes) { std::memcpy(to, slot(p, k, p, sb), bytes); });
-    if (k + 1 < pieces) stage_piece(k + 1);
-  });
+void ShmChannel::copy_from_peers(const Pieces& pc, int64_t k, char* data) const {
+  each_peer(pc, k, [&](int p, int64_t at, size_t bytes) { std::memcpy(data + at, slot(p, k, p), bytes); });
 }
 
 // This rank's values, then each peer's in rank order; Avg divides on the last.
@@ -318,30 +309,36 @@ void ShmChannel::combine(const void* own, void* out, int64_t k, int64_t count, D
   for (int p = 0; p < size_; ++p) {
     if (p == rank_) continue;
     const bool last = ++combined == size_ - 1;
-    reduce(out, acc, slot(p, k, rank_, slot_bytes()), count, dtype, op, last && op == ReduceOp::Avg ? size_ : 0);
+    reduce(out, acc, slot(p, k, rank_), count, dtype, op, last && op == ReduceOp::Avg ? size_ : 0);
     acc = out;
   }
 }
 
+// Step k: copy each peer's piece k out of its own slot, stage piece k+1.
+void ShmChannel::all_gather(const OpContext& oc, void* buf, int64_t numel, DType dtype) {
+  char* data = static_cast<char*>(buf);
+  const Pieces pc = pieces(numel, dtype);
+  const auto stage_own = [&](int64_t k) {
+    std::memcpy(slot(rank_, k, rank_), data + (pc.mine.offset + k * pc.per) * pc.es,
+                static_cast<size_t>(piece(pc.mine.count, k * pc.per, pc.per)) * pc.es);
+  };
+  pipeline(oc, pc.count, [&] { stage_own(0); }, [&](int64_t k) {
+    copy_from_peers(pc, k, data);
+    if (k + 1 < pc.count) stage_own(k + 1);
+  });
+}
+
 // Step k: combine this rank's piece k from the peers' slots for it, stage
-// piece k+1 (each peer's part in that peer's slot).
+// piece k+1 (each peer's part in the slot for that peer).
 void ShmChannel::reduce_scatter(const OpContext& oc, const void* in, void* out, int64_t numel,
                                 DType dtype, ReduceOp op) {
-  const size_t es = element_size(dtype);
-  char* src = const_cast<char*>(static_cast<const char*>(in));  // read only
+  const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
-  const size_t sb = slot_bytes();
-  const auto per = static_cast<int64_t>(sb / es);
-  const int64_t pieces = (most_per_rank(numel, size_) + per - 1) / per;
-  const ShardRange mine = shard_range(numel, size_, rank_);
-  const auto stage_piece = [&](int64_t k) {
-    each_peer(rank_, size_, numel, es, k, per, src,
-              [&](int p, const char* from, size_t bytes) { std::memcpy(slot(rank_, k, p, sb), from, bytes); });
-  };
-  pipeline(oc, pieces, [&] { stage_piece(0); }, [&](int64_t k) {
-    const int64_t count = piece(mine.count, k * per, per);
-    if (count > 0) combine(src + (mine.offset + k * per) * es, dst + k * per * es, k, count, dtype, op);
-    if (k + 1 < pieces) stage_piece(k + 1);
+  const Pieces pc = pieces(numel, dtype);
+  pipeline(oc, pc.count, [&] { stage_for_peers(pc, 0, src); }, [&](int64_t k) {
+    const int64_t count = piece(pc.mine.count, k * pc.per, pc.per);
+    if (count > 0) combine(src + (pc.mine.offset + k * pc.per) * pc.es, dst + k * pc.per * pc.es, k, count, dtype, op);
+    if (k + 1 < pc.count) stage_for_peers(pc, k + 1, src);
   });
 }
 
@@ -350,30 +347,21 @@ void ShmChannel::reduce_scatter(const OpContext& oc, const void* in, void* out, 
 // out and stages piece k+1. Each byte of the buffer is read once and
 // written once outside the cache, as by a memcpy.
 void ShmChannel::all_reduce(const OpContext& oc, void* buf, int64_t numel, DType dtype, ReduceOp op) {
-  const size_t es = element_size(dtype);
   char* data = static_cast<char*>(buf);
-  const size_t sb = slot_bytes();
-  const auto per = static_cast<int64_t>(sb / es);
-  const int64_t pieces = (most_per_rank(numel, size_) + per - 1) / per;
-  const ShardRange mine = shard_range(numel, size_, rank_);
-  const auto stage_piece = [&](int64_t k) {
-    each_peer(rank_, size_, numel, es, k, per, data,
-              [&](int p, const char* from, size_t bytes) { std::memcpy(slot(rank_, k, p, sb), from, bytes); });
-  };
-  pipeline(oc, 2 * pieces, [&] { stage_piece(0); }, [&](int64_t j) {
+  const Pieces pc = pieces(numel, dtype);
+  pipeline(oc, 2 * pc.count, [&] { stage_for_peers(pc, 0, data); }, [&](int64_t j) {
     const int64_t k = j / 2;
     if (j % 2 == 0) {
-      const int64_t count = piece(mine.count, k * per, per);
+      const int64_t count = piece(pc.mine.count, k * pc.per, pc.per);
       if (count > 0) {
-        char* acc = data + (mine.offset + k * per) * es;
+        char* acc = data + (pc.mine.offset + k * pc.per) * pc.es;
         combine(acc, acc, k, count, dtype, op);
-        std::memcpy(slot(rank_, k, rank_, sb), acc, static_cast<size_t>(count) * es);
+        std::memcpy(slot(rank_, k, rank_), acc, static_cast<size_t>(count) * pc.es);
       }
       return;
     }
-    each_peer(rank_, size_, numel, es, k, per, data,
-              [&](int p, char* to, size_t bytes) { std::memcpy(to, slot(p, k, p, sb), bytes); });
-    if (k + 1 < pieces) stage_piece(k + 1);
+    copy_from_peers(pc, k, data);
+    if (k + 1 < pc.count) stage_for_peers(pc, k + 1, data);
   });
 }
 

@@ -6,8 +6,9 @@
 // every rank of the group shares and a sequence word it advances when it has
 // finished a phase: a rank copies its part into its own area, and its peers
 // copy it out (or combine it into theirs) once its word says it is there.
-// Waits sleep on the word (a futex) with a short bound, so a deadline that
-// passes or a peer process that exits is noticed within milliseconds.
+// Waits spin a little, then sleep on the word (a futex) with a short bound,
+// so a deadline that passes or a peer process that exits is noticed within
+// milliseconds.
 #pragma once
 
 #include <atomic>
@@ -56,11 +57,27 @@ class ShmChannel {
   std::atomic<uint32_t>& closed(int r) const;  // set when rank r's channel is destroyed
   std::atomic<uint32_t>& sleepers(int r) const;  // peers asleep (or about to be) on rank r's word
   char* stage(int r) const;  // after the header of size_ lines
-  // Slot p of the set that piece k uses in rank `owner`'s area.
-  char* slot(int owner, int64_t k, int p, size_t slot_bytes) const;
+  // How a buffer goes through the slots: piece k is elements
+  // [k * per, (k + 1) * per) of every rank's shard_range of `numel`.
+  struct Pieces {
+    int64_t numel;
+    size_t es;      // bytes per element
+    int64_t per;    // elements per slot
+    int64_t count;  // pieces
+    ShardRange mine;
+  };
+  Pieces pieces(int64_t numel, DType dtype) const;
   size_t slot_bytes() const;
+  // Slot p of the set that piece k uses in rank `owner`'s area.
+  char* slot(int owner, int64_t k, int p) const;
   template <typename First, typename Step>
   void pipeline(const OpContext& oc, int64_t steps, const First& first, const Step& step);
+  template <typename F>
+  void each_peer(const Pieces& pc, int64_t k, const F& f) const;
+  // Piece k of each peer's range of `data`: into this rank's slot for that
+  // peer, or out of that peer's own slot.
+  void stage_for_peers(const Pieces& pc, int64_t k, const char* data) const;
+  void copy_from_peers(const Pieces& pc, int64_t k, char* data) const;
   // out = this rank's values (`own`) combined with each peer's slot for
   // this rank in piece k.
   void combine(const void* own, void* out, int64_t k, int64_t count, DType dtype, ReduceOp op) const;
