@@ -263,6 +263,8 @@ char* ShmChannel::slot(int owner, int64_t k, int p) const {
   return stage(owner) + static_cast<size_t>(k % 2) * (stage_bytes_ / 2) + static_cast<size_t>(p) * slot_bytes();
 }
 
+int64_t ShmChannel::Pieces::elements_in(const ShardRange& r, int64_t k) const { return piece(r.count, k * per, per); }
+
 ShmChannel::Pieces ShmChannel::pieces(int64_t numel, DType dtype) const {
   const size_t es = element_size(dtype);
   const auto per = static_cast<int64_t>(slot_bytes() / es);
@@ -290,7 +292,7 @@ void ShmChannel::each_peer(const Pieces& pc, int64_t k, const F& f) const {
   for (int p = 0; p < size_; ++p) {
     if (p == rank_) continue;
     const ShardRange theirs = shard_range(pc.numel, size_, p);
-    f(p, (theirs.offset + k * pc.per) * pc.es, static_cast<size_t>(piece(theirs.count, k * pc.per, pc.per)) * pc.es);
+    f(p, pc.offset_of(theirs, k), static_cast<size_t>(pc.elements_in(theirs, k)) * pc.es);
   }
 }
 
@@ -319,8 +321,8 @@ void ShmChannel::all_gather(const OpContext& oc, void* buf, int64_t numel, DType
   char* data = static_cast<char*>(buf);
   const Pieces pc = pieces(numel, dtype);
   const auto stage_own = [&](int64_t k) {
-    std::memcpy(slot(rank_, k, rank_), data + (pc.mine.offset + k * pc.per) * pc.es,
-                static_cast<size_t>(piece(pc.mine.count, k * pc.per, pc.per)) * pc.es);
+    std::memcpy(slot(rank_, k, rank_), data + pc.offset_of(pc.mine, k),
+                static_cast<size_t>(pc.elements_in(pc.mine, k)) * pc.es);
   };
   pipeline(oc, pc.count, [&] { stage_own(0); }, [&](int64_t k) {
     copy_from_peers(pc, k, data);
@@ -336,8 +338,8 @@ void ShmChannel::reduce_scatter(const OpContext& oc, const void* in, void* out, 
   char* dst = static_cast<char*>(out);
   const Pieces pc = pieces(numel, dtype);
   pipeline(oc, pc.count, [&] { stage_for_peers(pc, 0, src); }, [&](int64_t k) {
-    const int64_t count = piece(pc.mine.count, k * pc.per, pc.per);
-    if (count > 0) combine(src + (pc.mine.offset + k * pc.per) * pc.es, dst + k * pc.per * pc.es, k, count, dtype, op);
+    const int64_t count = pc.elements_in(pc.mine, k);
+    if (count > 0) combine(src + pc.offset_of(pc.mine, k), dst + k * pc.per * pc.es, k, count, dtype, op);
     if (k + 1 < pc.count) stage_for_peers(pc, k + 1, src);
   });
 }
@@ -352,9 +354,9 @@ void ShmChannel::all_reduce(const OpContext& oc, void* buf, int64_t numel, DType
   pipeline(oc, 2 * pc.count, [&] { stage_for_peers(pc, 0, data); }, [&](int64_t j) {
     const int64_t k = j / 2;
     if (j % 2 == 0) {
-      const int64_t count = piece(pc.mine.count, k * pc.per, pc.per);
+      const int64_t count = pc.elements_in(pc.mine, k);
       if (count > 0) {
-        char* acc = data + (pc.mine.offset + k * pc.per) * pc.es;
+        char* acc = data + pc.offset_of(pc.mine, k);
         combine(acc, acc, k, count, dtype, op);
         std::memcpy(slot(rank_, k, rank_), acc, static_cast<size_t>(count) * pc.es);
       }

@@ -65,6 +65,9 @@ class ShmChannel {
     int64_t per;    // elements per slot
     int64_t count;  // pieces
     ShardRange mine;
+    // Piece k of range r: its first byte in the buffer, and its elements.
+    int64_t offset_of(const ShardRange& r, int64_t k) const { return (r.offset + k * per) * static_cast<int64_t>(es); }
+    int64_t elements_in(const ShardRange& r, int64_t k) const;
   };
   Pieces pieces(int64_t numel, DType dtype) const;
   size_t slot_bytes() const;
