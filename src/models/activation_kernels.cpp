@@ -143,6 +143,110 @@ ST_INLINE void swiglu_bwd(const typename D::T* __restrict g, const typename D::T
   }
 }
 
+// ---- softmax over a row's visible range --------------------------------------------------
+
+// e^z for z <= 0: 0 below -87 (where e^z < 2e-38, under fp32's normal range),
+// NaN for NaN; otherwise as exp_abs.
+ST_INLINE float exp_nonpositive(float z) {
+  const float c = z < -87.0f ? -87.0f : z;  // NaN stays NaN
+  const int32_t ki = static_cast<int32_t>(c * 1.4426950408889634f - 0.5f);  // c <= 0: truncation rounds
+  const float k = static_cast<float>(ki);
+  const float r = (c - k * 0.693145751953125f) - k * 1.4286068203094173e-6f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const float e = p * as_float(static_cast<uint32_t>(ki + 127) << 23);
+  return z >= -87.0f ? e : 0.0f * e;  // with 0.0f alone the loop stays scalar
+}
+
+// The reductions (maximum, sums) over 16 lanes of GCC's generic vectors,
+// which each variant compiles to its own registers: the compiler vectorises
+// no float reduction itself without reassociating it. The lanes combine in
+// a fixed order.
+using Lanes = float __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+
+ST_INLINE Lanes load_lanes(const float* p) {
+  Lanes v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+ST_INLINE Lanes load_lanes(const uint16_t* p) {
+  using Half = uint16_t __attribute__((vector_size(32)));
+  using Wide = uint32_t __attribute__((vector_size(64)));
+  Half h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<Lanes>(__builtin_convertvector(h, Wide) << 16);
+}
+
+ST_INLINE float load_lanes_one(float v) { return v; }
+ST_INLINE float load_lanes_one(uint16_t v) { return Bf16::load(v); }
+
+ST_INLINE float lane_sum(Lanes v) {
+  float sum = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += v[l];
+  return sum;
+}
+
+// The largest of x[0, n), NaN ignored.
+template <typename T>
+ST_INLINE float row_max(const T* x, int64_t n) {
+  Lanes lanes = Lanes{} - __builtin_inff();
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const Lanes v = load_lanes(x + j);
+    lanes = v > lanes ? v : lanes;
+  }
+  float m = -__builtin_inff();
+  for (int64_t l = 0; l < kLanes; ++l) m = lanes[l] > m ? lanes[l] : m;
+  for (; j < n; ++j) m = load_lanes_one(x[j]) > m ? load_lanes_one(x[j]) : m;
+  return m;
+}
+
+// sum of a[j] * b[j] (b null: of a[j]) over [0, n).
+template <typename T>
+ST_INLINE float row_dot(const T* a, const T* b, int64_t n) {
+  Lanes lanes = Lanes{};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) lanes += b ? load_lanes(a + j) * load_lanes(b + j) : load_lanes(a + j);
+  float sum = lane_sum(lanes);
+  for (; j < n; ++j) sum += b ? load_lanes_one(a[j]) * load_lanes_one(b[j]) : load_lanes_one(a[j]);
+  return sum;
+}
+
+// y[lo, hi) = softmax(scale x[lo, hi)), the rest of the row's `cols` 0; `e`
+// holds the hi - lo exponentials (in y itself where y is fp32). A NaN or
+// +inf score makes the row NaN: its difference from the maximum is NaN, so
+// is its exponential and the sum.
+template <typename D>
+ST_INLINE void softmax_fwd(const typename D::T* __restrict x, typename D::T* y, float* e, int64_t cols,
+                           int64_t lo, int64_t hi, float scale) {
+  const int64_t n = hi - lo;
+  x += lo;
+  const float m = row_max(x, n);
+  for (int64_t j = 0; j < n; ++j) e[j] = exp_nonpositive((D::load(x[j]) - m) * scale);
+  const float inv = 1.0f / row_dot<float>(e, nullptr, n);
+  for (int64_t i = 0; i < lo; ++i) y[i] = D::store(0.0f);
+  for (int64_t i = 0; i < n; ++i) y[lo + i] = D::store(e[i] * inv);
+  for (int64_t i = hi; i < cols; ++i) y[i] = D::store(0.0f);
+}
+
+// dx[lo, hi) = scale y (dy - sum(y dy)) over [lo, hi), the rest 0.
+template <typename D>
+ST_INLINE void softmax_bwd(const typename D::T* __restrict y, const typename D::T* __restrict dy,
+                           typename D::T* __restrict dx, int64_t cols, int64_t lo, int64_t hi, float scale) {
+  const float dot = row_dot(y + lo, dy + lo, hi - lo);
+  for (int64_t i = 0; i < lo; ++i) dx[i] = D::store(0.0f);
+  for (int64_t i = lo; i < hi; ++i) dx[i] = D::store(scale * D::load(y[i]) * (D::load(dy[i]) - dot));
+  for (int64_t i = hi; i < cols; ++i) dx[i] = D::store(0.0f);
+}
+
 // ---- one entry point per instruction set and element type ---------------------------
 
 #define ST_ACTIVATION_VARIANT(NAME, TARGET)                                                          \
@@ -169,6 +273,21 @@ ST_INLINE void swiglu_bwd(const typename D::T* __restrict g, const typename D::T
   TARGET void swiglu_bwd_bf16_##NAME(const uint16_t* g, const uint16_t* u, const uint16_t* dy,       \
                                      uint16_t* dg, uint16_t* du, int64_t n) {                        \
     swiglu_bwd<Bf16>(g, u, dy, dg, du, n);                                                           \
+  }                                                                                                  \
+  TARGET void softmax_fwd_f32_##NAME(const float* x, float* y, int64_t c, int64_t lo, int64_t hi, float s) { \
+    softmax_fwd<F32>(x, y, y + lo, c, lo, hi, s);                                                    \
+  }                                                                                                  \
+  TARGET void softmax_fwd_bf16_##NAME(const uint16_t* x, uint16_t* y, float* e, int64_t c, int64_t lo,  \
+                                      int64_t hi, float s) {                                         \
+    softmax_fwd<Bf16>(x, y, e, c, lo, hi, s);                                                \
+  }                                                                                                  \
+  TARGET void softmax_bwd_f32_##NAME(const float* y, const float* dy, float* dx, int64_t c, int64_t lo, \
+                                     int64_t hi, float s) {                                          \
+    softmax_bwd<F32>(y, dy, dx, c, lo, hi, s);                                              \
+  }                                                                                                  \
+  TARGET void softmax_bwd_bf16_##NAME(const uint16_t* y, const uint16_t* dy, uint16_t* dx, int64_t c,  \
+                                      int64_t lo, int64_t hi, float s) {                             \
+    softmax_bwd<Bf16>(y, dy, dx, c, lo, hi, s);                                             \
   }
 
 ST_ACTIVATION_VARIANT(avx512, __attribute__((target("avx512f,avx512vl,avx512bw,fma"))))
@@ -186,12 +305,17 @@ struct Kernels {
   void (*swiglu_fwd_bf16)(const uint16_t*, const uint16_t*, uint16_t*, int64_t);
   void (*swiglu_bwd_f32)(const float*, const float*, const float*, float*, float*, int64_t);
   void (*swiglu_bwd_bf16)(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, uint16_t*, int64_t);
+  void (*softmax_fwd_f32)(const float*, float*, int64_t, int64_t, int64_t, float);
+  void (*softmax_fwd_bf16)(const uint16_t*, uint16_t*, float*, int64_t, int64_t, int64_t, float);
+  void (*softmax_bwd_f32)(const float*, const float*, float*, int64_t, int64_t, int64_t, float);
+  void (*softmax_bwd_bf16)(const uint16_t*, const uint16_t*, uint16_t*, int64_t, int64_t, int64_t, float);
 };
 
 #define ST_KERNELS(NAME)                                                                                 \
   Kernels {                                                                                              \
     #NAME, gelu_fwd_f32_##NAME, gelu_fwd_bf16_##NAME, gelu_bwd_f32_##NAME, gelu_bwd_bf16_##NAME,         \
-        swiglu_fwd_f32_##NAME, swiglu_fwd_bf16_##NAME, swiglu_bwd_f32_##NAME, swiglu_bwd_bf16_##NAME \
+        swiglu_fwd_f32_##NAME, swiglu_fwd_bf16_##NAME, swiglu_bwd_f32_##NAME, swiglu_bwd_bf16_##NAME,   \
+        softmax_fwd_f32_##NAME, softmax_fwd_bf16_##NAME, softmax_bwd_f32_##NAME, softmax_bwd_bf16_##NAME \
   }
 
 // The best variant this CPU runs, chosen by its features once.
@@ -229,6 +353,21 @@ void swiglu_backward(const float* g, const float* u, const float* dy, float* dg,
 void swiglu_backward(const uint16_t* g, const uint16_t* u, const uint16_t* dy, uint16_t* dg, uint16_t* du,
                      int64_t n) {
   kernels().swiglu_bwd_bf16(g, u, dy, dg, du, n);
+}
+void softmax_row_forward(const float* x, float* y, int64_t cols, int64_t lo, int64_t hi, float scale) {
+  kernels().softmax_fwd_f32(x, y, cols, lo, hi, scale);
+}
+void softmax_row_forward(const uint16_t* x, uint16_t* y, float* e, int64_t cols, int64_t lo, int64_t hi,
+                         float scale) {
+  kernels().softmax_fwd_bf16(x, y, e, cols, lo, hi, scale);
+}
+void softmax_row_backward(const float* y, const float* dy, float* dx, int64_t cols, int64_t lo, int64_t hi,
+                          float scale) {
+  kernels().softmax_bwd_f32(y, dy, dx, cols, lo, hi, scale);
+}
+void softmax_row_backward(const uint16_t* y, const uint16_t* dy, uint16_t* dx, int64_t cols, int64_t lo,
+                          int64_t hi, float scale) {
+  kernels().softmax_bwd_bf16(y, dy, dx, cols, lo, hi, scale);
 }
 const char* activation_kernel_variant() { return kernels().name; }
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "models/activation_kernels.h"
+#include "models/attention.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/causal_lm.h"
 #include "shardtrain/models/gpt.h"
@@ -421,6 +422,116 @@ TEST(FusedSwiGlu, MatchesLibTorchInFp32AndTheExactValueInBf16) {
   EXPECT_TRUE(close(du, dd * gd * sig, none));
   EXPECT_TRUE(close(dg, dd * ud * sig * (1.0 + gd * (1.0 - sig)),
                     1e-6 * (dd * ud).abs() * torch::clamp_min(gd.abs(), 1.0)));
+}
+
+// ---- attention's fused softmax ----------------------------------------------------
+
+// The softmax kernel on one row: y[lo, hi) as LibTorch's softmax of that
+// slice (scaled), 0 elsewhere; the backward as LibTorch's autograd of it.
+// Every row length to 40 (the lanes of 16 and their tails), ranges
+// starting at 0 and inside.
+TEST(FusedSoftmax, RowMatchesLibTorchOnItsRangeAndZeroElsewhere) {
+  const float scale = 0.37f;
+  for (int64_t cols = 1; cols <= 40; ++cols) {
+    for (const int64_t lo : {int64_t{0}, cols / 3}) {
+      for (const int64_t hi : {lo + 1, (lo + cols + 1) / 2, cols}) {
+        if (hi <= lo) continue;
+        const at::Tensor x = torch::randn({cols}) * 4.0, dy = torch::randn({cols});
+        at::Tensor y = torch::full({cols}, 7.0f), dx = torch::full({cols}, 7.0f);
+        gk::softmax_row_forward(x.data_ptr<float>(), y.data_ptr<float>(), cols, lo, hi, scale);
+        gk::softmax_row_backward(y.data_ptr<float>(), dy.data_ptr<float>(), dx.data_ptr<float>(), cols, lo, hi,
+                                 scale);
+        const at::Tensor xr = x.slice(0, lo, hi).to(at::kDouble).requires_grad_(true);
+        const at::Tensor want = torch::softmax(xr * scale, 0);
+        want.backward(dy.slice(0, lo, hi).to(at::kDouble));
+        const at::Tensor want_y = torch::zeros({cols}, at::kDouble), want_dx = torch::zeros({cols}, at::kDouble);
+        want_y.slice(0, lo, hi).copy_(want.detach());
+        want_dx.slice(0, lo, hi).copy_(xr.grad());
+        SCOPED_TRACE("cols " + std::to_string(cols) + " [" + std::to_string(lo) + ", " + std::to_string(hi) + ")");
+        EXPECT_LE((y.to(at::kDouble) - want_y).abs().max().item<double>(), 3e-7);
+        EXPECT_LE((dx.to(at::kDouble) - want_dx).abs().max().item<double>(), 1e-6);
+      }
+    }
+  }
+  // A NaN score makes its row NaN; scores far below the row's maximum give 0.
+  const at::Tensor x = torch::tensor({1.0f, std::nanf(""), 2.0f}), far = torch::tensor({0.0f, -1e4f, -100.0f});
+  at::Tensor y = torch::empty_like(x);
+  gk::softmax_row_forward(x.data_ptr<float>(), y.data_ptr<float>(), 3, 0, 3, 1.0f);
+  EXPECT_TRUE(torch::isnan(y).all().item<bool>());
+  gk::softmax_row_forward(far.data_ptr<float>(), y.data_ptr<float>(), 3, 0, 3, 1.0f);
+  EXPECT_EQ(y[0].item<float>(), 1.0f);
+  EXPECT_EQ(y[1].item<float>(), 0.0f);
+  EXPECT_EQ(y[2].item<float>(), 0.0f);
+}
+
+// softmax(q k^T / sqrt(d) masked) v written out independently: fp64, the
+// key/value heads repeated as Hugging Face's repeat_kv, the mask from its
+// definition (key j visible to query i when j <= i + S - T and, with
+// segments, both lie in one segment), the whole square computed.
+at::Tensor reference_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& segment) {
+  const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3), s = k.size(2);
+  const int64_t groups = h / k.size(1);
+  const at::Tensor kk = k.to(at::kDouble).repeat_interleave(groups, 1);
+  const at::Tensor vv = v.to(at::kDouble).repeat_interleave(groups, 1);
+  const at::Tensor i = torch::arange(t).view({t, 1}), j = torch::arange(s).view({1, s});
+  at::Tensor visible = (j <= i + (s - t)).view({1, 1, t, s});
+  if (segment.defined()) visible = visible.logical_and(segment.view({b, 1, t, 1}) == segment.view({b, 1, 1, s}));
+  const at::Tensor scores = torch::matmul(q.to(at::kDouble), kk.transpose(2, 3)) / std::sqrt(double(d));
+  return torch::matmul(torch::softmax(scores.masked_fill(visible.logical_not(), -INFINITY), -1), vv);
+}
+
+struct AttentionCase {
+  std::string name;
+  int64_t b, h, kv, t, s, d;
+  at::Tensor segment;
+};
+
+// causal_attention against the reference, output and the gradients of q,
+// k and v, in fp32 and bf16: plain rows of 1, 5 and 37 positions, grouped
+// heads, queries after a cache (T < S), packed rows with trailing padding,
+// and segment ids that come back (the masked path); and rows of 300 (panels
+// of 128, 128 and 44 queries), 150 queries after a cache of 140, and packed
+// rows whose segments cross panels.
+TEST(FusedSoftmax, AttentionMatchesAnIndependentReference) {
+  const std::vector<AttentionCase> cases = {
+      {"one position", 1, 2, 2, 1, 1, 4, {}},
+      {"five positions, grouped heads", 2, 4, 2, 5, 5, 8, {}},
+      {"37 positions", 1, 2, 1, 37, 37, 16, {}},
+      {"after a cache", 2, 2, 2, 3, 10, 8, {}},
+      {"packed", 2, 2, 1, 7, 7, 8, torch::tensor({0, 0, 0, 1, 1, -1, -1, 0, 1, 1, 1, 1, 2, 3}).view({2, 7})},
+      {"ids that come back", 1, 2, 2, 6, 6, 8, torch::tensor({0, 0, 1, 1, 0, 0}).view({1, 6})},
+      {"300 positions", 1, 2, 1, 300, 300, 8, {}},
+      {"150 after a cache of 140", 1, 2, 2, 150, 290, 8, {}},
+      {"packed across panels", 1, 2, 2, 260, 260, 8,
+       torch::cat({torch::full({100}, 0), torch::full({90}, 1), torch::full({50}, 2), torch::full({20}, -1)})
+           .view({1, 260})},
+  };
+  for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+    for (const auto& c : cases) {
+      SCOPED_TRACE(c.name + (dtype == at::kFloat ? " fp32" : " bf16"));
+      const at::Tensor q = torch::randn({c.b, c.h, c.t, c.d}).to(dtype).requires_grad_(true);
+      const at::Tensor k = torch::randn({c.b, c.kv, c.s, c.d}).to(dtype).requires_grad_(true);
+      const at::Tensor v = torch::randn({c.b, c.kv, c.s, c.d}).to(dtype).requires_grad_(true);
+      const at::Tensor dy = torch::randn({c.b, c.h, c.t, c.d});
+      const at::Tensor y = shardtrain::models::detail::causal_attention(q, k, v, c.segment, 0.0, true);
+      y.backward(dy.to(dtype));
+      const at::Tensor qd = q.detach().to(at::kDouble).requires_grad_(true);
+      const at::Tensor kd = k.detach().to(at::kDouble).requires_grad_(true);
+      const at::Tensor vd = v.detach().to(at::kDouble).requires_grad_(true);
+      const at::Tensor want = reference_attention(qd, kd, vd, c.segment);
+      want.backward(dy.to(at::kDouble));
+      // fp32: rounding of the GEMMs; bf16: theirs in bf16 (8 bits).
+      const double tol = dtype == at::kFloat ? 2e-5 : 6e-2;
+      const auto err = [](const at::Tensor& got, const at::Tensor& ref) {
+        return ((got.to(at::kDouble) - ref).abs() / torch::clamp_min(ref.abs(), 1.0)).max().item<double>();
+      };
+      EXPECT_LE(err(y.detach(), want.detach()), tol);
+      EXPECT_LE(err(q.grad(), qd.grad()), tol);
+      EXPECT_LE(err(k.grad(), kd.grad()), tol);
+      EXPECT_LE(err(v.grad(), vd.grad()), tol);
+    }
+  }
 }
 
 }  // namespace
