@@ -221,12 +221,12 @@ ST_INLINE float row_dot(const T* a, const T* b, int64_t n) {
 }
 
 // y[lo, hi) = softmax(scale x[lo, hi)), the rest of the row's `cols` 0; `e`
-// holds the hi - lo exponentials (in y itself where y is fp32). A NaN or
-// +inf score makes the row NaN: its difference from the maximum is NaN, so
-// is its exponential and the sum.
+// holds the hi - lo exponentials (in y itself where y is fp32); stats gets
+// the row's maximum and 1 / sum. A NaN or +inf score makes the row NaN: its
+// difference from the maximum is NaN, so is its exponential and the sum.
 template <typename D>
 ST_INLINE void softmax_fwd(const typename D::T* __restrict x, typename D::T* y, float* e, int64_t cols,
-                           int64_t lo, int64_t hi, float scale) {
+                           int64_t lo, int64_t hi, float scale, float* stats) {
   const int64_t n = hi - lo;
   x += lo;
   const float m = row_max(x, n);
@@ -234,6 +234,19 @@ ST_INLINE void softmax_fwd(const typename D::T* __restrict x, typename D::T* y, 
   const float inv = 1.0f / row_dot<float>(e, nullptr, n);
   for (int64_t i = 0; i < lo; ++i) y[i] = D::store(0.0f);
   for (int64_t i = 0; i < n; ++i) y[lo + i] = D::store(e[i] * inv);
+  for (int64_t i = hi; i < cols; ++i) y[i] = D::store(0.0f);
+  stats[0] = m;
+  stats[1] = inv;
+}
+
+// The forward's y again from x and the forward's stats, the same arithmetic
+// element by element.
+template <typename D>
+ST_INLINE void softmax_again(const typename D::T* __restrict x, typename D::T* __restrict y, int64_t cols,
+                             int64_t lo, int64_t hi, float scale, const float* stats) {
+  const float m = stats[0], inv = stats[1];
+  for (int64_t i = 0; i < lo; ++i) y[i] = D::store(0.0f);
+  for (int64_t i = lo; i < hi; ++i) y[i] = D::store(exp_nonpositive((D::load(x[i]) - m) * scale) * inv);
   for (int64_t i = hi; i < cols; ++i) y[i] = D::store(0.0f);
 }
 
@@ -274,12 +287,21 @@ ST_INLINE void softmax_bwd(const typename D::T* __restrict y, const typename D::
                                      uint16_t* dg, uint16_t* du, int64_t n) {                        \
     swiglu_bwd<Bf16>(g, u, dy, dg, du, n);                                                           \
   }                                                                                                  \
-  TARGET void softmax_fwd_f32_##NAME(const float* x, float* y, int64_t c, int64_t lo, int64_t hi, float s) { \
-    softmax_fwd<F32>(x, y, y + lo, c, lo, hi, s);                                                    \
+  TARGET void softmax_fwd_f32_##NAME(const float* x, float* y, int64_t c, int64_t lo, int64_t hi, float s, \
+                                     float* st) {                                                    \
+    softmax_fwd<F32>(x, y, y + lo, c, lo, hi, s, st);                                                \
   }                                                                                                  \
   TARGET void softmax_fwd_bf16_##NAME(const uint16_t* x, uint16_t* y, float* e, int64_t c, int64_t lo,  \
-                                      int64_t hi, float s) {                                         \
-    softmax_fwd<Bf16>(x, y, e, c, lo, hi, s);                                                \
+                                      int64_t hi, float s, float* st) {                              \
+    softmax_fwd<Bf16>(x, y, e, c, lo, hi, s, st);                                                    \
+  }                                                                                                  \
+  TARGET void softmax_again_f32_##NAME(const float* x, float* y, int64_t c, int64_t lo, int64_t hi, float s, \
+                                       const float* st) {                                            \
+    softmax_again<F32>(x, y, c, lo, hi, s, st);                                                      \
+  }                                                                                                  \
+  TARGET void softmax_again_bf16_##NAME(const uint16_t* x, uint16_t* y, int64_t c, int64_t lo, int64_t hi, \
+                                        float s, const float* st) {                                  \
+    softmax_again<Bf16>(x, y, c, lo, hi, s, st);                                                     \
   }                                                                                                  \
   TARGET void softmax_bwd_f32_##NAME(const float* y, const float* dy, float* dx, int64_t c, int64_t lo, \
                                      int64_t hi, float s) {                                          \
@@ -305,8 +327,10 @@ struct Kernels {
   void (*swiglu_fwd_bf16)(const uint16_t*, const uint16_t*, uint16_t*, int64_t);
   void (*swiglu_bwd_f32)(const float*, const float*, const float*, float*, float*, int64_t);
   void (*swiglu_bwd_bf16)(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, uint16_t*, int64_t);
-  void (*softmax_fwd_f32)(const float*, float*, int64_t, int64_t, int64_t, float);
-  void (*softmax_fwd_bf16)(const uint16_t*, uint16_t*, float*, int64_t, int64_t, int64_t, float);
+  void (*softmax_fwd_f32)(const float*, float*, int64_t, int64_t, int64_t, float, float*);
+  void (*softmax_fwd_bf16)(const uint16_t*, uint16_t*, float*, int64_t, int64_t, int64_t, float, float*);
+  void (*softmax_again_f32)(const float*, float*, int64_t, int64_t, int64_t, float, const float*);
+  void (*softmax_again_bf16)(const uint16_t*, uint16_t*, int64_t, int64_t, int64_t, float, const float*);
   void (*softmax_bwd_f32)(const float*, const float*, float*, int64_t, int64_t, int64_t, float);
   void (*softmax_bwd_bf16)(const uint16_t*, const uint16_t*, uint16_t*, int64_t, int64_t, int64_t, float);
 };
@@ -315,7 +339,8 @@ struct Kernels {
   Kernels {                                                                                              \
     #NAME, gelu_fwd_f32_##NAME, gelu_fwd_bf16_##NAME, gelu_bwd_f32_##NAME, gelu_bwd_bf16_##NAME,         \
         swiglu_fwd_f32_##NAME, swiglu_fwd_bf16_##NAME, swiglu_bwd_f32_##NAME, swiglu_bwd_bf16_##NAME,   \
-        softmax_fwd_f32_##NAME, softmax_fwd_bf16_##NAME, softmax_bwd_f32_##NAME, softmax_bwd_bf16_##NAME \
+        softmax_fwd_f32_##NAME, softmax_fwd_bf16_##NAME, softmax_again_f32_##NAME, softmax_again_bf16_##NAME, \
+        softmax_bwd_f32_##NAME, softmax_bwd_bf16_##NAME                                             \
   }
 
 // The best variant this CPU runs, chosen by its features once.
@@ -354,12 +379,21 @@ void swiglu_backward(const uint16_t* g, const uint16_t* u, const uint16_t* dy, u
                      int64_t n) {
   kernels().swiglu_bwd_bf16(g, u, dy, dg, du, n);
 }
-void softmax_row_forward(const float* x, float* y, int64_t cols, int64_t lo, int64_t hi, float scale) {
-  kernels().softmax_fwd_f32(x, y, cols, lo, hi, scale);
+void softmax_row_forward(const float* x, float* y, int64_t cols, int64_t lo, int64_t hi, float scale,
+                         float* stats) {
+  kernels().softmax_fwd_f32(x, y, cols, lo, hi, scale, stats);
 }
 void softmax_row_forward(const uint16_t* x, uint16_t* y, float* e, int64_t cols, int64_t lo, int64_t hi,
-                         float scale) {
-  kernels().softmax_fwd_bf16(x, y, e, cols, lo, hi, scale);
+                         float scale, float* stats) {
+  kernels().softmax_fwd_bf16(x, y, e, cols, lo, hi, scale, stats);
+}
+void softmax_row_again(const float* x, float* y, int64_t cols, int64_t lo, int64_t hi, float scale,
+                       const float* stats) {
+  kernels().softmax_again_f32(x, y, cols, lo, hi, scale, stats);
+}
+void softmax_row_again(const uint16_t* x, uint16_t* y, int64_t cols, int64_t lo, int64_t hi, float scale,
+                       const float* stats) {
+  kernels().softmax_again_bf16(x, y, cols, lo, hi, scale, stats);
 }
 void softmax_row_backward(const float* y, const float* dy, float* dx, int64_t cols, int64_t lo, int64_t hi,
                           float scale) {

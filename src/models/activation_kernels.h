@@ -26,11 +26,19 @@ void swiglu_backward(const uint16_t* g, const uint16_t* u, const uint16_t* dy, u
                      int64_t n);
 
 /// Softmax over part of a row of `cols` scores: y[lo, hi) = softmax(scale *
-/// x[lo, hi)), every other y 0 (scale > 0, lo < hi <= cols). bf16 takes
+/// x[lo, hi)), every other y 0 (scale > 0, lo < hi <= cols); stats[0, 2)
+/// gets the row's largest x and 1 / the sum of its exponentials. bf16 takes
 /// `scratch`, room for hi - lo floats.
-void softmax_row_forward(const float* x, float* y, int64_t cols, int64_t lo, int64_t hi, float scale);
+void softmax_row_forward(const float* x, float* y, int64_t cols, int64_t lo, int64_t hi, float scale,
+                         float* stats);
 void softmax_row_forward(const uint16_t* x, uint16_t* y, float* scratch, int64_t cols, int64_t lo, int64_t hi,
-                         float scale);
+                         float scale, float* stats);
+/// The same y again from the same x and the forward's stats, element for
+/// element as the forward computed it.
+void softmax_row_again(const float* x, float* y, int64_t cols, int64_t lo, int64_t hi, float scale,
+                       const float* stats);
+void softmax_row_again(const uint16_t* x, uint16_t* y, int64_t cols, int64_t lo, int64_t hi, float scale,
+                       const float* stats);
 /// Its backward from the forward's y: dx[lo, hi) = scale * y (dy - sum(y dy)),
 /// sums over [lo, hi); every other dx 0.
 void softmax_row_backward(const float* y, const float* dy, float* dx, int64_t cols, int64_t lo, int64_t hi,

@@ -86,37 +86,62 @@ at::Tensor segment_starts(const at::Tensor& segment) {
 // starts[b, i] .. i + S - T (starts [B, T] from segment_starts; empty: from
 // key 0).
 //
-// The rows go in panels of kPanel queries: a panel's scores are one batched
-// GEMM against only the keys its last query sees, its softmax scales, masks
-// and normalises them in one pass per row (models/activation_kernels), and
-// its output is a GEMM over the same keys; backward computes the gradients of
-// q by row panels and those of k and v by column panels, each over only the
-// queries that see those keys. So neither the masked scores nor a mask are
-// materialised, and the GEMMs skip most of the upper triangle, where causal
-// attention has nothing (at T = 1024, about 2.2x less GEMM time than the full
-// square; at T = 256, 1.6x).
+// The work goes by panels: kPanel queries of a group of matrices small
+// enough that a panel's scores stay in cache. A panel's scores are one
+// batched GEMM against only the keys its last query sees, its softmax
+// scales, masks and normalises each row in one pass (models/
+// activation_kernels), and its output is one GEMM over the same keys. Only
+// each row's maximum and 1 / sum are kept for backward, which computes the
+// panel's weights again from them, then the gradients of the weights, the
+// scores and q, and adds the panel's share to those of k and v. So no
+// [T, S] matrix is ever materialised or kept, no mask either, and the GEMMs
+// skip most of the upper triangle, where causal attention has nothing.
 struct CausalAttention : public torch::autograd::Function<CausalAttention> {
   static constexpr int64_t kPanel = 128;
+  static constexpr int64_t kPanelBytes = int64_t{1} << 19;  // a group's panel of scores
 
-  // fn(tag, row, lo, hi) for rows [r0, r1) of every [T, S] matrix of `like`
-  // (row numbered across the matrices), in parallel chunks; the tag is float
-  // for fp32 and uint16_t for bf16.
+  struct Panels {
+    int64_t matrices, t, s, group;
+    Panels(const at::Tensor& q, const at::Tensor& k)
+        : matrices(q.size(0)), t(q.size(1)), s(k.size(1)),
+          group(std::max<int64_t>(1, kPanelBytes / (kPanel * k.size(1) * static_cast<int64_t>(q.element_size())))) {}
+
+    // A scratch buffer for one panel.
+    at::Tensor buffer(const at::Tensor& like) const {
+      return at::empty({std::min(group, matrices), std::min(kPanel, t), s}, like.options());
+    }
+
+    // fn(g0, g1, r0, r1, cols): matrices [g0, g1), queries [r0, r1), which see
+    // keys [0, cols) at most.
+    template <typename Fn>
+    void each(const Fn& fn) const {
+      for (int64_t g0 = 0; g0 < matrices; g0 += group) {
+        for (int64_t r0 = 0; r0 < t; r0 += kPanel) {
+          const int64_t r1 = std::min(t, r0 + kPanel);
+          fn(g0, std::min(matrices, g0 + group), r0, r1, r1 + s - t);
+        }
+      }
+    }
+  };
+
+  // fn(tag, matrix, query, lo, hi) for every row of a panel, in parallel
+  // chunks; the tag is float for fp32 and uint16_t for bf16.
   template <typename Fn>
-  static void each_row(const at::Tensor& like, int64_t heads, const at::Tensor& starts, int64_t r0, int64_t r1,
-                       const Fn& fn) {
-    const int64_t t = like.size(1), s = like.size(2), rows = r1 - r0;
+  static void each_row(const Panels& p, at::ScalarType dtype, int64_t heads, const at::Tensor& starts, int64_t g0,
+                       int64_t g1, int64_t r0, int64_t r1, const Fn& fn) {
     const int64_t* start = starts.numel() > 0 ? starts.data_ptr<int64_t>() : nullptr;
+    const int64_t rows = r1 - r0;
     const auto run = [&](auto tag) {
-      const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / s);
-      at::parallel_for(0, like.size(0) * rows, grain, [&](int64_t first, int64_t last) {
+      const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / p.s);
+      at::parallel_for(0, (g1 - g0) * rows, grain, [&](int64_t first, int64_t last) {
         for (int64_t n = first; n < last; ++n) {
-          const int64_t m = n / rows, i = r0 + n % rows;
-          const int64_t lo = start ? start[(m / heads) * t + i] : 0;
-          fn(tag, m * t + i, lo, i + s - t + 1);
+          const int64_t m = g0 + n / rows, i = r0 + n % rows;
+          const int64_t lo = start ? start[(m / heads) * p.t + i] : 0;
+          fn(tag, m, i, lo, i + p.s - p.t + 1);
         }
       });
     };
-    if (like.scalar_type() == at::kFloat) {
+    if (dtype == at::kFloat) {
       run(float{});
     } else {
       run(uint16_t{});
@@ -135,9 +160,13 @@ struct CausalAttention : public torch::autograd::Function<CausalAttention> {
   // out = a @ b into `out`, a view of a larger buffer.
   static void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b) { at::bmm_out(out, a, b); }
 
-  // Rows [r0, r1) and columns [0, cols) of every matrix of x.
-  static at::Tensor panel(const at::Tensor& x, int64_t r0, int64_t r1, int64_t cols) {
-    return x.slice(1, r0, r1).slice(2, 0, cols);
+  // acc += a @ b; acc may be fp32 where a and b are bf16.
+  static void gemm_add(at::Tensor acc, const at::Tensor& a, const at::Tensor& b) {
+    if (acc.scalar_type() == a.scalar_type()) {
+      acc.baddbmm_(a, b);
+    } else {
+      acc.add_(at::bmm(a, b));
+    }
   }
 
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
@@ -145,29 +174,30 @@ struct CausalAttention : public torch::autograd::Function<CausalAttention> {
     RECORD_FUNCTION("fused::causal_attention", std::vector<c10::IValue>());
     // The inputs are in the compute dtype already; autocast must not recast.
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
-    const int64_t t = q.size(1), s = k.size(1);
-    const at::Tensor scores = at::empty({q.size(0), t, s}, q.options());
-    const at::Tensor att = at::empty_like(scores);
+    const Panels p(q, k);
+    const at::Tensor scores = p.buffer(q), att = p.buffer(q);
+    const at::Tensor stats = at::empty({p.matrices, p.t, 2}, q.options().dtype(at::kFloat));
     const at::Tensor out = at::empty_like(q);
     const float fscale = static_cast<float>(scale);
-    for (int64_t r0 = 0; r0 < t; r0 += kPanel) {
-      const int64_t r1 = std::min(t, r0 + kPanel), cols = r1 + s - t;
-      gemm_into(panel(scores, r0, r1, cols), q.slice(1, r0, r1), k.slice(1, 0, cols).transpose(1, 2));
-      each_row(scores, heads, starts, r0, r1, [&](auto tag, int64_t row, int64_t lo, int64_t hi) {
+    const int64_t ld = p.s, per = std::min(kPanel, p.t) * p.s;
+    p.each([&](int64_t g0, int64_t g1, int64_t r0, int64_t r1, int64_t cols) {
+      const auto view = [&](const at::Tensor& x) { return x.slice(0, 0, g1 - g0).slice(1, 0, r1 - r0).slice(2, 0, cols); };
+      gemm_into(view(scores), q.slice(0, g0, g1).slice(1, r0, r1), k.slice(0, g0, g1).slice(1, 0, cols).transpose(1, 2));
+      each_row(p, q.scalar_type(), heads, starts, g0, g1, r0, r1, [&](auto tag, int64_t m, int64_t i, int64_t lo, int64_t hi) {
         using T = decltype(tag);
-        const T* x = raw<T>(scores) + row * s;
-        T* y = raw<T>(att) + row * s;
+        const int64_t at_row = (m - g0) * per + (i - r0) * ld;
+        float* st = stats.data_ptr<float>() + (m * p.t + i) * 2;
         if constexpr (std::is_same_v<T, float>) {
-          softmax_row_forward(x, y, s, lo, hi, fscale);
+          softmax_row_forward(raw<T>(scores) + at_row, raw<T>(att) + at_row, cols, lo, hi, fscale, st);
         } else {
           thread_local std::vector<float> scratch;
-          scratch.resize(static_cast<size_t>(s));
-          softmax_row_forward(x, y, scratch.data(), s, lo, hi, fscale);
+          scratch.resize(static_cast<size_t>(cols));
+          softmax_row_forward(raw<T>(scores) + at_row, raw<T>(att) + at_row, scratch.data(), cols, lo, hi, fscale, st);
         }
       });
-      gemm_into(out.slice(1, r0, r1), panel(att, r0, r1, cols), v.slice(1, 0, cols));
-    }
-    ctx->save_for_backward({q, k, v, att, starts});
+      gemm_into(out.slice(0, g0, g1).slice(1, r0, r1), view(att), v.slice(0, g0, g1).slice(1, 0, cols));
+    });
+    ctx->save_for_backward({q, k, v, stats, starts});
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["heads"] = heads;
     return out;
@@ -178,34 +208,40 @@ struct CausalAttention : public torch::autograd::Function<CausalAttention> {
     RECORD_FUNCTION("fused::causal_attention_backward", std::vector<c10::IValue>());
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &att = saved[3], &starts = saved[4];
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &stats = saved[3], &starts = saved[4];
     const float scale = static_cast<float>(ctx->saved_data["scale"].toDouble());
     const int64_t heads = ctx->saved_data["heads"].toInt();
     const at::Tensor dout = grads[0].to(q.scalar_type()).contiguous();
-    const int64_t t = q.size(1), s = k.size(1);
-    const at::Tensor datt = at::empty_like(att), dscores = at::empty_like(att);
-    const at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
-    // Row panels: the gradient of the weights, of the scores (whole rows,
-    // 0 where a query sees no key) and of q.
-    for (int64_t r0 = 0; r0 < t; r0 += kPanel) {
-      const int64_t r1 = std::min(t, r0 + kPanel), cols = r1 + s - t;
-      gemm_into(panel(datt, r0, r1, cols), dout.slice(1, r0, r1), v.slice(1, 0, cols).transpose(1, 2));
-      each_row(att, heads, starts, r0, r1, [&](auto tag, int64_t row, int64_t lo, int64_t hi) {
+    const Panels p(q, k);
+    // scores, then the gradient of the weights; the weights; the gradient of the scores.
+    const at::Tensor work = p.buffer(q), att = p.buffer(q), dscores = p.buffer(q);
+    const at::Tensor dq = at::empty_like(q);
+    // The gradients of k and v add up over the panels: in fp32 for bf16 too.
+    const at::Tensor dk = at::zeros(k.sizes(), k.options().dtype(at::kFloat));
+    const at::Tensor dv = at::zeros(v.sizes(), v.options().dtype(at::kFloat));
+    const int64_t ld = p.s, per = std::min(kPanel, p.t) * p.s;
+    p.each([&](int64_t g0, int64_t g1, int64_t r0, int64_t r1, int64_t cols) {
+      const auto view = [&](const at::Tensor& x) { return x.slice(0, 0, g1 - g0).slice(1, 0, r1 - r0).slice(2, 0, cols); };
+      const auto rows = [&](const at::Tensor& x) { return x.slice(0, g0, g1).slice(1, r0, r1); };
+      const auto keys = [&](const at::Tensor& x) { return x.slice(0, g0, g1).slice(1, 0, cols); };
+      const auto offset = [&](int64_t m, int64_t i) { return (m - g0) * per + (i - r0) * ld; };
+      gemm_into(view(work), rows(q), keys(k).transpose(1, 2));
+      each_row(p, q.scalar_type(), heads, starts, g0, g1, r0, r1, [&](auto tag, int64_t m, int64_t i, int64_t lo, int64_t hi) {
         using T = decltype(tag);
-        softmax_row_backward(raw<T>(att) + row * s, raw<T>(datt) + row * s, raw<T>(dscores) + row * s, s, lo, hi,
-                             scale);
+        softmax_row_again(raw<T>(work) + offset(m, i), raw<T>(att) + offset(m, i), cols, lo, hi, scale,
+                          stats.data_ptr<float>() + (m * p.t + i) * 2);
       });
-      gemm_into(dq.slice(1, r0, r1), panel(dscores, r0, r1, cols), k.slice(1, 0, cols));
-    }
-    // Column panels: keys [c0, c1) are seen by the queries from c0 - (S - T) on.
-    for (int64_t c0 = 0; c0 < s; c0 += kPanel) {
-      const int64_t c1 = std::min(s, c0 + kPanel), first = std::max<int64_t>(0, c0 - (s - t));
-      gemm_into(dk.slice(1, c0, c1), dscores.slice(1, first, t).slice(2, c0, c1).transpose(1, 2),
-                q.slice(1, first, t));
-      gemm_into(dv.slice(1, c0, c1), att.slice(1, first, t).slice(2, c0, c1).transpose(1, 2),
-                dout.slice(1, first, t));
-    }
-    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor()};
+      gemm_into(view(work), rows(dout), keys(v).transpose(1, 2));
+      each_row(p, q.scalar_type(), heads, starts, g0, g1, r0, r1, [&](auto tag, int64_t m, int64_t i, int64_t lo, int64_t hi) {
+        using T = decltype(tag);
+        softmax_row_backward(raw<T>(att) + offset(m, i), raw<T>(work) + offset(m, i), raw<T>(dscores) + offset(m, i),
+                             cols, lo, hi, scale);
+      });
+      gemm_into(rows(dq), view(dscores), keys(k));
+      gemm_add(keys(dk), view(dscores).transpose(1, 2), rows(q));
+      gemm_add(keys(dv), view(att).transpose(1, 2), rows(dout));
+    });
+    return {dq, dk.to(k.scalar_type()), dv.to(v.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 

@@ -427,7 +427,9 @@ TEST(FusedSwiGlu, MatchesLibTorchInFp32AndTheExactValueInBf16) {
 // ---- attention's fused softmax ----------------------------------------------------
 
 // The softmax kernel on one row: y[lo, hi) as LibTorch's softmax of that
-// slice (scaled), 0 elsewhere; the backward as LibTorch's autograd of it.
+// slice (scaled), 0 elsewhere; the backward as LibTorch's autograd of it;
+// the row computed again from the forward's maximum and 1 / sum the same
+// bits as the forward, in fp32 and bf16.
 // Every row length to 40 (the lanes of 16 and their tails), ranges
 // starting at 0 and inside.
 TEST(FusedSoftmax, RowMatchesLibTorchOnItsRangeAndZeroElsewhere) {
@@ -437,8 +439,10 @@ TEST(FusedSoftmax, RowMatchesLibTorchOnItsRangeAndZeroElsewhere) {
       for (const int64_t hi : {lo + 1, (lo + cols + 1) / 2, cols}) {
         if (hi <= lo) continue;
         const at::Tensor x = torch::randn({cols}) * 4.0, dy = torch::randn({cols});
-        at::Tensor y = torch::full({cols}, 7.0f), dx = torch::full({cols}, 7.0f);
-        gk::softmax_row_forward(x.data_ptr<float>(), y.data_ptr<float>(), cols, lo, hi, scale);
+        at::Tensor y = torch::full({cols}, 7.0f), dx = torch::full({cols}, 7.0f), again = torch::full({cols}, 7.0f);
+        float stats[2];
+        gk::softmax_row_forward(x.data_ptr<float>(), y.data_ptr<float>(), cols, lo, hi, scale, stats);
+        gk::softmax_row_again(x.data_ptr<float>(), again.data_ptr<float>(), cols, lo, hi, scale, stats);
         gk::softmax_row_backward(y.data_ptr<float>(), dy.data_ptr<float>(), dx.data_ptr<float>(), cols, lo, hi,
                                  scale);
         const at::Tensor xr = x.slice(0, lo, hi).to(at::kDouble).requires_grad_(true);
@@ -450,15 +454,27 @@ TEST(FusedSoftmax, RowMatchesLibTorchOnItsRangeAndZeroElsewhere) {
         SCOPED_TRACE("cols " + std::to_string(cols) + " [" + std::to_string(lo) + ", " + std::to_string(hi) + ")");
         EXPECT_LE((y.to(at::kDouble) - want_y).abs().max().item<double>(), 3e-7);
         EXPECT_LE((dx.to(at::kDouble) - want_dx).abs().max().item<double>(), 1e-6);
+        EXPECT_TRUE(torch::equal(again, y));
+        EXPECT_EQ(stats[0], x.slice(0, lo, hi).max().item<float>());
+        EXPECT_NEAR(stats[1], 1.0 / torch::exp((xr.detach() - stats[0]) * scale).sum().item<double>(), 1e-6 * stats[1]);
+        // bf16: again, the same bits as the forward.
+        const at::Tensor xb = x.to(at::kBFloat16);
+        at::Tensor yb = torch::empty_like(xb), againb = torch::empty_like(xb);
+        std::vector<float> scratch(static_cast<size_t>(cols));
+        const auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+        gk::softmax_row_forward(bits(xb), bits(yb), scratch.data(), cols, lo, hi, scale, stats);
+        gk::softmax_row_again(bits(xb), bits(againb), cols, lo, hi, scale, stats);
+        EXPECT_TRUE(torch::equal(againb, yb));
       }
     }
   }
   // A NaN score makes its row NaN; scores far below the row's maximum give 0.
   const at::Tensor x = torch::tensor({1.0f, std::nanf(""), 2.0f}), far = torch::tensor({0.0f, -1e4f, -100.0f});
   at::Tensor y = torch::empty_like(x);
-  gk::softmax_row_forward(x.data_ptr<float>(), y.data_ptr<float>(), 3, 0, 3, 1.0f);
+  float stats[2];
+  gk::softmax_row_forward(x.data_ptr<float>(), y.data_ptr<float>(), 3, 0, 3, 1.0f, stats);
   EXPECT_TRUE(torch::isnan(y).all().item<bool>());
-  gk::softmax_row_forward(far.data_ptr<float>(), y.data_ptr<float>(), 3, 0, 3, 1.0f);
+  gk::softmax_row_forward(far.data_ptr<float>(), y.data_ptr<float>(), 3, 0, 3, 1.0f, stats);
   EXPECT_EQ(y[0].item<float>(), 1.0f);
   EXPECT_EQ(y[1].item<float>(), 0.0f);
   EXPECT_EQ(y[2].item<float>(), 0.0f);
@@ -501,7 +517,7 @@ TEST(FusedSoftmax, AttentionMatchesAnIndependentReference) {
       {"after a cache", 2, 2, 2, 3, 10, 8, {}},
       {"packed", 2, 2, 1, 7, 7, 8, torch::tensor({0, 0, 0, 1, 1, -1, -1, 0, 1, 1, 1, 1, 2, 3}).view({2, 7})},
       {"ids that come back", 1, 2, 2, 6, 6, 8, torch::tensor({0, 0, 1, 1, 0, 0}).view({1, 6})},
-      {"300 positions", 1, 2, 1, 300, 300, 8, {}},
+      {"300 positions, 8 matrices (groups of 3 in fp32, 6 in bf16)", 2, 4, 2, 300, 300, 8, {}},
       {"150 after a cache of 140", 1, 2, 2, 150, 290, 8, {}},
       {"packed across panels", 1, 2, 2, 260, 260, 8,
        torch::cat({torch::full({100}, 0), torch::full({90}, 1), torch::full({50}, 2), torch::full({20}, -1)})
