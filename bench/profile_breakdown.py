@@ -52,11 +52,11 @@ BACKGROUND = "background threads (overlapped, not in the sum)"
 
 # Exact op names (namespace stripped) per category.
 OP_CATEGORIES = {
-    "GEMM": {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "dot",
+    "GEMM": {"mm", "addmm", "bmm", "baddbmm", "baddbmm_", "addbmm", "matmul", "linear", "mv", "addmv", "dot",
              "mkldnn_matmul", "mkldnn_linear", "_mkldnn_linear", "mkldnn_linear_backward",
              "mkldnn_linear_backward_input", "mkldnn_linear_backward_weights", "_addmm_activation"},
-    "attention softmax+mask": {"softmax", "_softmax", "_softmax_backward_data", "causal_softmax",
-                               "causal_softmax_backward",
+    "attention softmax+mask": {"softmax", "_softmax", "_softmax_backward_data", "causal_attention",
+                               "causal_attention_backward",
                                "masked_fill", "masked_fill_", "triu", "tril", "ones", "where",
                                "_masked_softmax", "_masked_softmax_backward"},
     "LayerNorm": {"native_layer_norm", "native_layer_norm_backward", "layer_norm"},

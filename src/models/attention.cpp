@@ -1,4 +1,5 @@
-// Causal masks and grouped-query attention for the language-model families.
+// Causal, grouped-query attention for the language-model families: fused
+// panels on the CPU in fp32 and bf16, an additive mask elsewhere.
 #include "models/attention.h"
 
 #include <ATen/Parallel.h>
@@ -100,53 +101,69 @@ struct CausalAttention : public torch::autograd::Function<CausalAttention> {
   static constexpr int64_t kPanel = 128;
   static constexpr int64_t kPanelBytes = int64_t{1} << 19;  // a group's panel of scores
 
-  struct Panels {
-    int64_t matrices, t, s, group;
-    Panels(const at::Tensor& q, const at::Tensor& k)
-        : matrices(q.size(0)), t(q.size(1)), s(k.size(1)),
-          group(std::max<int64_t>(1, kPanelBytes / (kPanel * k.size(1) * static_cast<int64_t>(q.element_size())))) {}
+  // One panel: matrices [g0, g1) and queries [r0, r1), which see keys
+  // [0, cols) at most; `per` and `ld` are a scratch buffer's strides.
+  struct Panel {
+    int64_t g0, g1, r0, r1, cols, per, ld;
+    at::Tensor scratch(const at::Tensor& buffer) const {
+      return buffer.slice(0, 0, g1 - g0).slice(1, 0, r1 - r0).slice(2, 0, cols);
+    }
+    at::Tensor rows(const at::Tensor& x) const { return x.slice(0, g0, g1).slice(1, r0, r1); }
+    at::Tensor keys(const at::Tensor& x) const { return x.slice(0, g0, g1).slice(1, 0, cols); }
+    // Where the row of matrix m, query i starts in a scratch buffer.
+    int64_t offset(int64_t m, int64_t i) const { return (m - g0) * per + (i - r0) * ld; }
+  };
 
-    // A scratch buffer for one panel.
+  // The panels of one call and the scratch buffers they share.
+  struct Panels {
+    int64_t matrices, t, s, group, heads;
+    const at::Tensor& starts;
+    at::ScalarType dtype;
+
+    Panels(const at::Tensor& q, const at::Tensor& k, int64_t heads, const at::Tensor& starts)
+        : matrices(q.size(0)), t(q.size(1)), s(k.size(1)),
+          group(std::max<int64_t>(1, kPanelBytes / (kPanel * s * static_cast<int64_t>(q.element_size())))),
+          heads(heads), starts(starts), dtype(q.scalar_type()) {}
+
     at::Tensor buffer(const at::Tensor& like) const {
       return at::empty({std::min(group, matrices), std::min(kPanel, t), s}, like.options());
     }
 
-    // fn(g0, g1, r0, r1, cols): matrices [g0, g1), queries [r0, r1), which see
-    // keys [0, cols) at most.
     template <typename Fn>
     void each(const Fn& fn) const {
+      const int64_t per = std::min(kPanel, t) * s;
       for (int64_t g0 = 0; g0 < matrices; g0 += group) {
         for (int64_t r0 = 0; r0 < t; r0 += kPanel) {
           const int64_t r1 = std::min(t, r0 + kPanel);
-          fn(g0, std::min(matrices, g0 + group), r0, r1, r1 + s - t);
+          fn(Panel{g0, std::min(matrices, g0 + group), r0, r1, r1 + s - t, per, s});
         }
       }
     }
-  };
 
-  // fn(tag, matrix, query, lo, hi) for every row of a panel, in parallel
-  // chunks; the tag is float for fp32 and uint16_t for bf16.
-  template <typename Fn>
-  static void each_row(const Panels& p, at::ScalarType dtype, int64_t heads, const at::Tensor& starts, int64_t g0,
-                       int64_t g1, int64_t r0, int64_t r1, const Fn& fn) {
-    const int64_t* start = starts.numel() > 0 ? starts.data_ptr<int64_t>() : nullptr;
-    const int64_t rows = r1 - r0;
-    const auto run = [&](auto tag) {
-      const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / p.s);
-      at::parallel_for(0, (g1 - g0) * rows, grain, [&](int64_t first, int64_t last) {
-        for (int64_t n = first; n < last; ++n) {
-          const int64_t m = g0 + n / rows, i = r0 + n % rows;
-          const int64_t lo = start ? start[(m / heads) * p.t + i] : 0;
-          fn(tag, m, i, lo, i + p.s - p.t + 1);
-        }
-      });
-    };
-    if (dtype == at::kFloat) {
-      run(float{});
-    } else {
-      run(uint16_t{});
+    // fn(tag, matrix, query, lo, hi) for every row of a panel (the query
+    // sees keys [lo, hi)), in parallel chunks; the tag is float for fp32 and
+    // uint16_t for bf16.
+    template <typename Fn>
+    void each_row(const Panel& panel, const Fn& fn) const {
+      const int64_t* start = starts.numel() > 0 ? starts.data_ptr<int64_t>() : nullptr;
+      const int64_t rows = panel.r1 - panel.r0;
+      const auto run = [&](auto tag) {
+        const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / s);
+        at::parallel_for(0, (panel.g1 - panel.g0) * rows, grain, [&](int64_t first, int64_t last) {
+          for (int64_t n = first; n < last; ++n) {
+            const int64_t m = panel.g0 + n / rows, i = panel.r0 + n % rows;
+            const int64_t lo = start ? start[(m / heads) * t + i] : 0;
+            fn(tag, m, i, lo, i + s - t + 1);
+          }
+        });
+      };
+      if (dtype == at::kFloat) {
+        run(float{});
+      } else {
+        run(uint16_t{});
+      }
     }
-  }
+  };
 
   template <typename T>
   static T* raw(const at::Tensor& x) {
@@ -174,28 +191,27 @@ struct CausalAttention : public torch::autograd::Function<CausalAttention> {
     RECORD_FUNCTION("fused::causal_attention", std::vector<c10::IValue>());
     // The inputs are in the compute dtype already; autocast must not recast.
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
-    const Panels p(q, k);
+    const Panels p(q, k, heads, starts);
     const at::Tensor scores = p.buffer(q), att = p.buffer(q);
     const at::Tensor stats = at::empty({p.matrices, p.t, 2}, q.options().dtype(at::kFloat));
     const at::Tensor out = at::empty_like(q);
     const float fscale = static_cast<float>(scale);
-    const int64_t ld = p.s, per = std::min(kPanel, p.t) * p.s;
-    p.each([&](int64_t g0, int64_t g1, int64_t r0, int64_t r1, int64_t cols) {
-      const auto view = [&](const at::Tensor& x) { return x.slice(0, 0, g1 - g0).slice(1, 0, r1 - r0).slice(2, 0, cols); };
-      gemm_into(view(scores), q.slice(0, g0, g1).slice(1, r0, r1), k.slice(0, g0, g1).slice(1, 0, cols).transpose(1, 2));
-      each_row(p, q.scalar_type(), heads, starts, g0, g1, r0, r1, [&](auto tag, int64_t m, int64_t i, int64_t lo, int64_t hi) {
+    p.each([&](const Panel& panel) {
+      gemm_into(panel.scratch(scores), panel.rows(q), panel.keys(k).transpose(1, 2));
+      p.each_row(panel, [&](auto tag, int64_t m, int64_t i, int64_t lo, int64_t hi) {
         using T = decltype(tag);
-        const int64_t at_row = (m - g0) * per + (i - r0) * ld;
-        float* st = stats.data_ptr<float>() + (m * p.t + i) * 2;
+        const T* x = raw<T>(scores) + panel.offset(m, i);
+        T* y = raw<T>(att) + panel.offset(m, i);
+        float* row_stats = stats.data_ptr<float>() + (m * p.t + i) * 2;
         if constexpr (std::is_same_v<T, float>) {
-          softmax_row_forward(raw<T>(scores) + at_row, raw<T>(att) + at_row, cols, lo, hi, fscale, st);
+          softmax_row_forward(x, y, panel.cols, lo, hi, fscale, row_stats);
         } else {
           thread_local std::vector<float> scratch;
-          scratch.resize(static_cast<size_t>(cols));
-          softmax_row_forward(raw<T>(scores) + at_row, raw<T>(att) + at_row, scratch.data(), cols, lo, hi, fscale, st);
+          scratch.resize(static_cast<size_t>(panel.cols));
+          softmax_row_forward(x, y, scratch.data(), panel.cols, lo, hi, fscale, row_stats);
         }
       });
-      gemm_into(out.slice(0, g0, g1).slice(1, r0, r1), view(att), v.slice(0, g0, g1).slice(1, 0, cols));
+      gemm_into(panel.rows(out), panel.scratch(att), panel.keys(v));
     });
     ctx->save_for_backward({q, k, v, stats, starts});
     ctx->saved_data["scale"] = scale;
@@ -210,36 +226,31 @@ struct CausalAttention : public torch::autograd::Function<CausalAttention> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &stats = saved[3], &starts = saved[4];
     const float scale = static_cast<float>(ctx->saved_data["scale"].toDouble());
-    const int64_t heads = ctx->saved_data["heads"].toInt();
+    const Panels p(q, k, ctx->saved_data["heads"].toInt(), starts);
     const at::Tensor dout = grads[0].to(q.scalar_type()).contiguous();
-    const Panels p(q, k);
-    // scores, then the gradient of the weights; the weights; the gradient of the scores.
+    // `work` holds the scores, then the gradient of the weights.
     const at::Tensor work = p.buffer(q), att = p.buffer(q), dscores = p.buffer(q);
     const at::Tensor dq = at::empty_like(q);
     // The gradients of k and v add up over the panels: in fp32 for bf16 too.
     const at::Tensor dk = at::zeros(k.sizes(), k.options().dtype(at::kFloat));
     const at::Tensor dv = at::zeros(v.sizes(), v.options().dtype(at::kFloat));
-    const int64_t ld = p.s, per = std::min(kPanel, p.t) * p.s;
-    p.each([&](int64_t g0, int64_t g1, int64_t r0, int64_t r1, int64_t cols) {
-      const auto view = [&](const at::Tensor& x) { return x.slice(0, 0, g1 - g0).slice(1, 0, r1 - r0).slice(2, 0, cols); };
-      const auto rows = [&](const at::Tensor& x) { return x.slice(0, g0, g1).slice(1, r0, r1); };
-      const auto keys = [&](const at::Tensor& x) { return x.slice(0, g0, g1).slice(1, 0, cols); };
-      const auto offset = [&](int64_t m, int64_t i) { return (m - g0) * per + (i - r0) * ld; };
-      gemm_into(view(work), rows(q), keys(k).transpose(1, 2));
-      each_row(p, q.scalar_type(), heads, starts, g0, g1, r0, r1, [&](auto tag, int64_t m, int64_t i, int64_t lo, int64_t hi) {
+    p.each([&](const Panel& panel) {
+      gemm_into(panel.scratch(work), panel.rows(q), panel.keys(k).transpose(1, 2));
+      p.each_row(panel, [&](auto tag, int64_t m, int64_t i, int64_t lo, int64_t hi) {
         using T = decltype(tag);
-        softmax_row_again(raw<T>(work) + offset(m, i), raw<T>(att) + offset(m, i), cols, lo, hi, scale,
-                          stats.data_ptr<float>() + (m * p.t + i) * 2);
+        softmax_row_again(raw<T>(work) + panel.offset(m, i), raw<T>(att) + panel.offset(m, i), panel.cols, lo, hi,
+                          scale, stats.data_ptr<float>() + (m * p.t + i) * 2);
       });
-      gemm_into(view(work), rows(dout), keys(v).transpose(1, 2));
-      each_row(p, q.scalar_type(), heads, starts, g0, g1, r0, r1, [&](auto tag, int64_t m, int64_t i, int64_t lo, int64_t hi) {
+      gemm_into(panel.scratch(work), panel.rows(dout), panel.keys(v).transpose(1, 2));
+      p.each_row(panel, [&](auto tag, int64_t m, int64_t i, int64_t lo, int64_t hi) {
         using T = decltype(tag);
-        softmax_row_backward(raw<T>(att) + offset(m, i), raw<T>(work) + offset(m, i), raw<T>(dscores) + offset(m, i),
-                             cols, lo, hi, scale);
+        const int64_t at_row = panel.offset(m, i);
+        softmax_row_backward(raw<T>(att) + at_row, raw<T>(work) + at_row, raw<T>(dscores) + at_row, panel.cols, lo,
+                             hi, scale);
       });
-      gemm_into(rows(dq), view(dscores), keys(k));
-      gemm_add(keys(dk), view(dscores).transpose(1, 2), rows(q));
-      gemm_add(keys(dv), view(att).transpose(1, 2), rows(dout));
+      gemm_into(panel.rows(dq), panel.scratch(dscores), panel.keys(k));
+      gemm_add(panel.keys(dk), panel.scratch(dscores).transpose(1, 2), panel.rows(q));
+      gemm_add(panel.keys(dv), panel.scratch(att).transpose(1, 2), panel.rows(dout));
     });
     return {dq, dk.to(k.scalar_type()), dv.to(v.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor()};
   }
