@@ -50,15 +50,11 @@ struct Bf16 {
   }
 };
 
-// e^|a|, for |a| up to 88 (larger |a|, and NaN, count as 88: e^88 is near the
-// top of fp32, and whatever divides by it comes out under 1e-38, which stands
-// for 0). z = k ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so k ln2 is
-// exact), e^r from its Taylor polynomial to r^7 (relative error under 1e-8),
-// 2^k from the exponent bits.
-ST_INLINE float exp_abs(float a) {
-  const float abs = std::fabs(a);
-  const float z = abs < 88.0f ? abs : 88.0f;
-  const int32_t ki = static_cast<int32_t>(z * 1.4426950408889634f + 0.5f);  // z >= 0: truncation rounds
+// e^z as 2^k e^r for k the integer nearest z / ln2: r = z - k ln2 with
+// |r| <= ln2 / 2 (ln2 in two parts, so k ln2 is exact), e^r from its Taylor
+// polynomial to r^7 (relative error under 1e-8), 2^k from the exponent bits
+// (k from -126 to 127).
+ST_INLINE float exp_split(float z, int32_t ki) {
   const float k = static_cast<float>(ki);
   const float r = (z - k * 0.693145751953125f) - k * 1.4286068203094173e-6f;
   float p = 1.0f / 5040.0f;
@@ -70,6 +66,15 @@ ST_INLINE float exp_abs(float a) {
   p = p * r + 1.0f;
   p = p * r + 1.0f;
   return p * as_float(static_cast<uint32_t>(ki + 127) << 23);
+}
+
+// e^|a|, for |a| up to 88 (larger |a|, and NaN, count as 88: e^88 is near the
+// top of fp32, and whatever divides by it comes out under 1e-38, which stands
+// for 0).
+ST_INLINE float exp_abs(float a) {
+  const float abs = std::fabs(a);
+  const float z = abs < 88.0f ? abs : 88.0f;
+  return exp_split(z, static_cast<int32_t>(z * 1.4426950408889634f + 0.5f));  // z >= 0: truncation rounds
 }
 
 // ---- GELU ------------------------------------------------------------------------------
@@ -146,21 +151,10 @@ ST_INLINE void swiglu_bwd(const typename D::T* __restrict g, const typename D::T
 // ---- softmax over a row's visible range --------------------------------------------------
 
 // e^z for z <= 0: 0 below -87 (where e^z < 2e-38, under fp32's normal range),
-// NaN for NaN; otherwise as exp_abs.
+// NaN for NaN.
 ST_INLINE float exp_nonpositive(float z) {
   const float c = z < -87.0f ? -87.0f : z;  // NaN stays NaN
-  const int32_t ki = static_cast<int32_t>(c * 1.4426950408889634f - 0.5f);  // c <= 0: truncation rounds
-  const float k = static_cast<float>(ki);
-  const float r = (c - k * 0.693145751953125f) - k * 1.4286068203094173e-6f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const float e = p * as_float(static_cast<uint32_t>(ki + 127) << 23);
+  const float e = exp_split(c, static_cast<int32_t>(c * 1.4426950408889634f - 0.5f));  // c <= 0: truncation rounds
   return z >= -87.0f ? e : 0.0f * e;  // with 0.0f alone the loop stays scalar
 }
 
