@@ -4,8 +4,6 @@
 #include <ATen/record_function.h>
 #include <torch/torch.h>
 
-#include <type_traits>
-
 #include "models/activation_kernels.h"
 
 namespace shardtrain::models::detail {
@@ -16,16 +14,6 @@ constexpr int64_t kGrain = int64_t{1} << 15;
 
 bool fusable(const at::Tensor& x) {
   return x.is_cpu() && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
-}
-
-// The elements of an fp32 (float) or bf16 (uint16_t) tensor.
-template <typename T>
-T* raw(const at::Tensor& t) {
-  if constexpr (std::is_same_v<T, float>) {
-    return t.data_ptr<float>();
-  } else {
-    return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
-  }
 }
 
 // fn(element type tag, first, count) over `n` elements in parallel chunks,
@@ -51,7 +39,7 @@ struct FusedGelu : public torch::autograd::Function<FusedGelu> {
     at::Tensor y = at::empty_like(x);
     for_chunks(x, [&](auto tag, int64_t i, int64_t n) {
       using T = decltype(tag);
-      gelu_tanh_forward(raw<T>(x) + i, raw<T>(y) + i, n);
+      gelu_tanh_forward(elements<T>(x) + i, elements<T>(y) + i, n);
     });
     return y;
   }
@@ -64,7 +52,7 @@ struct FusedGelu : public torch::autograd::Function<FusedGelu> {
     at::Tensor dx = at::empty_like(x);
     for_chunks(x, [&](auto tag, int64_t i, int64_t n) {
       using T = decltype(tag);
-      gelu_tanh_backward(raw<T>(x) + i, raw<T>(dy) + i, raw<T>(dx) + i, n);
+      gelu_tanh_backward(elements<T>(x) + i, elements<T>(dy) + i, elements<T>(dx) + i, n);
     });
     return {dx};
   }
@@ -77,7 +65,7 @@ struct FusedSwiGlu : public torch::autograd::Function<FusedSwiGlu> {
     at::Tensor y = at::empty_like(g);
     for_chunks(g, [&](auto tag, int64_t i, int64_t n) {
       using T = decltype(tag);
-      swiglu_forward(raw<T>(g) + i, raw<T>(u) + i, raw<T>(y) + i, n);
+      swiglu_forward(elements<T>(g) + i, elements<T>(u) + i, elements<T>(y) + i, n);
     });
     return y;
   }
@@ -91,7 +79,8 @@ struct FusedSwiGlu : public torch::autograd::Function<FusedSwiGlu> {
     at::Tensor dg = at::empty_like(g), du = at::empty_like(u);
     for_chunks(g, [&](auto tag, int64_t i, int64_t n) {
       using T = decltype(tag);
-      swiglu_backward(raw<T>(g) + i, raw<T>(u) + i, raw<T>(dy) + i, raw<T>(dg) + i, raw<T>(du) + i, n);
+      swiglu_backward(elements<T>(g) + i, elements<T>(u) + i, elements<T>(dy) + i, elements<T>(dg) + i,
+                      elements<T>(du) + i, n);
     });
     return {dg, du};
   }

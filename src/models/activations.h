@@ -6,7 +6,21 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
+#include <type_traits>
+
 namespace shardtrain::models::detail {
+
+/// The elements of an fp32 (T = float) or bf16 (T = uint16_t) CPU tensor, as
+/// the fused loops take them.
+template <typename T>
+T* elements(const at::Tensor& t) {
+  if constexpr (std::is_same_v<T, float>) {
+    return t.data_ptr<float>();
+  } else {
+    return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
+  }
+}
 
 /// GELU, tanh approximation (GPT's MLP).
 at::Tensor gelu_tanh(const at::Tensor& x);

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "models/activation_kernels.h"
+#include "models/activations.h"
 
 namespace shardtrain::models::detail {
 
@@ -165,15 +166,6 @@ struct CausalAttention : public torch::autograd::Function<CausalAttention> {
     }
   };
 
-  template <typename T>
-  static T* raw(const at::Tensor& x) {
-    if constexpr (std::is_same_v<T, float>) {
-      return x.data_ptr<float>();
-    } else {
-      return reinterpret_cast<uint16_t*>(x.data_ptr<at::BFloat16>());
-    }
-  }
-
   // out = a @ b into `out`, a view of a larger buffer.
   static void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b) { at::bmm_out(out, a, b); }
 
@@ -200,8 +192,8 @@ struct CausalAttention : public torch::autograd::Function<CausalAttention> {
       gemm_into(panel.scratch(scores), panel.rows(q), panel.keys(k).transpose(1, 2));
       p.each_row(panel, [&](auto tag, int64_t m, int64_t i, int64_t lo, int64_t hi) {
         using T = decltype(tag);
-        const T* x = raw<T>(scores) + panel.offset(m, i);
-        T* y = raw<T>(att) + panel.offset(m, i);
+        const T* x = elements<T>(scores) + panel.offset(m, i);
+        T* y = elements<T>(att) + panel.offset(m, i);
         float* row_stats = stats.data_ptr<float>() + (m * p.t + i) * 2;
         if constexpr (std::is_same_v<T, float>) {
           softmax_row_forward(x, y, panel.cols, lo, hi, fscale, row_stats);
@@ -238,15 +230,16 @@ struct CausalAttention : public torch::autograd::Function<CausalAttention> {
       gemm_into(panel.scratch(work), panel.rows(q), panel.keys(k).transpose(1, 2));
       p.each_row(panel, [&](auto tag, int64_t m, int64_t i, int64_t lo, int64_t hi) {
         using T = decltype(tag);
-        softmax_row_again(raw<T>(work) + panel.offset(m, i), raw<T>(att) + panel.offset(m, i), panel.cols, lo, hi,
-                          scale, stats.data_ptr<float>() + (m * p.t + i) * 2);
+        const int64_t at_row = panel.offset(m, i);
+        softmax_row_again(elements<T>(work) + at_row, elements<T>(att) + at_row, panel.cols, lo, hi, scale,
+                          stats.data_ptr<float>() + (m * p.t + i) * 2);
       });
       gemm_into(panel.scratch(work), panel.rows(dout), panel.keys(v).transpose(1, 2));
       p.each_row(panel, [&](auto tag, int64_t m, int64_t i, int64_t lo, int64_t hi) {
         using T = decltype(tag);
         const int64_t at_row = panel.offset(m, i);
-        softmax_row_backward(raw<T>(att) + at_row, raw<T>(work) + at_row, raw<T>(dscores) + at_row, panel.cols, lo,
-                             hi, scale);
+        softmax_row_backward(elements<T>(att) + at_row, elements<T>(work) + at_row, elements<T>(dscores) + at_row,
+                             panel.cols, lo, hi, scale);
       });
       gemm_into(panel.rows(dq), panel.scratch(dscores), panel.keys(k));
       gemm_add(panel.keys(dk), panel.scratch(dscores).transpose(1, 2), panel.rows(q));
