@@ -179,9 +179,6 @@ ST_INLINE Lanes load_lanes(const uint16_t* p) {
   return reinterpret_cast<Lanes>(__builtin_convertvector(h, Wide) << 16);
 }
 
-ST_INLINE float load_lanes_one(float v) { return v; }
-ST_INLINE float load_lanes_one(uint16_t v) { return Bf16::load(v); }
-
 ST_INLINE float lane_sum(Lanes v) {
   float sum = 0.0f;
   for (int64_t l = 0; l < kLanes; ++l) sum += v[l];
@@ -189,8 +186,8 @@ ST_INLINE float lane_sum(Lanes v) {
 }
 
 // The largest of x[0, n), NaN ignored.
-template <typename T>
-ST_INLINE float row_max(const T* x, int64_t n) {
+template <typename D>
+ST_INLINE float row_max(const typename D::T* x, int64_t n) {
   Lanes lanes = Lanes{} - __builtin_inff();
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
@@ -199,18 +196,28 @@ ST_INLINE float row_max(const T* x, int64_t n) {
   }
   float m = -__builtin_inff();
   for (int64_t l = 0; l < kLanes; ++l) m = lanes[l] > m ? lanes[l] : m;
-  for (; j < n; ++j) m = load_lanes_one(x[j]) > m ? load_lanes_one(x[j]) : m;
+  for (; j < n; ++j) m = D::load(x[j]) > m ? D::load(x[j]) : m;
   return m;
 }
 
-// sum of a[j] * b[j] (b null: of a[j]) over [0, n).
-template <typename T>
-ST_INLINE float row_dot(const T* a, const T* b, int64_t n) {
+// The sum of e[0, n).
+ST_INLINE float row_sum(const float* e, int64_t n) {
   Lanes lanes = Lanes{};
   int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) lanes += b ? load_lanes(a + j) * load_lanes(b + j) : load_lanes(a + j);
+  for (; j + kLanes <= n; j += kLanes) lanes += load_lanes(e + j);
   float sum = lane_sum(lanes);
-  for (; j < n; ++j) sum += b ? load_lanes_one(a[j]) * load_lanes_one(b[j]) : load_lanes_one(a[j]);
+  for (; j < n; ++j) sum += e[j];
+  return sum;
+}
+
+// The sum of a[j] * b[j] over [0, n).
+template <typename D>
+ST_INLINE float row_dot(const typename D::T* a, const typename D::T* b, int64_t n) {
+  Lanes lanes = Lanes{};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) lanes += load_lanes(a + j) * load_lanes(b + j);
+  float sum = lane_sum(lanes);
+  for (; j < n; ++j) sum += D::load(a[j]) * D::load(b[j]);
   return sum;
 }
 
@@ -223,9 +230,9 @@ ST_INLINE void softmax_fwd(const typename D::T* __restrict x, typename D::T* y, 
                            int64_t lo, int64_t hi, float scale, float* stats) {
   const int64_t n = hi - lo;
   x += lo;
-  const float m = row_max(x, n);
+  const float m = row_max<D>(x, n);
   for (int64_t j = 0; j < n; ++j) e[j] = exp_nonpositive((D::load(x[j]) - m) * scale);
-  const float inv = 1.0f / row_dot<float>(e, nullptr, n);
+  const float inv = 1.0f / row_sum(e, n);
   for (int64_t i = 0; i < lo; ++i) y[i] = D::store(0.0f);
   for (int64_t i = 0; i < n; ++i) y[lo + i] = D::store(e[i] * inv);
   for (int64_t i = hi; i < cols; ++i) y[i] = D::store(0.0f);
@@ -248,7 +255,7 @@ ST_INLINE void softmax_again(const typename D::T* __restrict x, typename D::T* _
 template <typename D>
 ST_INLINE void softmax_bwd(const typename D::T* __restrict y, const typename D::T* __restrict dy,
                            typename D::T* __restrict dx, int64_t cols, int64_t lo, int64_t hi, float scale) {
-  const float dot = row_dot(y + lo, dy + lo, hi - lo);
+  const float dot = row_dot<D>(y + lo, dy + lo, hi - lo);
   for (int64_t i = 0; i < lo; ++i) dx[i] = D::store(0.0f);
   for (int64_t i = lo; i < hi; ++i) dx[i] = D::store(scale * D::load(y[i]) * (D::load(dy[i]) - dot));
   for (int64_t i = hi; i < cols; ++i) dx[i] = D::store(0.0f);

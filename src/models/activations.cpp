@@ -20,14 +20,9 @@ bool fusable(const at::Tensor& x) {
 // the tag float for fp32 tensors and uint16_t for bf16 ones.
 template <typename Fn>
 void for_chunks(const at::Tensor& like, const Fn& fn) {
-  const auto run = [&](auto tag) {
+  with_element_type(like.scalar_type(), [&](auto tag) {
     at::parallel_for(0, like.numel(), kGrain, [&](int64_t b, int64_t e) { fn(tag, b, e - b); });
-  };
-  if (like.scalar_type() == at::kFloat) {
-    run(float{});
-  } else {
-    run(uint16_t{});
-  }
+  });
 }
 
 struct FusedGelu : public torch::autograd::Function<FusedGelu> {

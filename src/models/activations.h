@@ -22,6 +22,17 @@ T* elements(const at::Tensor& t) {
   }
 }
 
+/// fn(float{}) for an fp32 dtype, fn(uint16_t{}) for bf16: the element type
+/// tag elements<T>() takes.
+template <typename Fn>
+void with_element_type(at::ScalarType dtype, const Fn& fn) {
+  if (dtype == at::kFloat) {
+    fn(float{});
+  } else {
+    fn(uint16_t{});
+  }
+}
+
 /// GELU, tanh approximation (GPT's MLP).
 at::Tensor gelu_tanh(const at::Tensor& x);
 

@@ -148,8 +148,8 @@ struct CausalAttention : public torch::autograd::Function<CausalAttention> {
     void each_row(const Panel& panel, const Fn& fn) const {
       const int64_t* start = starts.numel() > 0 ? starts.data_ptr<int64_t>() : nullptr;
       const int64_t rows = panel.r1 - panel.r0;
-      const auto run = [&](auto tag) {
-        const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / s);
+      const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / s);
+      with_element_type(dtype, [&](auto tag) {
         at::parallel_for(0, (panel.g1 - panel.g0) * rows, grain, [&](int64_t first, int64_t last) {
           for (int64_t n = first; n < last; ++n) {
             const int64_t m = panel.g0 + n / rows, i = panel.r0 + n % rows;
@@ -157,12 +157,7 @@ struct CausalAttention : public torch::autograd::Function<CausalAttention> {
             fn(tag, m, i, lo, i + s - t + 1);
           }
         });
-      };
-      if (dtype == at::kFloat) {
-        run(float{});
-      } else {
-        run(uint16_t{});
-      }
+      });
     }
   };
 
@@ -261,9 +256,10 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   };
   const at::ScalarType dtype = mask_dtype(q);
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const bool drop = dropout > 0.0 && training;
   // On the CPU in fp32 and bf16, without dropout: the fused panels.
   const bool fused_dtype = dtype == at::kFloat || dtype == at::kBFloat16;
-  if (q.is_cpu() && fused_dtype && !(dropout > 0.0 && training)) {
+  if (q.is_cpu() && fused_dtype && !drop) {
     const at::Tensor starts = segment.defined() ? segment_starts(segment) : at::empty({0}, at::kLong);
     if (!segment.defined() || starts.defined()) {
       const auto in = [&](const at::Tensor& x) { return x.to(dtype).contiguous(); };
@@ -280,7 +276,7 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
                         : causal_mask(s, dtype, q.device()).slice(0, s - t, s).expand({b * h, t, s});
   at::Tensor att = at::softmax(
       at::baddbmm(mask, q.reshape({b * h, t, d}), expand(k).transpose(1, 2), /*beta=*/1.0, /*alpha=*/scale), -1);
-  if (dropout > 0.0 && training) att = at::dropout(att, dropout, /*train=*/true);
+  if (drop) att = at::dropout(att, dropout, /*train=*/true);
   return at::bmm(att, expand(v)).view({b, h, t, d});
 }
 
