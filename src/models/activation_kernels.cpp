@@ -171,14 +171,6 @@ ST_INLINE Lanes load_lanes(const float* p) {
   return v;
 }
 
-ST_INLINE Lanes load_lanes(const uint16_t* p) {
-  using Half = uint16_t __attribute__((vector_size(32)));
-  using Wide = uint32_t __attribute__((vector_size(64)));
-  Half h;
-  std::memcpy(&h, p, sizeof h);
-  return reinterpret_cast<Lanes>(__builtin_convertvector(h, Wide) << 16);
-}
-
 ST_INLINE float lane_sum(Lanes v) {
   float sum = 0.0f;
   for (int64_t l = 0; l < kLanes; ++l) sum += v[l];
@@ -186,8 +178,7 @@ ST_INLINE float lane_sum(Lanes v) {
 }
 
 // The largest of x[0, n), NaN ignored.
-template <typename D>
-ST_INLINE float row_max(const typename D::T* x, int64_t n) {
+ST_INLINE float row_max(const float* x, int64_t n) {
   Lanes lanes = Lanes{} - __builtin_inff();
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
@@ -196,7 +187,7 @@ ST_INLINE float row_max(const typename D::T* x, int64_t n) {
   }
   float m = -__builtin_inff();
   for (int64_t l = 0; l < kLanes; ++l) m = lanes[l] > m ? lanes[l] : m;
-  for (; j < n; ++j) m = D::load(x[j]) > m ? D::load(x[j]) : m;
+  for (; j < n; ++j) m = x[j] > m ? x[j] : m;
   return m;
 }
 
@@ -211,54 +202,49 @@ ST_INLINE float row_sum(const float* e, int64_t n) {
 }
 
 // The sum of a[j] * b[j] over [0, n).
-template <typename D>
-ST_INLINE float row_dot(const typename D::T* a, const typename D::T* b, int64_t n) {
+ST_INLINE float row_dot(const float* a, const float* b, int64_t n) {
   Lanes lanes = Lanes{};
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) lanes += load_lanes(a + j) * load_lanes(b + j);
   float sum = lane_sum(lanes);
-  for (; j < n; ++j) sum += D::load(a[j]) * D::load(b[j]);
+  for (; j < n; ++j) sum += a[j] * b[j];
   return sum;
 }
 
-// y[lo, hi) = softmax(scale x[lo, hi)), the rest of the row's `cols` 0; `e`
-// holds the hi - lo exponentials (in y itself where y is fp32); stats gets
-// the row's maximum and 1 / sum. A NaN or +inf score makes the row NaN: its
-// difference from the maximum is NaN, so is its exponential and the sum.
-template <typename D>
-ST_INLINE void softmax_fwd(const typename D::T* __restrict x, typename D::T* y, float* e, int64_t cols,
-                           int64_t lo, int64_t hi, float scale, float* stats) {
+// y[lo, hi) = softmax(scale x[lo, hi)), the rest of the row's `cols` 0;
+// stats gets the row's maximum and 1 / sum. A NaN or +inf score makes the
+// row NaN: its difference from the maximum is NaN, so is its exponential
+// and the sum.
+ST_INLINE void softmax_fwd(const float* __restrict x, float* __restrict y, int64_t cols, int64_t lo, int64_t hi,
+                           float scale, float* stats) {
   const int64_t n = hi - lo;
-  x += lo;
-  const float m = row_max<D>(x, n);
-  for (int64_t j = 0; j < n; ++j) e[j] = exp_nonpositive((D::load(x[j]) - m) * scale);
-  const float inv = 1.0f / row_sum(e, n);
-  for (int64_t i = 0; i < lo; ++i) y[i] = D::store(0.0f);
-  for (int64_t i = 0; i < n; ++i) y[lo + i] = D::store(e[i] * inv);
-  for (int64_t i = hi; i < cols; ++i) y[i] = D::store(0.0f);
+  const float m = row_max(x + lo, n);
+  for (int64_t i = lo; i < hi; ++i) y[i] = exp_nonpositive((x[i] - m) * scale);
+  const float inv = 1.0f / row_sum(y + lo, n);
+  for (int64_t i = 0; i < lo; ++i) y[i] = 0.0f;
+  for (int64_t i = lo; i < hi; ++i) y[i] *= inv;
+  for (int64_t i = hi; i < cols; ++i) y[i] = 0.0f;
   stats[0] = m;
   stats[1] = inv;
 }
 
 // The forward's y again from x and the forward's stats, the same arithmetic
 // element by element.
-template <typename D>
-ST_INLINE void softmax_again(const typename D::T* __restrict x, typename D::T* __restrict y, int64_t cols,
-                             int64_t lo, int64_t hi, float scale, const float* stats) {
+ST_INLINE void softmax_again(const float* __restrict x, float* __restrict y, int64_t cols, int64_t lo,
+                             int64_t hi, float scale, const float* stats) {
   const float m = stats[0], inv = stats[1];
-  for (int64_t i = 0; i < lo; ++i) y[i] = D::store(0.0f);
-  for (int64_t i = lo; i < hi; ++i) y[i] = D::store(exp_nonpositive((D::load(x[i]) - m) * scale) * inv);
-  for (int64_t i = hi; i < cols; ++i) y[i] = D::store(0.0f);
+  for (int64_t i = 0; i < lo; ++i) y[i] = 0.0f;
+  for (int64_t i = lo; i < hi; ++i) y[i] = exp_nonpositive((x[i] - m) * scale) * inv;
+  for (int64_t i = hi; i < cols; ++i) y[i] = 0.0f;
 }
 
 // dx[lo, hi) = scale y (dy - sum(y dy)) over [lo, hi), the rest 0.
-template <typename D>
-ST_INLINE void softmax_bwd(const typename D::T* __restrict y, const typename D::T* __restrict dy,
-                           typename D::T* __restrict dx, int64_t cols, int64_t lo, int64_t hi, float scale) {
-  const float dot = row_dot<D>(y + lo, dy + lo, hi - lo);
-  for (int64_t i = 0; i < lo; ++i) dx[i] = D::store(0.0f);
-  for (int64_t i = lo; i < hi; ++i) dx[i] = D::store(scale * D::load(y[i]) * (D::load(dy[i]) - dot));
-  for (int64_t i = hi; i < cols; ++i) dx[i] = D::store(0.0f);
+ST_INLINE void softmax_bwd(const float* __restrict y, const float* __restrict dy, float* __restrict dx,
+                           int64_t cols, int64_t lo, int64_t hi, float scale) {
+  const float dot = row_dot(y + lo, dy + lo, hi - lo);
+  for (int64_t i = 0; i < lo; ++i) dx[i] = 0.0f;
+  for (int64_t i = lo; i < hi; ++i) dx[i] = scale * y[i] * (dy[i] - dot);
+  for (int64_t i = hi; i < cols; ++i) dx[i] = 0.0f;
 }
 
 // ---- one entry point per instruction set and element type ---------------------------
@@ -290,27 +276,15 @@ ST_INLINE void softmax_bwd(const typename D::T* __restrict y, const typename D::
   }                                                                                                  \
   TARGET void softmax_fwd_f32_##NAME(const float* x, float* y, int64_t c, int64_t lo, int64_t hi, float s, \
                                      float* st) {                                                    \
-    softmax_fwd<F32>(x, y, y + lo, c, lo, hi, s, st);                                                \
-  }                                                                                                  \
-  TARGET void softmax_fwd_bf16_##NAME(const uint16_t* x, uint16_t* y, float* e, int64_t c, int64_t lo,  \
-                                      int64_t hi, float s, float* st) {                              \
-    softmax_fwd<Bf16>(x, y, e, c, lo, hi, s, st);                                                    \
+    softmax_fwd(x, y, c, lo, hi, s, st);                                                             \
   }                                                                                                  \
   TARGET void softmax_again_f32_##NAME(const float* x, float* y, int64_t c, int64_t lo, int64_t hi, float s, \
                                        const float* st) {                                            \
-    softmax_again<F32>(x, y, c, lo, hi, s, st);                                                      \
-  }                                                                                                  \
-  TARGET void softmax_again_bf16_##NAME(const uint16_t* x, uint16_t* y, int64_t c, int64_t lo, int64_t hi, \
-                                        float s, const float* st) {                                  \
-    softmax_again<Bf16>(x, y, c, lo, hi, s, st);                                                     \
+    softmax_again(x, y, c, lo, hi, s, st);                                                           \
   }                                                                                                  \
   TARGET void softmax_bwd_f32_##NAME(const float* y, const float* dy, float* dx, int64_t c, int64_t lo, \
                                      int64_t hi, float s) {                                          \
-    softmax_bwd<F32>(y, dy, dx, c, lo, hi, s);                                              \
-  }                                                                                                  \
-  TARGET void softmax_bwd_bf16_##NAME(const uint16_t* y, const uint16_t* dy, uint16_t* dx, int64_t c,  \
-                                      int64_t lo, int64_t hi, float s) {                             \
-    softmax_bwd<Bf16>(y, dy, dx, c, lo, hi, s);                                             \
+    softmax_bwd(y, dy, dx, c, lo, hi, s);                                                            \
   }
 
 ST_ACTIVATION_VARIANT(avx512, __attribute__((target("avx512f,avx512vl,avx512bw,fma"))))
@@ -329,19 +303,15 @@ struct Kernels {
   void (*swiglu_bwd_f32)(const float*, const float*, const float*, float*, float*, int64_t);
   void (*swiglu_bwd_bf16)(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, uint16_t*, int64_t);
   void (*softmax_fwd_f32)(const float*, float*, int64_t, int64_t, int64_t, float, float*);
-  void (*softmax_fwd_bf16)(const uint16_t*, uint16_t*, float*, int64_t, int64_t, int64_t, float, float*);
   void (*softmax_again_f32)(const float*, float*, int64_t, int64_t, int64_t, float, const float*);
-  void (*softmax_again_bf16)(const uint16_t*, uint16_t*, int64_t, int64_t, int64_t, float, const float*);
   void (*softmax_bwd_f32)(const float*, const float*, float*, int64_t, int64_t, int64_t, float);
-  void (*softmax_bwd_bf16)(const uint16_t*, const uint16_t*, uint16_t*, int64_t, int64_t, int64_t, float);
 };
 
 #define ST_KERNELS(NAME)                                                                                 \
   Kernels {                                                                                              \
     #NAME, gelu_fwd_f32_##NAME, gelu_fwd_bf16_##NAME, gelu_bwd_f32_##NAME, gelu_bwd_bf16_##NAME,         \
         swiglu_fwd_f32_##NAME, swiglu_fwd_bf16_##NAME, swiglu_bwd_f32_##NAME, swiglu_bwd_bf16_##NAME,   \
-        softmax_fwd_f32_##NAME, softmax_fwd_bf16_##NAME, softmax_again_f32_##NAME, softmax_again_bf16_##NAME, \
-        softmax_bwd_f32_##NAME, softmax_bwd_bf16_##NAME                                             \
+        softmax_fwd_f32_##NAME, softmax_again_f32_##NAME, softmax_bwd_f32_##NAME                        \
   }
 
 // The best variant this CPU runs, chosen by its features once.
@@ -384,25 +354,13 @@ void softmax_row_forward(const float* x, float* y, int64_t cols, int64_t lo, int
                          float* stats) {
   kernels().softmax_fwd_f32(x, y, cols, lo, hi, scale, stats);
 }
-void softmax_row_forward(const uint16_t* x, uint16_t* y, float* e, int64_t cols, int64_t lo, int64_t hi,
-                         float scale, float* stats) {
-  kernels().softmax_fwd_bf16(x, y, e, cols, lo, hi, scale, stats);
-}
 void softmax_row_again(const float* x, float* y, int64_t cols, int64_t lo, int64_t hi, float scale,
                        const float* stats) {
   kernels().softmax_again_f32(x, y, cols, lo, hi, scale, stats);
 }
-void softmax_row_again(const uint16_t* x, uint16_t* y, int64_t cols, int64_t lo, int64_t hi, float scale,
-                       const float* stats) {
-  kernels().softmax_again_bf16(x, y, cols, lo, hi, scale, stats);
-}
 void softmax_row_backward(const float* y, const float* dy, float* dx, int64_t cols, int64_t lo, int64_t hi,
                           float scale) {
   kernels().softmax_bwd_f32(y, dy, dx, cols, lo, hi, scale);
-}
-void softmax_row_backward(const uint16_t* y, const uint16_t* dy, uint16_t* dx, int64_t cols, int64_t lo,
-                          int64_t hi, float scale) {
-  kernels().softmax_bwd_bf16(y, dy, dx, cols, lo, hi, scale);
 }
 const char* activation_kernel_variant() { return kernels().name; }
 

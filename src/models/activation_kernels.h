@@ -1,6 +1,6 @@
-// The families' activations and attention's softmax, forward and backward,
-// as plain loops over fp32 or bf16 (stored as uint16_t) that the compiler
-// vectorises. No LibTorch.
+// The families' activations, over fp32 or bf16 (stored as uint16_t), and
+// attention's softmax rows, over fp32, forward and backward, as plain loops
+// that the compiler vectorises. No LibTorch.
 //
 // bf16 values are widened to fp32, computed in fp32 and rounded to nearest
 // even once per output.
@@ -27,24 +27,17 @@ void swiglu_backward(const uint16_t* g, const uint16_t* u, const uint16_t* dy, u
 
 /// Softmax over part of a row of `cols` scores: y[lo, hi) = softmax(scale *
 /// x[lo, hi)), every other y 0 (scale > 0, lo < hi <= cols); stats[0, 2)
-/// gets the row's largest x and 1 / the sum of its exponentials. bf16 takes
-/// `scratch`, room for hi - lo floats.
+/// gets the row's largest x and 1 / the sum of its exponentials.
 void softmax_row_forward(const float* x, float* y, int64_t cols, int64_t lo, int64_t hi, float scale,
                          float* stats);
-void softmax_row_forward(const uint16_t* x, uint16_t* y, float* scratch, int64_t cols, int64_t lo, int64_t hi,
-                         float scale, float* stats);
 /// The same y again from the same x and the forward's stats, element for
 /// element as the forward computed it.
 void softmax_row_again(const float* x, float* y, int64_t cols, int64_t lo, int64_t hi, float scale,
-                       const float* stats);
-void softmax_row_again(const uint16_t* x, uint16_t* y, int64_t cols, int64_t lo, int64_t hi, float scale,
                        const float* stats);
 /// Its backward from the forward's y: dx[lo, hi) = scale * y (dy - sum(y dy)),
 /// sums over [lo, hi); every other dx 0.
 void softmax_row_backward(const float* y, const float* dy, float* dx, int64_t cols, int64_t lo, int64_t hi,
                           float scale);
-void softmax_row_backward(const uint16_t* y, const uint16_t* dy, uint16_t* dx, int64_t cols, int64_t lo,
-                          int64_t hi, float scale);
 
 /// The instruction set the loops run with on this CPU: "avx512", "avx2" or
 /// "baseline".

@@ -1,10 +1,12 @@
 // Causal, grouped-query attention for the language-model families: fused
-// panels on the CPU in fp32 and bf16, an additive mask elsewhere.
+// panels on the CPU (computed in fp32, for bf16 too), an additive mask
+// elsewhere.
 #include "models/attention.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/record_function.h>
+#include <dlfcn.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -12,13 +14,12 @@
 #include <limits>
 #include <map>
 #include <string>
-#include <type_traits>
 #include <unordered_set>
 #include <utility>
 #include <vector>
 
 #include "models/activation_kernels.h"
-#include "models/activations.h"
+#include "shardtrain/core/error.h"
 
 namespace shardtrain::models::detail {
 
@@ -83,15 +84,57 @@ at::Tensor segment_starts(const at::Tensor& segment) {
   return starts;
 }
 
-// softmax(q k^T * scale) v over each query's keys for q [B*H, T, d] and k, v
-// [B*H, S, d] of one dtype, fp32 or bf16, on the CPU. Query i sees keys
-// starts[b, i] .. i + S - T (starts [B, T] from segment_starts; empty: from
-// key 0).
+// c [m, n] = a b + beta c for row-major fp32 matrices with row strides
+// lda, ldb, ldc: a [m, k], or stored [k, m] when `ta`; b [k, n], or stored
+// [n, k] when `tb`. The BLAS LibTorch multiplies with, called directly on
+// raw strided matrices: no tensor views, no dispatch, no copies.
+void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+          int64_t ldb, float beta, float* c, int64_t ldc) {
+  using Sgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*,
+                         const float*, const int*, const float*, const int*, const float*, float*, const int*);
+  static const Sgemm sgemm = [] {
+    const auto fn = reinterpret_cast<Sgemm>(dlsym(RTLD_DEFAULT, "sgemm_"));
+    ST_CHECK(fn != nullptr, Error, "causal attention: no BLAS sgemm_ is loaded beside LibTorch; "
+             "install the BLAS LibTorch was built with (libopenblas0)");
+    return fn;
+  }();
+  // Column-major BLAS sees each row-major matrix transposed: c^T = b^T a^T.
+  const char transa = ta ? 'T' : 'N', transb = tb ? 'T' : 'N';
+  const int cm = static_cast<int>(n), cn = static_cast<int>(m), ck = static_cast<int>(k);
+  const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
+  const float one = 1.0f;
+  sgemm(&transb, &transa, &cm, &cn, &ck, &one, b, &la, a, &lb, &beta, c, &lc);
+}
+
+// A stack of fp32 matrices x [B, H, rows, d], each row's d elements
+// contiguous: matrix (b, h), row i at at(b, h) + i * ld.
+struct Stack {
+  float* data;
+  int64_t sb, sh, ld;
+  explicit Stack(const at::Tensor& x)
+      : data(x.data_ptr<float>()), sb(x.stride(0)), sh(x.stride(1)),
+        ld(std::max(x.stride(2), x.size(3))) {}
+  float* at(int64_t b, int64_t h, int64_t i = 0) const { return data + b * sb + h * sh + i * ld; }
+};
+
+// x as the fused attention reads it: fp32, each row's elements contiguous
+// and rows apart (the heads of a projection's output are, as views).
+at::Tensor as_stack(const at::Tensor& x) {
+  const at::Tensor y = x.to(at::kFloat);
+  const bool rows_apart = y.size(2) <= 1 || y.stride(2) >= y.size(3);
+  return y.stride(3) == 1 && rows_apart ? y : y.contiguous();
+}
+
+// softmax(q k^T * scale) v for q [B, H, T, d] and k, v [B, KV, S, d] in
+// fp32 on the CPU, any strides as_stack() allows (views of the projections'
+// outputs need no copy). Query head h reads key/value head h / (H / KV).
+// Query i sees keys starts[b, i] .. i + S - T (starts [B, T] from
+// segment_starts; empty: from key 0). The output is laid out [B, T, H, d]
+// (viewed [B, H, T, d]), as the output projection reads it.
 //
-// The work goes by panels: kPanel queries of a group of matrices small
-// enough that a panel's scores stay in cache. A panel's scores are one
-// batched GEMM against only the keys its last query sees, its softmax
-// scales, masks and normalises each row in one pass (models/
+// The work goes by panels of kPanel queries of one matrix: its scores
+// (one GEMM against only the keys its last query sees) stay in cache, its
+// softmax scales, masks and normalises each row in one pass (models/
 // activation_kernels), and its output is one GEMM over the same keys. Only
 // each row's maximum and 1 / sum are kept for backward, which computes the
 // panel's weights again from them, then the gradients of the weights, the
@@ -100,147 +143,110 @@ at::Tensor segment_starts(const at::Tensor& segment) {
 // skip most of the upper triangle, where causal attention has nothing.
 struct CausalAttention : public torch::autograd::Function<CausalAttention> {
   static constexpr int64_t kPanel = 128;
-  static constexpr int64_t kPanelBytes = int64_t{1} << 19;  // a group's panel of scores
 
-  // One panel: matrices [g0, g1) and queries [r0, r1), which see keys
-  // [0, cols) at most; `per` and `ld` are a scratch buffer's strides.
+  // Queries [r0, r1) of matrix (b, h), which see keys [0, cols) at most,
+  // those of key/value head g.
   struct Panel {
-    int64_t g0, g1, r0, r1, cols, per, ld;
-    at::Tensor scratch(const at::Tensor& buffer) const {
-      return buffer.slice(0, 0, g1 - g0).slice(1, 0, r1 - r0).slice(2, 0, cols);
-    }
-    at::Tensor rows(const at::Tensor& x) const { return x.slice(0, g0, g1).slice(1, r0, r1); }
-    at::Tensor keys(const at::Tensor& x) const { return x.slice(0, g0, g1).slice(1, 0, cols); }
-    // Where the row of matrix m, query i starts in a scratch buffer.
-    int64_t offset(int64_t m, int64_t i) const { return (m - g0) * per + (i - r0) * ld; }
+    int64_t b, h, g, r0, r1, cols;
+    int64_t rows() const { return r1 - r0; }
   };
 
-  // The panels of one call and the scratch buffers they share.
-  struct Panels {
-    int64_t matrices, t, s, group, heads;
-    const at::Tensor& starts;
-    at::ScalarType dtype;
+  struct Shape {
+    int64_t batch, heads, kv_heads, t, s, d;
+    explicit Shape(const at::Tensor& q, const at::Tensor& k)
+        : batch(q.size(0)), heads(q.size(1)), kv_heads(k.size(1)), t(q.size(2)), s(k.size(2)), d(q.size(3)) {}
 
-    Panels(const at::Tensor& q, const at::Tensor& k, int64_t heads, const at::Tensor& starts)
-        : matrices(q.size(0)), t(q.size(1)), s(k.size(1)),
-          group(std::max<int64_t>(1, kPanelBytes / (kPanel * s * static_cast<int64_t>(q.element_size())))),
-          heads(heads), starts(starts), dtype(q.scalar_type()) {}
-
-    at::Tensor buffer(const at::Tensor& like) const {
-      return at::empty({std::min(group, matrices), std::min(kPanel, t), s}, like.options());
-    }
+    // Room for one panel's rows of scores.
+    at::Tensor scratch() const { return at::empty({std::min(kPanel, t) * s}, at::kFloat); }
 
     template <typename Fn>
     void each(const Fn& fn) const {
-      const int64_t per = std::min(kPanel, t) * s;
-      for (int64_t g0 = 0; g0 < matrices; g0 += group) {
-        for (int64_t r0 = 0; r0 < t; r0 += kPanel) {
-          const int64_t r1 = std::min(t, r0 + kPanel);
-          fn(Panel{g0, std::min(matrices, g0 + group), r0, r1, r1 + s - t, per, s});
+      for (int64_t b = 0; b < batch; ++b) {
+        for (int64_t h = 0; h < heads; ++h) {
+          for (int64_t r0 = 0; r0 < t; r0 += kPanel) {
+            const int64_t r1 = std::min(t, r0 + kPanel);
+            fn(Panel{b, h, h / (heads / kv_heads), r0, r1, r1 + s - t});
+          }
         }
       }
     }
 
-    // fn(tag, matrix, query, lo, hi) for every row of a panel (the query
-    // sees keys [lo, hi)), in parallel chunks; the tag is float for fp32 and
-    // uint16_t for bf16.
+    // fn(row, query, lo, hi) for every row of a panel (row: its index in the
+    // panel; the query sees keys [lo, hi)), in parallel chunks.
     template <typename Fn>
-    void each_row(const Panel& panel, const Fn& fn) const {
-      const int64_t* start = starts.numel() > 0 ? starts.data_ptr<int64_t>() : nullptr;
-      const int64_t rows = panel.r1 - panel.r0;
+    void each_row(const Panel& p, const at::Tensor& starts, const Fn& fn) const {
+      const int64_t* start = starts.numel() > 0 ? starts.data_ptr<int64_t>() + p.b * t : nullptr;
       const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / s);
-      with_element_type(dtype, [&](auto tag) {
-        at::parallel_for(0, (panel.g1 - panel.g0) * rows, grain, [&](int64_t first, int64_t last) {
-          for (int64_t n = first; n < last; ++n) {
-            const int64_t m = panel.g0 + n / rows, i = panel.r0 + n % rows;
-            const int64_t lo = start ? start[(m / heads) * t + i] : 0;
-            fn(tag, m, i, lo, i + s - t + 1);
-          }
-        });
+      at::parallel_for(0, p.rows(), grain, [&](int64_t first, int64_t last) {
+        for (int64_t r = first; r < last; ++r) {
+          const int64_t i = p.r0 + r;
+          fn(r, i, start ? start[i] : 0, i + s - t + 1);
+        }
       });
     }
   };
 
-  // out = a @ b into `out`, a view of a larger buffer.
-  static void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b) { at::bmm_out(out, a, b); }
-
-  // acc += a @ b; acc may be fp32 where a and b are bf16.
-  static void gemm_add(at::Tensor acc, const at::Tensor& a, const at::Tensor& b) {
-    if (acc.scalar_type() == a.scalar_type()) {
-      acc.baddbmm_(a, b);
-    } else {
-      acc.add_(at::bmm(a, b));
-    }
-  }
-
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, double scale, int64_t heads, const at::Tensor& starts) {
+                            const at::Tensor& v, double scale, const at::Tensor& starts) {
     RECORD_FUNCTION("fused::causal_attention", std::vector<c10::IValue>());
-    // The inputs are in the compute dtype already; autocast must not recast.
-    const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
-    const Panels p(q, k, heads, starts);
-    const at::Tensor scores = p.buffer(q), att = p.buffer(q);
-    const at::Tensor stats = at::empty({p.matrices, p.t, 2}, q.options().dtype(at::kFloat));
-    const at::Tensor out = at::empty_like(q);
+    const Shape n(q, k);
+    const at::Tensor out = at::empty({n.batch, n.t, n.heads, n.d}, q.options()).transpose(1, 2);
+    const at::Tensor stats = at::empty({n.batch, n.heads, n.t, 2}, q.options());
+    const at::Tensor scores_buffer = n.scratch(), att_buffer = n.scratch();
+    float *scores = scores_buffer.data_ptr<float>(), *att = att_buffer.data_ptr<float>();
+    const Stack Q(q), K(k), V(v), O(out);
     const float fscale = static_cast<float>(scale);
-    p.each([&](const Panel& panel) {
-      gemm_into(panel.scratch(scores), panel.rows(q), panel.keys(k).transpose(1, 2));
-      p.each_row(panel, [&](auto tag, int64_t m, int64_t i, int64_t lo, int64_t hi) {
-        using T = decltype(tag);
-        const T* x = elements<T>(scores) + panel.offset(m, i);
-        T* y = elements<T>(att) + panel.offset(m, i);
-        float* row_stats = stats.data_ptr<float>() + (m * p.t + i) * 2;
-        if constexpr (std::is_same_v<T, float>) {
-          softmax_row_forward(x, y, panel.cols, lo, hi, fscale, row_stats);
-        } else {
-          thread_local std::vector<float> scratch;
-          scratch.resize(static_cast<size_t>(panel.cols));
-          softmax_row_forward(x, y, scratch.data(), panel.cols, lo, hi, fscale, row_stats);
-        }
+    n.each([&](const Panel& p) {
+      gemm(false, true, p.rows(), p.cols, n.d, Q.at(p.b, p.h, p.r0), Q.ld, K.at(p.b, p.g), K.ld, 0.0f, scores,
+           p.cols);
+      float* row_stats = stats.data_ptr<float>() + ((p.b * n.heads + p.h) * n.t) * 2;
+      n.each_row(p, starts, [&](int64_t r, int64_t i, int64_t lo, int64_t hi) {
+        softmax_row_forward(scores + r * p.cols, att + r * p.cols, p.cols, lo, hi, fscale, row_stats + i * 2);
       });
-      gemm_into(panel.rows(out), panel.scratch(att), panel.keys(v));
+      gemm(false, false, p.rows(), n.d, p.cols, att, p.cols, V.at(p.b, p.g), V.ld, 0.0f, O.at(p.b, p.h, p.r0),
+           O.ld);
     });
     ctx->save_for_backward({q, k, v, stats, starts});
     ctx->saved_data["scale"] = scale;
-    ctx->saved_data["heads"] = heads;
     return out;
   }
 
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grads) {
     RECORD_FUNCTION("fused::causal_attention_backward", std::vector<c10::IValue>());
-    const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &stats = saved[3], &starts = saved[4];
     const float scale = static_cast<float>(ctx->saved_data["scale"].toDouble());
-    const Panels p(q, k, ctx->saved_data["heads"].toInt(), starts);
-    const at::Tensor dout = grads[0].to(q.scalar_type()).contiguous();
+    const Shape n(q, k);
+    const at::Tensor dout = as_stack(grads[0]);
+    const at::Tensor dq = at::empty({n.batch, n.t, n.heads, n.d}, q.options()).transpose(1, 2);
+    // The gradients of k and v add up over the panels (and over the query
+    // heads that share a key/value head).
+    const at::Tensor dk = at::zeros({n.batch, n.kv_heads, n.s, n.d}, k.options());
+    const at::Tensor dv = at::zeros({n.batch, n.kv_heads, n.s, n.d}, v.options());
     // `work` holds the scores, then the gradient of the weights.
-    const at::Tensor work = p.buffer(q), att = p.buffer(q), dscores = p.buffer(q);
-    const at::Tensor dq = at::empty_like(q);
-    // The gradients of k and v add up over the panels: in fp32 for bf16 too.
-    const at::Tensor dk = at::zeros(k.sizes(), k.options().dtype(at::kFloat));
-    const at::Tensor dv = at::zeros(v.sizes(), v.options().dtype(at::kFloat));
-    p.each([&](const Panel& panel) {
-      gemm_into(panel.scratch(work), panel.rows(q), panel.keys(k).transpose(1, 2));
-      p.each_row(panel, [&](auto tag, int64_t m, int64_t i, int64_t lo, int64_t hi) {
-        using T = decltype(tag);
-        const int64_t at_row = panel.offset(m, i);
-        softmax_row_again(elements<T>(work) + at_row, elements<T>(att) + at_row, panel.cols, lo, hi, scale,
-                          stats.data_ptr<float>() + (m * p.t + i) * 2);
+    const at::Tensor work_buffer = n.scratch(), att_buffer = n.scratch(), dscores_buffer = n.scratch();
+    float *work = work_buffer.data_ptr<float>(), *att = att_buffer.data_ptr<float>(),
+          *dscores = dscores_buffer.data_ptr<float>();
+    const Stack Q(q), K(k), V(v), dO(dout), dQ(dq), dK(dk), dV(dv);
+    n.each([&](const Panel& p) {
+      const int64_t rows = p.rows(), cols = p.cols;
+      gemm(false, true, rows, cols, n.d, Q.at(p.b, p.h, p.r0), Q.ld, K.at(p.b, p.g), K.ld, 0.0f, work, cols);
+      const float* row_stats = stats.data_ptr<float>() + ((p.b * n.heads + p.h) * n.t) * 2;
+      n.each_row(p, starts, [&](int64_t r, int64_t i, int64_t lo, int64_t hi) {
+        softmax_row_again(work + r * cols, att + r * cols, cols, lo, hi, scale, row_stats + i * 2);
       });
-      gemm_into(panel.scratch(work), panel.rows(dout), panel.keys(v).transpose(1, 2));
-      p.each_row(panel, [&](auto tag, int64_t m, int64_t i, int64_t lo, int64_t hi) {
-        using T = decltype(tag);
-        const int64_t at_row = panel.offset(m, i);
-        softmax_row_backward(elements<T>(att) + at_row, elements<T>(work) + at_row, elements<T>(dscores) + at_row,
-                             panel.cols, lo, hi, scale);
+      gemm(false, true, rows, cols, n.d, dO.at(p.b, p.h, p.r0), dO.ld, V.at(p.b, p.g), V.ld, 0.0f, work, cols);
+      n.each_row(p, starts, [&](int64_t r, int64_t, int64_t lo, int64_t hi) {
+        softmax_row_backward(att + r * cols, work + r * cols, dscores + r * cols, cols, lo, hi, scale);
       });
-      gemm_into(panel.rows(dq), panel.scratch(dscores), panel.keys(k));
-      gemm_add(panel.keys(dk), panel.scratch(dscores).transpose(1, 2), panel.rows(q));
-      gemm_add(panel.keys(dv), panel.scratch(att).transpose(1, 2), panel.rows(dout));
+      gemm(false, false, rows, n.d, cols, dscores, cols, K.at(p.b, p.g), K.ld, 0.0f, dQ.at(p.b, p.h, p.r0),
+           dQ.ld);
+      gemm(true, false, cols, n.d, rows, dscores, cols, Q.at(p.b, p.h, p.r0), Q.ld, 1.0f, dK.at(p.b, p.g),
+           dK.ld);
+      gemm(true, false, cols, n.d, rows, att, cols, dO.at(p.b, p.h, p.r0), dO.ld, 1.0f, dV.at(p.b, p.g), dV.ld);
     });
-    return {dq, dk.to(k.scalar_type()), dv.to(v.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dq, dk, dv, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -259,13 +265,12 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const bool drop = dropout > 0.0 && training;
   // On the CPU in fp32 and bf16, without dropout: the fused panels.
   const bool fused_dtype = dtype == at::kFloat || dtype == at::kBFloat16;
-  if (q.is_cpu() && fused_dtype && !drop) {
+  if (q.is_cpu() && fused_dtype && !drop && q.numel() > 0 && d > 0) {
     const at::Tensor starts = segment.defined() ? segment_starts(segment) : at::empty({0}, at::kLong);
     if (!segment.defined() || starts.defined()) {
-      const auto in = [&](const at::Tensor& x) { return x.to(dtype).contiguous(); };
-      const at::Tensor out = CausalAttention::apply(in(q.reshape({b * h, t, d})), in(expand(k)), in(expand(v)),
-                                                    scale, h, starts);
-      return out.view({b, h, t, d});
+      // In fp32 for bf16 too (docs/performance.md): its output is rounded
+      // to bf16 once.
+      return CausalAttention::apply(as_stack(q), as_stack(k), as_stack(v), scale, starts).to(dtype);
     }
   }
   // Elsewhere, scores = q k^T / sqrt(d) + mask in one batched GEMM: baddbmm
