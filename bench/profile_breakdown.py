@@ -50,7 +50,9 @@ CATEGORIES = ("GEMM", "attention softmax+mask", "LayerNorm", "GELU", "copies/cas
 # communication thread) alongside the step: shown, not added to the step.
 BACKGROUND = "background threads (overlapped, not in the sum)"
 
-# Exact op names (namespace stripped) per category.
+# Exact op names (namespace stripped) per category. shardtrain's fused
+# causal_attention calls the BLAS itself: its self time holds the attention
+# GEMMs as well as the softmax rows.
 OP_CATEGORIES = {
     "GEMM": {"mm", "addmm", "bmm", "baddbmm", "baddbmm_", "addbmm", "matmul", "linear", "mv", "addmv", "dot",
              "mkldnn_matmul", "mkldnn_linear", "_mkldnn_linear", "mkldnn_linear_backward",

@@ -171,6 +171,14 @@ ST_INLINE Lanes load_lanes(const float* p) {
   return v;
 }
 
+ST_INLINE Lanes load_lanes(const uint16_t* p) {
+  using Half = uint16_t __attribute__((vector_size(32)));
+  using Wide = uint32_t __attribute__((vector_size(64)));
+  Half h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<Lanes>(__builtin_convertvector(h, Wide) << 16);
+}
+
 ST_INLINE float lane_sum(Lanes v) {
   float sum = 0.0f;
   for (int64_t l = 0; l < kLanes; ++l) sum += v[l];
@@ -178,7 +186,8 @@ ST_INLINE float lane_sum(Lanes v) {
 }
 
 // The largest of x[0, n), NaN ignored.
-ST_INLINE float row_max(const float* x, int64_t n) {
+template <typename D>
+ST_INLINE float row_max(const typename D::T* x, int64_t n) {
   Lanes lanes = Lanes{} - __builtin_inff();
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
@@ -187,7 +196,7 @@ ST_INLINE float row_max(const float* x, int64_t n) {
   }
   float m = -__builtin_inff();
   for (int64_t l = 0; l < kLanes; ++l) m = lanes[l] > m ? lanes[l] : m;
-  for (; j < n; ++j) m = x[j] > m ? x[j] : m;
+  for (; j < n; ++j) m = D::load(x[j]) > m ? D::load(x[j]) : m;
   return m;
 }
 
@@ -218,7 +227,7 @@ ST_INLINE float row_dot(const float* a, const float* b, int64_t n) {
 ST_INLINE void softmax_fwd(const float* __restrict x, float* __restrict y, int64_t cols, int64_t lo, int64_t hi,
                            float scale, float* stats) {
   const int64_t n = hi - lo;
-  const float m = row_max(x + lo, n);
+  const float m = row_max<F32>(x + lo, n);
   for (int64_t i = lo; i < hi; ++i) y[i] = exp_nonpositive((x[i] - m) * scale);
   const float inv = 1.0f / row_sum(y + lo, n);
   for (int64_t i = 0; i < lo; ++i) y[i] = 0.0f;
@@ -245,6 +254,28 @@ ST_INLINE void softmax_bwd(const float* __restrict y, const float* __restrict dy
   for (int64_t i = 0; i < lo; ++i) dx[i] = 0.0f;
   for (int64_t i = lo; i < hi; ++i) dx[i] = scale * y[i] * (dy[i] - dot);
   for (int64_t i = hi; i < cols; ++i) dx[i] = 0.0f;
+}
+
+// ---- cross-entropy over a row of logits ---------------------------------------------
+
+// log sum e^x over x[0, n), from the row's maximum m: m + log sum e^(x - m)
+// (the exponentials go to `e`). NaN where the row holds NaN or +inf, or is
+// all -inf.
+template <typename D>
+ST_INLINE float logsumexp(const typename D::T* __restrict x, float* __restrict e, int64_t n) {
+  const float m = row_max<D>(x, n);
+  for (int64_t j = 0; j < n; ++j) e[j] = exp_nonpositive(D::load(x[j]) - m);
+  return m + std::log(row_sum(e, n));
+}
+
+// The gradient of g (lse - x[target]) over x[0, n) for lse its logsumexp:
+// dx[j] = g (e^(x[j] - lse) - [j == target]). (x - lse <= 0: lse is at
+// least the maximum, the sum of exponentials at least the maximum's 1.)
+template <typename D>
+ST_INLINE void cross_entropy_bwd(const typename D::T* __restrict x, typename D::T* __restrict dx, int64_t n,
+                                 float lse, float g, int64_t target) {
+  for (int64_t j = 0; j < n; ++j) dx[j] = D::store(g * exp_nonpositive(D::load(x[j]) - lse));
+  dx[target] = D::store(g * (exp_nonpositive(D::load(x[target]) - lse) - 1.0f));
 }
 
 // ---- one entry point per instruction set and element type ---------------------------
@@ -285,6 +316,17 @@ ST_INLINE void softmax_bwd(const float* __restrict y, const float* __restrict dy
   TARGET void softmax_bwd_f32_##NAME(const float* y, const float* dy, float* dx, int64_t c, int64_t lo, \
                                      int64_t hi, float s) {                                          \
     softmax_bwd(y, dy, dx, c, lo, hi, s);                                                            \
+  }                                                                                                  \
+  TARGET float logsumexp_f32_##NAME(const float* x, float* e, int64_t n) { return logsumexp<F32>(x, e, n); } \
+  TARGET float logsumexp_bf16_##NAME(const uint16_t* x, float* e, int64_t n) {                       \
+    return logsumexp<Bf16>(x, e, n);                                                                 \
+  }                                                                                                  \
+  TARGET void xent_bwd_f32_##NAME(const float* x, float* dx, int64_t n, float lse, float g, int64_t t) { \
+    cross_entropy_bwd<F32>(x, dx, n, lse, g, t);                                                     \
+  }                                                                                                  \
+  TARGET void xent_bwd_bf16_##NAME(const uint16_t* x, uint16_t* dx, int64_t n, float lse, float g,   \
+                                   int64_t t) {                                                      \
+    cross_entropy_bwd<Bf16>(x, dx, n, lse, g, t);                                                    \
   }
 
 ST_ACTIVATION_VARIANT(avx512, __attribute__((target("avx512f,avx512vl,avx512bw,fma"))))
@@ -305,13 +347,18 @@ struct Kernels {
   void (*softmax_fwd_f32)(const float*, float*, int64_t, int64_t, int64_t, float, float*);
   void (*softmax_again_f32)(const float*, float*, int64_t, int64_t, int64_t, float, const float*);
   void (*softmax_bwd_f32)(const float*, const float*, float*, int64_t, int64_t, int64_t, float);
+  float (*logsumexp_f32)(const float*, float*, int64_t);
+  float (*logsumexp_bf16)(const uint16_t*, float*, int64_t);
+  void (*xent_bwd_f32)(const float*, float*, int64_t, float, float, int64_t);
+  void (*xent_bwd_bf16)(const uint16_t*, uint16_t*, int64_t, float, float, int64_t);
 };
 
 #define ST_KERNELS(NAME)                                                                                 \
   Kernels {                                                                                              \
     #NAME, gelu_fwd_f32_##NAME, gelu_fwd_bf16_##NAME, gelu_bwd_f32_##NAME, gelu_bwd_bf16_##NAME,         \
         swiglu_fwd_f32_##NAME, swiglu_fwd_bf16_##NAME, swiglu_bwd_f32_##NAME, swiglu_bwd_bf16_##NAME,   \
-        softmax_fwd_f32_##NAME, softmax_again_f32_##NAME, softmax_bwd_f32_##NAME                        \
+        softmax_fwd_f32_##NAME, softmax_again_f32_##NAME, softmax_bwd_f32_##NAME,                       \
+        logsumexp_f32_##NAME, logsumexp_bf16_##NAME, xent_bwd_f32_##NAME, xent_bwd_bf16_##NAME          \
   }
 
 // The best variant this CPU runs, chosen by its features once.
@@ -361,6 +408,16 @@ void softmax_row_again(const float* x, float* y, int64_t cols, int64_t lo, int64
 void softmax_row_backward(const float* y, const float* dy, float* dx, int64_t cols, int64_t lo, int64_t hi,
                           float scale) {
   kernels().softmax_bwd_f32(y, dy, dx, cols, lo, hi, scale);
+}
+float logsumexp_row(const float* x, float* scratch, int64_t n) { return kernels().logsumexp_f32(x, scratch, n); }
+float logsumexp_row(const uint16_t* x, float* scratch, int64_t n) {
+  return kernels().logsumexp_bf16(x, scratch, n);
+}
+void cross_entropy_row_backward(const float* x, float* dx, int64_t n, float lse, float g, int64_t target) {
+  kernels().xent_bwd_f32(x, dx, n, lse, g, target);
+}
+void cross_entropy_row_backward(const uint16_t* x, uint16_t* dx, int64_t n, float lse, float g, int64_t target) {
+  kernels().xent_bwd_bf16(x, dx, n, lse, g, target);
 }
 const char* activation_kernel_variant() { return kernels().name; }
 

@@ -1,6 +1,7 @@
-// The families' activations, over fp32 or bf16 (stored as uint16_t), and
-// attention's softmax rows, over fp32, forward and backward, as plain loops
-// that the compiler vectorises. No LibTorch.
+// The families' activations and the language models' cross-entropy, over
+// fp32 or bf16 (stored as uint16_t), and attention's softmax rows, over
+// fp32, forward and backward, as plain loops that the compiler vectorises.
+// No LibTorch.
 //
 // bf16 values are widened to fp32, computed in fp32 and rounded to nearest
 // even once per output.
@@ -38,6 +39,15 @@ void softmax_row_again(const float* x, float* y, int64_t cols, int64_t lo, int64
 /// sums over [lo, hi); every other dx 0.
 void softmax_row_backward(const float* y, const float* dy, float* dx, int64_t cols, int64_t lo, int64_t hi,
                           float scale);
+
+/// log sum e^x over a row of n logits, computed from its maximum
+/// (`scratch`: room for n floats). NaN where the row holds NaN or +inf.
+float logsumexp_row(const float* x, float* scratch, int64_t n);
+float logsumexp_row(const uint16_t* x, float* scratch, int64_t n);
+/// The gradient of g (lse - x[target]) for lse = logsumexp_row(x):
+/// dx[j] = g (e^(x[j] - lse) - [j == target]).
+void cross_entropy_row_backward(const float* x, float* dx, int64_t n, float lse, float g, int64_t target);
+void cross_entropy_row_backward(const uint16_t* x, uint16_t* dx, int64_t n, float lse, float g, int64_t target);
 
 /// The instruction set the loops run with on this CPU: "avx512", "avx2" or
 /// "baseline".

@@ -1,7 +1,7 @@
-// The families' fused activations as autograd functions over
-// models/activation_kernels: one pass forward and one backward on contiguous
-// fp32 or bf16 CPU tensors; anything else (another dtype or device, a
-// strided view) takes LibTorch's ops.
+// The families' fused activations and the language models' loss as autograd
+// functions over models/activation_kernels: one pass forward and one
+// backward on contiguous fp32 or bf16 CPU tensors; anything else (another
+// dtype or device, a strided view) takes LibTorch's ops.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -38,5 +38,12 @@ at::Tensor gelu_tanh(const at::Tensor& x);
 
 /// silu(g) * u (Llama's SwiGLU gate); g and u of one shape and dtype.
 at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u);
+
+/// The sum over rows of -log softmax(logits[r])[target[r]] for logits
+/// [N, V] and targets [N], rows whose target is ignore_index left out: a
+/// language model's summed loss. An fp32 scalar (in fp32 arithmetic, summed
+/// in double) for fp32 and bf16 logits; a target outside [0, V) that is not
+/// ignore_index is an InvalidArgument.
+at::Tensor cross_entropy_sum(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index);
 
 }  // namespace shardtrain::models::detail

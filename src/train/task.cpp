@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <filesystem>
 
+#include "models/activations.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/data/lm_data.h"
 #include "shardtrain/launch/env.h"
@@ -53,9 +54,7 @@ TrainTask lm_task(const config::Config& config, std::shared_ptr<models::CausalLM
   task.tokens_per_sample = block_size;
   task.loss_sum = [model, vocab = vocab_size](const data::Batch& b) {
     const auto logits = model->forward(b.input, b.position, b.segment);
-    namespace F = torch::nn::functional;
-    return F::cross_entropy(logits.view({-1, vocab}), b.target.view({-1}),
-                            F::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(kIgnoreIndex));
+    return models::detail::cross_entropy_sum(logits.view({-1, vocab}), b.target.view({-1}), kIgnoreIndex);
   };
   task.count_targets = count_non_ignored;
   task.train_batch = data.train_batch;
