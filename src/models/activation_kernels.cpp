@@ -258,17 +258,19 @@ ST_INLINE void softmax_bwd(const float* __restrict y, const float* __restrict dy
 
 // ---- cross-entropy over a row of logits ---------------------------------------------
 
-// log sum e^x over x[0, n), from the row's maximum m: m + log sum e^(x - m)
-// (the exponentials go to `e`). NaN where the row holds NaN or +inf, or is
-// all -inf.
+// A row's loss, lse - x[target], for lse = log sum e^x over x[0, n), taken
+// from the row's maximum m: m + log sum e^(x - m) (the exponentials go to
+// `e`); lse to *lse. NaN where the row holds NaN or +inf, or is all -inf.
 template <typename D>
-ST_INLINE float logsumexp(const typename D::T* __restrict x, float* __restrict e, int64_t n) {
+ST_INLINE float cross_entropy_fwd(const typename D::T* __restrict x, float* __restrict e, int64_t n,
+                                  int64_t target, float* lse) {
   const float m = row_max<D>(x, n);
   for (int64_t j = 0; j < n; ++j) e[j] = exp_nonpositive(D::load(x[j]) - m);
-  return m + std::log(row_sum(e, n));
+  *lse = m + std::log(row_sum(e, n));
+  return *lse - D::load(x[target]);
 }
 
-// The gradient of g (lse - x[target]) over x[0, n) for lse its logsumexp:
+// The gradient of g (lse - x[target]) over x[0, n) for lse as above:
 // dx[j] = g (e^(x[j] - lse) - [j == target]). (x - lse <= 0: lse is at
 // least the maximum, the sum of exponentials at least the maximum's 1.)
 template <typename D>
@@ -317,9 +319,11 @@ ST_INLINE void cross_entropy_bwd(const typename D::T* __restrict x, typename D::
                                      int64_t hi, float s) {                                          \
     softmax_bwd(y, dy, dx, c, lo, hi, s);                                                            \
   }                                                                                                  \
-  TARGET float logsumexp_f32_##NAME(const float* x, float* e, int64_t n) { return logsumexp<F32>(x, e, n); } \
-  TARGET float logsumexp_bf16_##NAME(const uint16_t* x, float* e, int64_t n) {                       \
-    return logsumexp<Bf16>(x, e, n);                                                                 \
+  TARGET float xent_fwd_f32_##NAME(const float* x, float* e, int64_t n, int64_t t, float* lse) {     \
+    return cross_entropy_fwd<F32>(x, e, n, t, lse);                                                  \
+  }                                                                                                  \
+  TARGET float xent_fwd_bf16_##NAME(const uint16_t* x, float* e, int64_t n, int64_t t, float* lse) { \
+    return cross_entropy_fwd<Bf16>(x, e, n, t, lse);                                                 \
   }                                                                                                  \
   TARGET void xent_bwd_f32_##NAME(const float* x, float* dx, int64_t n, float lse, float g, int64_t t) { \
     cross_entropy_bwd<F32>(x, dx, n, lse, g, t);                                                     \
@@ -347,8 +351,8 @@ struct Kernels {
   void (*softmax_fwd_f32)(const float*, float*, int64_t, int64_t, int64_t, float, float*);
   void (*softmax_again_f32)(const float*, float*, int64_t, int64_t, int64_t, float, const float*);
   void (*softmax_bwd_f32)(const float*, const float*, float*, int64_t, int64_t, int64_t, float);
-  float (*logsumexp_f32)(const float*, float*, int64_t);
-  float (*logsumexp_bf16)(const uint16_t*, float*, int64_t);
+  float (*xent_fwd_f32)(const float*, float*, int64_t, int64_t, float*);
+  float (*xent_fwd_bf16)(const uint16_t*, float*, int64_t, int64_t, float*);
   void (*xent_bwd_f32)(const float*, float*, int64_t, float, float, int64_t);
   void (*xent_bwd_bf16)(const uint16_t*, uint16_t*, int64_t, float, float, int64_t);
 };
@@ -358,7 +362,7 @@ struct Kernels {
     #NAME, gelu_fwd_f32_##NAME, gelu_fwd_bf16_##NAME, gelu_bwd_f32_##NAME, gelu_bwd_bf16_##NAME,         \
         swiglu_fwd_f32_##NAME, swiglu_fwd_bf16_##NAME, swiglu_bwd_f32_##NAME, swiglu_bwd_bf16_##NAME,   \
         softmax_fwd_f32_##NAME, softmax_again_f32_##NAME, softmax_bwd_f32_##NAME,                       \
-        logsumexp_f32_##NAME, logsumexp_bf16_##NAME, xent_bwd_f32_##NAME, xent_bwd_bf16_##NAME          \
+        xent_fwd_f32_##NAME, xent_fwd_bf16_##NAME, xent_bwd_f32_##NAME, xent_bwd_bf16_##NAME            \
   }
 
 // The best variant this CPU runs, chosen by its features once.
@@ -409,9 +413,11 @@ void softmax_row_backward(const float* y, const float* dy, float* dx, int64_t co
                           float scale) {
   kernels().softmax_bwd_f32(y, dy, dx, cols, lo, hi, scale);
 }
-float logsumexp_row(const float* x, float* scratch, int64_t n) { return kernels().logsumexp_f32(x, scratch, n); }
-float logsumexp_row(const uint16_t* x, float* scratch, int64_t n) {
-  return kernels().logsumexp_bf16(x, scratch, n);
+float cross_entropy_row_forward(const float* x, float* scratch, int64_t n, int64_t target, float* lse) {
+  return kernels().xent_fwd_f32(x, scratch, n, target, lse);
+}
+float cross_entropy_row_forward(const uint16_t* x, float* scratch, int64_t n, int64_t target, float* lse) {
+  return kernels().xent_fwd_bf16(x, scratch, n, target, lse);
 }
 void cross_entropy_row_backward(const float* x, float* dx, int64_t n, float lse, float g, int64_t target) {
   kernels().xent_bwd_f32(x, dx, n, lse, g, target);

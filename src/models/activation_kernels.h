@@ -40,11 +40,12 @@ void softmax_row_again(const float* x, float* y, int64_t cols, int64_t lo, int64
 void softmax_row_backward(const float* y, const float* dy, float* dx, int64_t cols, int64_t lo, int64_t hi,
                           float scale);
 
-/// log sum e^x over a row of n logits, computed from its maximum
-/// (`scratch`: room for n floats). NaN where the row holds NaN or +inf.
-float logsumexp_row(const float* x, float* scratch, int64_t n);
-float logsumexp_row(const uint16_t* x, float* scratch, int64_t n);
-/// The gradient of g (lse - x[target]) for lse = logsumexp_row(x):
+/// A row of n logits' cross-entropy, lse - x[target], for lse = log sum e^x
+/// computed from the row's maximum (`scratch`: room for n floats); lse goes
+/// to *lse. NaN where the row holds NaN or +inf.
+float cross_entropy_row_forward(const float* x, float* scratch, int64_t n, int64_t target, float* lse);
+float cross_entropy_row_forward(const uint16_t* x, float* scratch, int64_t n, int64_t target, float* lse);
+/// Its gradient, scaled by g, from the forward's lse:
 /// dx[j] = g (e^(x[j] - lse) - [j == target]).
 void cross_entropy_row_backward(const float* x, float* dx, int64_t n, float lse, float g, int64_t target);
 void cross_entropy_row_backward(const uint16_t* x, uint16_t* dx, int64_t n, float lse, float g, int64_t target);

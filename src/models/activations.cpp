@@ -5,7 +5,6 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include "models/activation_kernels.h"
@@ -16,16 +15,6 @@ namespace shardtrain::models::detail {
 namespace {
 
 constexpr int64_t kGrain = int64_t{1} << 15;
-
-// One element as fp32: a float as it is, a bf16 (the upper half of an fp32)
-// widened.
-float widen(float, float v) { return v; }
-float widen(uint16_t, uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 bool fusable(const at::Tensor& x) {
   return x.is_cpu() && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
@@ -106,7 +95,7 @@ struct FusedCrossEntropy : public torch::autograd::Function<FusedCrossEntropy> {
   // fn(element type tag, row, its logits, its target) for every row, in
   // parallel chunks.
   template <typename Fn>
-  static void each_row(const at::Tensor& logits, const int64_t* target, int64_t ignore_index, const Fn& fn) {
+  static void each_row(const at::Tensor& logits, const int64_t* target, const Fn& fn) {
     const int64_t rows = logits.size(0), vocab = logits.size(1);
     with_element_type(logits.scalar_type(), [&](auto tag) {
       using T = decltype(tag);
@@ -131,13 +120,12 @@ struct FusedCrossEntropy : public torch::autograd::Function<FusedCrossEntropy> {
     }
     const at::Tensor lse = at::zeros({rows}, at::kFloat);
     std::vector<double> losses(static_cast<size_t>(rows), 0.0);
-    each_row(logits, t, ignore_index, [&](auto tag, int64_t r, const auto* x, int64_t target_id) {
+    each_row(logits, t, [&](auto, int64_t r, const auto* x, int64_t target_id) {
       if (target_id == ignore_index) return;
       thread_local std::vector<float> scratch;
       scratch.resize(static_cast<size_t>(vocab));
-      const float l = logsumexp_row(x, scratch.data(), vocab);
-      lse.data_ptr<float>()[r] = l;
-      losses[static_cast<size_t>(r)] = static_cast<double>(l) - static_cast<double>(widen(tag, x[target_id]));
+      losses[static_cast<size_t>(r)] =
+          cross_entropy_row_forward(x, scratch.data(), vocab, target_id, lse.data_ptr<float>() + r);
     });
     double sum = 0.0;
     for (const double l : losses) sum += l;
@@ -155,8 +143,7 @@ struct FusedCrossEntropy : public torch::autograd::Function<FusedCrossEntropy> {
     const int64_t vocab = logits.size(1);
     const float g = grads[0].item<float>();
     at::Tensor dx = at::empty_like(logits);
-    each_row(logits, targets.data_ptr<int64_t>(), ignore_index,
-             [&](auto tag, int64_t r, const auto* x, int64_t target_id) {
+    each_row(logits, targets.data_ptr<int64_t>(), [&](auto tag, int64_t r, const auto* x, int64_t target_id) {
                using T = decltype(tag);
                T* row = elements<T>(dx) + r * vocab;
                if (target_id == ignore_index) {
