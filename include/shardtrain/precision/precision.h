@@ -17,7 +17,9 @@
 //               conv run in bfloat16; layer_norm, softmax, cross_entropy,
 //               log_softmax, sums and everything autocast does not list stay
 //               float32. Parameters, gradients and optimizer state stay
-//               float32 (the master weights).
+//               float32 (the master weights). The built-in models' fused
+//               causal attention computes in float32 on the CPU whatever
+//               its inputs (docs/performance.md).
 //   fp16-mixed  the same with float16 and CUDA autocast, plus a dynamic loss
 //               scaler. LibTorch 1.13 cannot compute fp16 on CPU, so on a
 //               machine without CUDA it is a ConfigError.
