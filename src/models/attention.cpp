@@ -171,6 +171,18 @@ struct CausalAttention : public torch::autograd::Function<CausalAttention> {
       }
     }
 
+    // out [rows, cols] = a b^T for a panel: a's rows are its queries' (of
+    // head h), b's its keys' (of head g). The scores q k^T (unscaled), or in
+    // backward dout v^T, the gradient of the weights.
+    void scores(const Panel& p, const Stack& a, const Stack& b, float* out) const {
+      gemm(false, true, p.rows(), p.cols, d, a.at(p.b, p.h, p.r0), a.ld, b.at(p.b, p.g), b.ld, 0.0f, out, p.cols);
+    }
+
+    // The first of a panel's matrix's rows of stats [B, H, T, 2].
+    float* stats_of(const at::Tensor& stats, const Panel& p) const {
+      return stats.data_ptr<float>() + (p.b * heads + p.h) * t * 2;
+    }
+
     // fn(row, query, lo, hi) for every row of a panel (row: its index in the
     // panel; the query sees keys [lo, hi)), in parallel chunks.
     template <typename Fn>
@@ -197,9 +209,8 @@ struct CausalAttention : public torch::autograd::Function<CausalAttention> {
     const Stack Q(q), K(k), V(v), O(out);
     const float fscale = static_cast<float>(scale);
     n.each([&](const Panel& p) {
-      gemm(false, true, p.rows(), p.cols, n.d, Q.at(p.b, p.h, p.r0), Q.ld, K.at(p.b, p.g), K.ld, 0.0f, scores,
-           p.cols);
-      float* row_stats = stats.data_ptr<float>() + ((p.b * n.heads + p.h) * n.t) * 2;
+      n.scores(p, Q, K, scores);
+      float* row_stats = n.stats_of(stats, p);
       n.each_row(p, starts, [&](int64_t r, int64_t i, int64_t lo, int64_t hi) {
         softmax_row_forward(scores + r * p.cols, att + r * p.cols, p.cols, lo, hi, fscale, row_stats + i * 2);
       });
@@ -231,12 +242,12 @@ struct CausalAttention : public torch::autograd::Function<CausalAttention> {
     const Stack Q(q), K(k), V(v), dO(dout), dQ(dq), dK(dk), dV(dv);
     n.each([&](const Panel& p) {
       const int64_t rows = p.rows(), cols = p.cols;
-      gemm(false, true, rows, cols, n.d, Q.at(p.b, p.h, p.r0), Q.ld, K.at(p.b, p.g), K.ld, 0.0f, work, cols);
-      const float* row_stats = stats.data_ptr<float>() + ((p.b * n.heads + p.h) * n.t) * 2;
+      n.scores(p, Q, K, work);
+      const float* row_stats = n.stats_of(stats, p);
       n.each_row(p, starts, [&](int64_t r, int64_t i, int64_t lo, int64_t hi) {
         softmax_row_again(work + r * cols, att + r * cols, cols, lo, hi, scale, row_stats + i * 2);
       });
-      gemm(false, true, rows, cols, n.d, dO.at(p.b, p.h, p.r0), dO.ld, V.at(p.b, p.g), V.ld, 0.0f, work, cols);
+      n.scores(p, dO, V, work);
       n.each_row(p, starts, [&](int64_t r, int64_t, int64_t lo, int64_t hi) {
         softmax_row_backward(att + r * cols, work + r * cols, dscores + r * cols, cols, lo, hi, scale);
       });
