@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "checkpoint/detail.h"
+#include "models/linear.h"
 #include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/checkpoint/safetensors.h"
 #include "shardtrain/comm/communicator.h"
@@ -311,6 +312,7 @@ void Trainer::run_step() {
       }
       {
         ST_PROFILE_PHASE("backward");
+        const models::detail::InPlaceWeightGrads in_place(strategy_->gradients_added_in_place());
         precision_->scale_loss(loss * normaliser).backward();
         loss_sum += loss.item<double>();
       }
