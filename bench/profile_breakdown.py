@@ -56,8 +56,7 @@ BACKGROUND = "background threads (overlapped, not in the sum)"
 OP_CATEGORIES = {
     "GEMM": {"mm", "addmm", "bmm", "baddbmm", "baddbmm_", "addbmm", "matmul", "linear", "mv", "addmv", "dot",
              "mkldnn_matmul", "mkldnn_linear", "_mkldnn_linear", "mkldnn_linear_backward",
-             "mkldnn_linear_backward_input", "mkldnn_linear_backward_weights", "_addmm_activation",
-             "linear_weight_grad"},
+             "mkldnn_linear_backward_input", "mkldnn_linear_backward_weights", "_addmm_activation"},
     "attention softmax+mask": {"softmax", "_softmax", "_softmax_backward_data", "causal_attention",
                                "causal_attention_backward",
                                "masked_fill", "masked_fill_", "triu", "tril", "ones", "where",

@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/record_function.h>
+#include <dlfcn.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -18,7 +19,6 @@
 #include <vector>
 
 #include "models/activation_kernels.h"
-#include "shardtrain/core/blas.h"
 #include "shardtrain/core/error.h"
 
 namespace shardtrain::models::detail {
@@ -84,7 +84,27 @@ at::Tensor segment_starts(const at::Tensor& segment) {
   return starts;
 }
 
-using ::shardtrain::detail::gemm;
+// c [m, n] = a b + beta c for row-major fp32 matrices with row strides
+// lda, ldb, ldc: a [m, k], or stored [k, m] when `ta`; b [k, n], or stored
+// [n, k] when `tb`. The BLAS LibTorch multiplies with, called directly on
+// raw strided matrices: no tensor views, no dispatch, no copies.
+void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+          int64_t ldb, float beta, float* c, int64_t ldc) {
+  using Sgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*,
+                         const float*, const int*, const float*, const int*, const float*, float*, const int*);
+  static const Sgemm sgemm = [] {
+    const auto fn = reinterpret_cast<Sgemm>(dlsym(RTLD_DEFAULT, "sgemm_"));
+    ST_CHECK(fn != nullptr, Error, "causal attention: no BLAS sgemm_ is loaded beside LibTorch; "
+             "install the BLAS LibTorch was built with (libopenblas0)");
+    return fn;
+  }();
+  // Column-major BLAS sees each row-major matrix transposed: c^T = b^T a^T.
+  const char transa = ta ? 'T' : 'N', transb = tb ? 'T' : 'N';
+  const int cm = static_cast<int>(n), cn = static_cast<int>(m), ck = static_cast<int>(k);
+  const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
+  const float one = 1.0f;
+  sgemm(&transb, &transa, &cm, &cn, &ck, &one, b, &la, a, &lb, &beta, c, &lc);
+}
 
 // A stack of fp32 matrices x [B, H, rows, d], each row's d elements
 // contiguous: matrix (b, h), row i at at(b, h) + i * ld.

@@ -17,7 +17,6 @@
 #include "models/families.h"
 #include "models/activations.h"
 #include "models/layers.h"
-#include "models/linear.h"
 #include "shardtrain/config/config.h"
 #include "shardtrain/checkpoint/safetensors.h"
 #include "shardtrain/models/checkpoint.h"
@@ -215,7 +214,7 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx, const torch::Tensor& po
   }
   x = ln_f(x);
   // Tied output projection: logits = x @ wte.weight^T.
-  return detail::linear(x, wte->weight);
+  return torch::nn::functional::linear(x, wte->weight);
 }
 
 torch::Tensor GPTImpl::forward_cached(const torch::Tensor& idx, KVCache& cache) {
@@ -233,7 +232,7 @@ torch::Tensor GPTImpl::forward_cached(const torch::Tensor& idx, KVCache& cache) 
     x = h->ptr<BlockImpl>(i)->forward(x, {}, &cache.keys[i], &cache.values[i]);
   }
   cache.length += t;
-  return detail::linear(ln_f(x), wte->weight);
+  return torch::nn::functional::linear(ln_f(x), wte->weight);
 }
 
 // ---- the family -------------------------------------------------------------------------

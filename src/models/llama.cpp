@@ -11,7 +11,6 @@
 #include "models/attention.h"
 #include "models/families.h"
 #include "models/layers.h"
-#include "models/linear.h"
 #include "shardtrain/config/config.h"
 #include "shardtrain/core/deferred.h"
 #include "shardtrain/core/error.h"
@@ -283,7 +282,7 @@ at::Tensor LlamaImpl::run(const at::Tensor& idx, const at::Tensor& position, con
     });
   }
   h = model->norm(h);
-  return lm_head ? lora_forward(*lm_head, h) : detail::linear(h, model->embed_tokens->weight);
+  return lm_head ? lora_forward(*lm_head, h) : at::linear(h, model->embed_tokens->weight);
 }
 
 // ---- the family -------------------------------------------------------------------------------

@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstring>
 
-#include "models/linear.h"
 #include "shardtrain/core/deferred.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/quantize.h"
@@ -16,7 +15,7 @@ namespace shardtrain::models {
 
 namespace {
 
-using ::shardtrain::detail::str_cat;
+using detail::str_cat;
 
 // Module keeps its parameter table protected and has no way to remove one;
 // a quantized base must drop its fp32 weight, so reach the table through a
@@ -349,14 +348,14 @@ LoraSummary apply_lora(torch::nn::Module& model, const LoraOptions& options) {
 }
 
 at::Tensor lora_forward(torch::nn::LinearImpl& layer, const at::Tensor& x) {
-  // detail::linear, not LibTorch's Linear::forward: for [B, T, in] inputs
-  // the latter runs a GEMM and then adds the bias in a pass of its own, where
-  // detail::linear folds the bias into the GEMM (addmm), as PyTorch does.
+  // at::linear, not LibTorch's Linear::forward: for [B, T, in] inputs the
+  // latter runs a GEMM and then adds the bias in a pass of its own, where
+  // at::linear folds the bias into the GEMM (addmm), as PyTorch does.
   const LoraStateImpl* s = state_of(layer);
-  if (s == nullptr) return detail::linear(x, layer.weight, layer.bias);
+  if (s == nullptr) return at::linear(x, layer.weight, layer.bias);
   at::Tensor y;
   if (s->quantize == LoraQuantize::None) {
-    y = detail::linear(x, layer.weight, layer.bias);
+    y = at::linear(x, layer.weight, layer.bias);
   } else {
     y = DequantLinear::apply(x, s->qweight, s->scales(), static_cast<int64_t>(s->quantize), s->out,
                              s->in);
@@ -364,7 +363,8 @@ at::Tensor lora_forward(torch::nn::LinearImpl& layer, const at::Tensor& x) {
   }
   const at::Tensor h =
       s->dropout > 0 && layer.is_training() ? torch::dropout(x, s->dropout, /*train=*/true) : x;
-  const at::Tensor delta = detail::linear(detail::linear(h, s->a->weight), s->b->weight);
+  const at::Tensor delta = torch::nn::functional::linear(
+      torch::nn::functional::linear(h, s->a->weight), s->b->weight);
   return y + delta * s->scale;
 }
 

@@ -119,7 +119,6 @@ class DDPStrategy final : public Strategy {
   void reload_parameters() override {}
   std::string name() const override { return "ddp"; }
   int64_t gradient_collectives() const override;
-  bool gradients_added_in_place() const override { return true; }
   CommStats comm_stats() const override { return stats_; }
 
   // ---- for tests and diagnostics ----

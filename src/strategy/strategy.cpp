@@ -57,7 +57,6 @@ class SingleStrategy final : public Strategy {
   void reload_parameters() override {}
   std::string name() const override { return "single"; }
   int64_t gradient_collectives() const override { return 0; }
-  bool gradients_added_in_place() const override { return true; }
 
  private:
   void check_setup(const char* what) const {

@@ -14,7 +14,6 @@
 #include <thread>
 
 #include "checkpoint/detail.h"
-#include "models/linear.h"
 #include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/checkpoint/safetensors.h"
 #include "shardtrain/comm/communicator.h"
@@ -312,7 +311,6 @@ void Trainer::run_step() {
       }
       {
         ST_PROFILE_PHASE("backward");
-        const models::detail::InPlaceWeightGrads in_place(strategy_->gradients_added_in_place());
         precision_->scale_loss(loss * normaliser).backward();
         loss_sum += loss.item<double>();
       }

@@ -1,10 +1,8 @@
 // GPT and MLP: parameter names and shapes, causality, tied weights,
 // generation, config validation and a short training run.
-#include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <cmath>
 #include <string>
 #include <utility>
 #include <vector>
@@ -12,10 +10,8 @@
 #include "models/activation_kernels.h"
 #include "models/activations.h"
 #include "models/attention.h"
-#include "models/linear.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/causal_lm.h"
-#include "shardtrain/models/checkpoint.h"
 #include "shardtrain/models/gpt.h"
 #include "shardtrain/models/mlp.h"
 
@@ -639,160 +635,6 @@ TEST(FusedCrossEntropy, NanRowsAndTargetsOutsideTheVocabulary) {
       EXPECT_NE(std::string(e.what()).find("target " + std::to_string(bad) + " of row 1"), std::string::npos)
           << e.what();
     }
-  }
-}
-
-
-// y = x W^T + b and its gradients from the definition, in fp64 loops:
-// dx = dy W, dW = dy^T x, db = the sum of dy over rows. x and dy [N, ...].
-struct LinearReference {
-  at::Tensor y, dx, dw, db;
-};
-
-LinearReference reference_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
-                                 const at::Tensor& dy) {
-  const int64_t out = w.size(0), in = w.size(1);
-  const auto xs = x.to(at::kDouble).reshape({-1, in});
-  const auto gs = dy.to(at::kDouble).reshape({-1, out});
-  const auto ws = w.to(at::kDouble);
-  const int64_t n = xs.size(0);
-  LinearReference r{torch::zeros({n, out}, at::kDouble), torch::zeros({n, in}, at::kDouble),
-                    torch::zeros({out, in}, at::kDouble), torch::zeros({out}, at::kDouble)};
-  auto X = xs.accessor<double, 2>();
-  auto G = gs.accessor<double, 2>();
-  auto W = ws.accessor<double, 2>();
-  auto Y = r.y.accessor<double, 2>();
-  auto DX = r.dx.accessor<double, 2>();
-  auto DW = r.dw.accessor<double, 2>();
-  auto DB = r.db.accessor<double, 1>();
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t o = 0; o < out; ++o) {
-      double acc = b.defined() ? b[o].item<double>() : 0.0;
-      for (int64_t k = 0; k < in; ++k) {
-        acc += X[i][k] * W[o][k];
-        DX[i][k] += G[i][o] * W[o][k];
-        DW[o][k] += G[i][o] * X[i][k];
-      }
-      Y[i][o] = acc;
-      DB[o] += G[i][o];
-    }
-  }
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = out;
-  r.y = r.y.view(sizes);
-  r.dx = r.dx.view(x.sizes());
-  return r;
-}
-
-double max_diff(const at::Tensor& a, const at::Tensor& b) {
-  return a.numel() == 0 ? 0.0 : (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
-}
-
-// The linear layers' function against the definition, in fp32: with and
-// without a bias; no rows, one, rows of a 3-D input; gradients returned to
-// autograd, added in place into an existing .grad() (over two backward
-// passes, as accumulation micro-steps do, and for a weight used twice), and
-// through activation checkpointing's recompute.
-TEST(FusedLinear, MatchesTheDefinitionAndAddsWeightGradientsInPlace) {
-  struct Case {
-    std::vector<int64_t> x_sizes;
-    int64_t out;
-  };
-  const std::vector<Case> cases = {{{0, 5}, 4}, {{1, 5}, 4}, {{2, 3, 5}, 4}, {{37, 33}, 19}};
-  for (const bool bias : {true, false}) {
-    for (const auto& c : cases) {
-      for (const std::string mode : {"returned", "in place", "two passes", "used twice", "checkpointed", "no .grad yet"}) {
-        SCOPED_TRACE(mode + (bias ? " with bias, " : " without bias, ") + std::to_string(c.x_sizes.front()) + " rows");
-        const int64_t in = c.x_sizes.back();
-        const at::Tensor w = torch::randn({c.out, in}).requires_grad_(true);
-        const at::Tensor b = bias ? torch::randn({c.out}).requires_grad_(true) : at::Tensor();
-        const at::Tensor x = torch::randn(c.x_sizes).requires_grad_(true);
-        const bool in_place = mode != "returned";
-        const at::Tensor g0 = torch::randn({c.out, in});
-        if (in_place && mode != "no .grad yet") w.mutable_grad() = g0.clone();
-        const void* grad_memory = w.grad().defined() ? w.grad().data_ptr() : nullptr;
-        const int passes = mode == "two passes" ? 2 : 1;
-        at::Tensor want_dw = in_place && mode != "no .grad yet" ? g0.to(at::kDouble) : torch::zeros({c.out, in}, at::kDouble);
-        at::Tensor want_dx = torch::zeros(c.x_sizes, at::kDouble);
-        at::Tensor want_db = torch::zeros({c.out}, at::kDouble);
-        for (int pass = 0; pass < passes; ++pass) {
-          const at::Tensor dy = torch::randn([&] { auto s = c.x_sizes; s.back() = c.out; return s; }());
-          const gk::InPlaceWeightGrads scope(in_place);
-          at::Tensor y;
-          if (mode == "checkpointed") {
-            std::vector<at::Tensor> params = {w};
-            if (bias) params.push_back(b);
-            y = shardtrain::models::checkpoint([&](const at::Tensor& in_x) { return gk::linear(in_x, w, b); }, x,
-                                               params);
-          } else {
-            y = gk::linear(x, w, b);
-          }
-          if (mode == "used twice") y = y + gk::linear(x * 0.5, w);
-          const auto want = reference_linear(x.detach(), w.detach(), b.defined() ? b.detach() : b, dy);
-          if (mode != "used twice") EXPECT_LE(max_diff(y, want.y), 1e-4);
-          y.backward(dy);
-          want_dw += want.dw * (mode == "used twice" ? 1.5 : 1.0);
-          want_dx += want.dx * (mode == "used twice" ? 1.5 : 1.0);
-          want_db += want.db;
-        }
-        ASSERT_TRUE(w.grad().defined());
-        EXPECT_EQ(w.grad().scalar_type(), at::kFloat);
-        EXPECT_LE(max_diff(w.grad(), want_dw), 1e-4);
-        EXPECT_LE(max_diff(x.grad(), want_dx), 1e-4);
-        if (grad_memory != nullptr) EXPECT_EQ(w.grad().data_ptr(), grad_memory);
-        if (bias) EXPECT_LE(max_diff(b.grad(), want_db), 1e-4);
-      }
-    }
-  }
-}
-
-
-// Under CPU autocast to bf16 the layer computes as autocast's linear does
-// (x, W and b rounded to bf16, y in bf16, dx rounded to bf16 and returned in
-// x's dtype) except for the weight's gradient: its products are summed in
-// fp32 and never rounded, and added into .grad() in place. Inputs are bf16
-// values, so the casts are exact and the reference sees what the GEMMs see.
-TEST(FusedLinear, Bf16AutocastRoundsOutputsButNotTheWeightGradient) {
-  const auto bf16_values = [](std::vector<int64_t> sizes) { return torch::randn(sizes).to(at::kBFloat16).to(at::kFloat); };
-  for (const bool in_place : {false, true}) {
-    SCOPED_TRACE(in_place ? "in place" : "returned");
-    const int64_t rows = 29, in = 48, out = 24;
-    const at::Tensor w = bf16_values({out, in}).requires_grad_(true);
-    const at::Tensor b = bf16_values({out}).requires_grad_(true);
-    const at::Tensor x = bf16_values({rows, in}).requires_grad_(true);
-    const at::Tensor dy = bf16_values({rows, out});
-    const at::Tensor g0 = torch::randn({out, in});
-    if (in_place) w.mutable_grad() = g0.clone();
-    const bool was_enabled = at::autocast::is_cpu_enabled();
-    const auto was_dtype = at::autocast::get_autocast_cpu_dtype();
-    at::autocast::set_cpu_enabled(true);
-    at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
-    at::Tensor y;
-    {
-      const gk::InPlaceWeightGrads scope(in_place);
-      y = gk::linear(x, w, b);
-    }
-    at::autocast::set_cpu_enabled(was_enabled);
-    at::autocast::set_autocast_cpu_dtype(was_dtype);
-    at::autocast::clear_cache();
-    EXPECT_EQ(y.scalar_type(), at::kBFloat16);
-    {
-      const gk::InPlaceWeightGrads scope(in_place);
-      y.backward(dy.to(at::kBFloat16));
-    }
-    const auto want = reference_linear(x.detach(), w.detach(), b.detach(), dy);
-    // y and dx: rounded to bf16 once (2^-9 of the value) after fp32 sums.
-    const auto rounded = [](const at::Tensor& got, const at::Tensor& exact) {
-      return ((got.to(at::kDouble) - exact).abs() - exact.abs() * std::ldexp(1.0, -8)).max().item<double>();
-    };
-    EXPECT_LE(rounded(y, want.y), 1e-4);
-    EXPECT_EQ(x.grad().scalar_type(), at::kFloat);
-    EXPECT_LE(rounded(x.grad(), want.dx), 1e-4);
-    EXPECT_TRUE(torch::equal(x.grad().to(at::kBFloat16).to(at::kFloat), x.grad()));  // computed in bf16
-    // dW and db: fp32 sums of exact products, never rounded to bf16.
-    EXPECT_EQ(w.grad().scalar_type(), at::kFloat);
-    EXPECT_LE(max_diff(w.grad(), want.dw + (in_place ? g0.to(at::kDouble) : torch::zeros_like(want.dw))), 2e-5);
-    EXPECT_LE(max_diff(b.grad(), want.db), 2e-5);
   }
 }
 

@@ -9,7 +9,6 @@
 // one Zen 5 core: 100 against 185 GFLOP/s).
 #pragma once
 
-#include <cstdint>
 #include <string>
 
 namespace shardtrain {
@@ -37,21 +36,6 @@ std::string blas_coretype_warning();
 std::string blas_coretype_to_set();
 
 namespace detail {
-
-/// c [m, n] = a b + beta c for row-major fp32 matrices with row strides
-/// lda, ldb, ldc: a [m, k], or stored [k, m] when `ta`; b [k, n], or stored
-/// [n, k] when `tb`. The BLAS LibTorch multiplies with (its sgemm_), called
-/// on raw strided matrices: no tensor views, no dispatch, no copies. An Error
-/// naming what to install when no sgemm_ is loaded.
-void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-          int64_t ldb, float beta, float* c, int64_t ldc);
-
-/// gemm's shape and strides for bf16 a and b (raw uint16_t bits) and an fp32
-/// c: products summed in fp32, nothing rounded to bf16. The bf16 GEMM of the
-/// oneDNN LibTorch runs its bf16 matmuls on (dnnl_gemm_bf16bf16f32). False,
-/// with nothing written, when no such GEMM is loaded.
-bool gemm_bf16(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda,
-               const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc);
 
 /// blas_coretype_to_set for a given kernel set, CPU and environment.
 std::string blas_coretype_to_set(const std::string& core, bool cpu_has_avx512,

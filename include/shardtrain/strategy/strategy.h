@@ -136,13 +136,6 @@ class Strategy {
 
   /// Communication time of the last optimizer step (zeros where not measured).
   virtual CommStats comm_stats() const { return {}; }
-
-  /// Whether a backward may add a gradient into its parameter's existing
-  /// .grad() itself instead of handing it to autograd's accumulator (whose
-  /// hooks still run): true where the strategy takes each gradient from
-  /// .grad() (single, ddp); false where its accumulator hooks move gradients
-  /// first (sharded strategies).
-  virtual bool gradients_added_in_place() const { return false; }
 };
 
 /// Builds the strategy `options` describe; ConfigError for StrategyKind::Auto
