@@ -144,14 +144,14 @@ struct FusedCrossEntropy : public torch::autograd::Function<FusedCrossEntropy> {
     const float g = grads[0].item<float>();
     at::Tensor dx = at::empty_like(logits);
     each_row(logits, targets.data_ptr<int64_t>(), [&](auto tag, int64_t r, const auto* x, int64_t target_id) {
-               using T = decltype(tag);
-               T* row = elements<T>(dx) + r * vocab;
-               if (target_id == ignore_index) {
-                 std::fill(row, row + vocab, T{0});
-               } else {
-                 cross_entropy_row_backward(x, row, vocab, lse.data_ptr<float>()[r], g, target_id);
-               }
-             });
+      using T = decltype(tag);
+      T* row = elements<T>(dx) + r * vocab;
+      if (target_id == ignore_index) {
+        std::fill(row, row + vocab, T{0});
+      } else {
+        cross_entropy_row_backward(x, row, vocab, lse.data_ptr<float>()[r], g, target_id);
+      }
+    });
     return {dx, at::Tensor(), at::Tensor()};
   }
 };
