@@ -84,6 +84,12 @@ for n in $WORLD_SIZES; do
       run mpirun -np "$n" "$SHARDTRAIN" bench-comm \
         --op "$op" --bytes "$bytes" --dtype float32 --iters "$it" --warmup "$wu" --json "$MPI_RESULTS"
     done
+    # all_reduce on memory from Communicator::allocate, which it reduces in
+    # place (from 256 KB; DDP's buckets are such memory).
+    if [ "$bytes" -ge 1048576 ]; then
+      run "$SHARDTRAIN" launch --nproc-per-node "$n" -- "$SHARDTRAIN" bench-comm --buffer allocated \
+        --op all_reduce --bytes "$bytes" --dtype float32 --iters "$it" --warmup "$wu" --json "$RESULTS"
+    fi
     for op in $TORCH_OPS; do
       run "$SHARDTRAIN" launch --nproc-per-node "$n" -- "$TORCH_PY" bench/torch_collectives.py \
         --op "$op" --bytes "$bytes" --dtype float32 --iters "$it" --warmup "$wu" --json "$RESULTS"

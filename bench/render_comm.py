@@ -69,7 +69,10 @@ def render_two_hosts(rows, a):
 def render(rows, a):
     two_hosts = [r for r in rows if r.get("hosts") == 2]
     rows = [r for r in rows if "hosts" not in r]
-    st = {(r["op"], r["bytes"], r["world_size"]): r for r in rows if r.get("impl") == "shardtrain"}
+    st = {(r["op"], r["bytes"], r["world_size"]): r for r in rows
+          if r.get("impl") == "shardtrain" and r.get("buffer", "ordinary") == "ordinary"}
+    allocated = {(r["op"], r["bytes"], r["world_size"]): r for r in rows
+                 if r.get("impl") == "shardtrain" and r.get("buffer") == "allocated"}
     mpi = {(r["op"], r["bytes"], r["world_size"]): r for r in rows if r.get("impl") == "shardtrain-mpi"}
     pt = {(r["op"], r["bytes"], r["world_size"]): r for r in rows
           if r.get("impl") == "pytorch-gloo" and r.get("status") != "unsupported"}
@@ -134,6 +137,23 @@ def render(rows, a):
         out.append(f"| {op} | {human_bytes(b)} | {n} | {busbw(s)} | {usec(s['time_us'])} | {share} | "
                    + " | ".join(cols) + " |")
     out.append("")
+    if allocated:
+        out.append("**In place** — the same all_reduce on memory from `Communicator::allocate` (`bench-comm "
+                   "--buffer allocated`), which every rank of the host maps: each rank combines its shard "
+                   "from the peers' buffers where they lie and writes the result into them, without "
+                   "staging copies (DDP's gradient buckets are such memory). Ratios are time against time.")
+        out.append("")
+        out.append("| op | bytes | ranks | busbw GB/s | time µs | % memcpy | / ordinary buffer "
+                   "| / PyTorch Gloo |")
+        out.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for key in sorted(allocated, key=lambda k: (k[1], k[2])):
+            op, b, n = key
+            s = allocated[key]
+            share = f"{100 * s['busbw_gbps'] / dram:.0f} %" if dram and b >= 1 << 26 else "—"
+            plain, p = st.get(key), pt.get(key)
+            out.append(f"| {op} | {human_bytes(b)} | {n} | {busbw(s)} | {usec(s['time_us'])} | {share} | "
+                       f"{ratio(s, plain) if plain else '—'} | {ratio(s, p) if p else '—'} |")
+        out.append("")
     if memcpy:
         out.append("**Loopback ceiling** — single-thread `memcpy` (bench/memcpy_bw.cpp, median of 5 trials): "
                    + ", ".join(f"{human_bytes(r['bytes'])}: {gbps(r['gbps'])} GB/s" for r in memcpy)

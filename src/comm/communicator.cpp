@@ -5,6 +5,9 @@
 #include <signal.h>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/zeros.h>
 #include <gloo/common/error.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/prefix_store.h>
@@ -706,6 +709,20 @@ void all_reduce_in_place(const detail::OpContext& oc, char* buf, int64_t n, deta
 }
 
 }  // namespace
+
+at::Tensor Communicator::allocate(int64_t numel, at::ScalarType dtype) {
+  ST_CHECK(numel >= 0, InvalidArgument, "allocate: numel ", numel, " is negative");
+  const auto options = at::TensorOptions().dtype(dtype);
+  const size_t bytes = static_cast<size_t>(numel) *
+                       detail::element_size(detail::check_tensor(at::empty({0}, options), "allocate", "dtype"));
+  if (!group_->shm) return at::zeros({numel}, options);
+  std::shared_ptr<detail::ShmChannel::Region> region;
+  run_collective(*group_, "allocate", Timeout(0), false, [&region, bytes](const detail::OpContext& oc) {
+    region = oc.shm->allocate(oc, bytes);
+  });
+  if (!region) return at::zeros({numel}, options);
+  return at::from_blob(region->mine(), {numel}, [region](void*) {}, options);
+}
 
 Work Communicator::all_reduce(const at::Tensor& tensor, const AllReduceOptions& options) {
   const detail::DType dtype = detail::check_tensor(tensor, "all_reduce", "tensor");

@@ -78,6 +78,39 @@ std::vector<int64_t> exchange(const OpContext& oc, const std::vector<int64_t>& m
   return all;
 }
 
+// Maps segment `name` of `bytes` on every rank of the group: rank 0 makes
+// it, the others open it once it exists, and rank 0 removes the name once
+// every rank has tried, so nothing outlives the job. Null on every rank
+// alike when some rank could not.
+char* map_segment(const OpContext& oc, const std::string& name, size_t bytes) {
+  char* base = nullptr;
+  const auto map = [&](int flags) {
+    const int fd = shm_open(name.c_str(), flags, 0600);
+    if (fd < 0) return false;
+    // Reserved, not just sized: a full /dev/shm then fails here (and the
+    // caller goes without) instead of as SIGBUS on a later write.
+    bool ok = (flags & O_CREAT) == 0 || posix_fallocate(fd, 0, static_cast<off_t>(bytes)) == 0;
+    if (ok) {
+      void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      ok = p != MAP_FAILED;
+      if (ok) base = static_cast<char*>(p);
+    }
+    close(fd);
+    return ok;
+  };
+  int64_t made = oc.rank == 0 ? map(O_CREAT | O_EXCL | O_RDWR) : 1;
+  made = exchange(oc, {made})[0];
+  int64_t mapped = made != 0 && (oc.rank == 0 || map(O_RDWR)) ? 1 : 0;
+  const std::vector<int64_t> maps = exchange(oc, {mapped});
+  if (oc.rank == 0) shm_unlink(name.c_str());  // also after a half-made segment
+  const bool everyone = std::all_of(maps.begin(), maps.end(), [](int64_t m) { return m != 0; });
+  if (!everyone && base != nullptr) {
+    munmap(base, bytes);
+    base = nullptr;
+  }
+  return base;
+}
+
 std::atomic<uint64_t> g_segments{0};
 
 }  // namespace
@@ -106,34 +139,8 @@ std::unique_ptr<ShmChannel> ShmChannel::open(const OpContext& setup) {
   // so every slot and every rank's area starts on a cache line.
   const auto stage_bytes = static_cast<size_t>(all[3]) / (2 * kLine) * (2 * kLine);
   const size_t bytes = header_bytes(n) + static_cast<size_t>(n) * stage_bytes;
-
-  // Rank 0 makes the segment; the others open it once it exists; rank 0
-  // removes the name once every rank has tried, so nothing outlives the job.
-  char* base = nullptr;
-  const auto map = [&](int flags) {
-    const int fd = shm_open(name.c_str(), flags, 0600);
-    if (fd < 0) return false;
-    // Reserved, not just sized: a full /dev/shm then fails here (and the
-    // group uses TCP) instead of as SIGBUS on a later write.
-    bool ok = (flags & O_CREAT) == 0 || posix_fallocate(fd, 0, static_cast<off_t>(bytes)) == 0;
-    if (ok) {
-      void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-      ok = p != MAP_FAILED;
-      if (ok) base = static_cast<char*>(p);
-    }
-    close(fd);
-    return ok;
-  };
-  int64_t made = oc.rank == 0 ? map(O_CREAT | O_EXCL | O_RDWR) : 1;
-  made = exchange(oc, {made})[0];
-  int64_t mapped = made != 0 && (oc.rank == 0 || map(O_RDWR)) ? 1 : 0;
-  const std::vector<int64_t> maps = exchange(oc, {mapped});
-  if (oc.rank == 0) shm_unlink(name.c_str());  // also after a half-made segment
-  const bool everyone = std::all_of(maps.begin(), maps.end(), [](int64_t m) { return m != 0; });
-  if (!everyone) {
-    if (base != nullptr) munmap(base, bytes);
-    return nullptr;
-  }
+  char* base = map_segment(oc, name, bytes);
+  if (base == nullptr) return nullptr;
   return std::unique_ptr<ShmChannel>(new ShmChannel(base, bytes, stage_bytes, oc.rank, n, std::move(pids)));
 }
 
@@ -163,6 +170,14 @@ std::atomic<uint32_t>& ShmChannel::closed(int r) const {
 
 std::atomic<uint32_t>& ShmChannel::sleepers(int r) const {
   return *reinterpret_cast<std::atomic<uint32_t>*>(base_ + static_cast<size_t>(r) * kLine + 2 * sizeof(uint32_t));
+}
+
+std::atomic<uint64_t>& ShmChannel::region_id(int r) const {
+  return *reinterpret_cast<std::atomic<uint64_t>*>(base_ + static_cast<size_t>(r) * kLine + 16);
+}
+
+std::atomic<int64_t>& ShmChannel::region_offset(int r) const {
+  return *reinterpret_cast<std::atomic<int64_t>*>(base_ + static_cast<size_t>(r) * kLine + 24);
 }
 
 char* ShmChannel::stage(int r) const {
@@ -344,12 +359,91 @@ void ShmChannel::reduce_scatter(const OpContext& oc, const void* in, void* out, 
   });
 }
 
+ShmChannel::Region::~Region() { munmap(base, per_rank * static_cast<size_t>(ranks)); }
+
+std::shared_ptr<ShmChannel::Region> ShmChannel::allocate(const OpContext& setup, size_t bytes) {
+  OpContext oc = setup;
+  oc.phase = 7;  // as open(): the setup exchanges' own slots
+  const uint64_t id = ++regions_made_;
+  // Whole pages per rank, so every rank's part starts on one.
+  const size_t per_rank = std::max<size_t>((bytes + kPage - 1) / kPage * kPage, kPage);
+  const int64_t nonce = exchange(oc, {oc.rank == 0 ? static_cast<int64_t>(++g_segments) : 0})[0];
+  const std::string name = "/shardtrain-" + std::to_string(pids_[0]) + "-" + std::to_string(nonce);
+  char* base = map_segment(oc, name, per_rank * static_cast<size_t>(size_));
+  if (base == nullptr) return nullptr;
+  auto region = std::make_shared<Region>(base, per_rank, size_, rank_, id);
+  std::lock_guard<std::mutex> lock(regions_mutex_);
+  regions_.erase(std::remove_if(regions_.begin(), regions_.end(), [](const auto& w) { return w.expired(); }),
+                 regions_.end());
+  regions_.push_back(region);
+  return region;
+}
+
+std::shared_ptr<ShmChannel::Region> ShmChannel::region_holding(const char* buf, size_t bytes) const {
+  std::lock_guard<std::mutex> lock(regions_mutex_);
+  for (const auto& w : regions_) {
+    std::shared_ptr<Region> r = w.lock();
+    if (r && buf >= r->mine() && buf + bytes <= r->mine() + r->per_rank) return r;
+  }
+  return nullptr;
+}
+
+// Every rank says which allocation and offset its buffer is at and waits
+// for the others to say theirs; all see the same answers, so all take the
+// same path. On this one, rank r combines its shard_range from every
+// rank's buffer (its own values, then the peers' in rank order, as the
+// staged path does) a chunk at a time and copies the chunk into each
+// peer's buffer while it is in cache; the ranges are disjoint, so no two
+// ranks touch the same bytes. A closing barrier keeps every buffer as it
+// is until all ranks are done. Each byte is read once and written once, as
+// by one memcpy per rank.
+bool ShmChannel::all_reduce_in_place(const OpContext& oc, char* buf, int64_t numel, DType dtype, ReduceOp op) {
+  const size_t es = element_size(dtype);
+  const std::shared_ptr<Region> region = region_holding(buf, static_cast<size_t>(numel) * es);
+  const uint64_t id = region ? region->id : 0;
+  const int64_t offset = region ? buf - region->mine() : -1;
+  region_id(rank_).store(id, std::memory_order_relaxed);
+  region_offset(rank_).store(offset, std::memory_order_relaxed);
+  publish();
+  wait_all(oc, phase_);
+  bool same = true;
+  for (int p = 0; p < size_; ++p) {
+    same = same && region_id(p).load(std::memory_order_relaxed) == region_id(0).load(std::memory_order_relaxed) &&
+           region_offset(p).load(std::memory_order_relaxed) == region_offset(0).load(std::memory_order_relaxed);
+  }
+  if (!same || region_id(0).load(std::memory_order_relaxed) == 0) return false;
+
+  const ShardRange mine = shard_range(numel, size_, rank_);
+  const auto per = static_cast<int64_t>(kInPlaceChunkBytes / es);
+  for (int64_t lo = 0; lo < mine.count; lo += per) {
+    const int64_t count = std::min(per, mine.count - lo);
+    const size_t at = static_cast<size_t>(offset) + static_cast<size_t>(mine.offset + lo) * es;
+    char* own = region->mine() + at;
+    int combined = 0;
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      const bool last = ++combined == size_ - 1;
+      reduce(own, own, region->of(p) + at, count, dtype, op, last && op == ReduceOp::Avg ? size_ : 0);
+    }
+    for (int p = 0; p < size_; ++p) {
+      if (p != rank_) std::memcpy(region->of(p) + at, own, static_cast<size_t>(count) * es);
+    }
+  }
+  publish();
+  wait_all(oc, phase_);
+  return true;
+}
+
 // Two steps per piece: step 2k combines this rank's piece k in place and
 // stages the result in its own slot; step 2k+1 copies each peer's result
 // out and stages piece k+1. Each byte of the buffer is read once and
 // written once outside the cache, as by a memcpy.
 void ShmChannel::all_reduce(const OpContext& oc, void* buf, int64_t numel, DType dtype, ReduceOp op) {
   char* data = static_cast<char*>(buf);
+  if (static_cast<size_t>(numel) * element_size(dtype) >= kInPlaceBytes &&
+      all_reduce_in_place(oc, data, numel, dtype, op)) {
+    return;
+  }
   const Pieces pc = pieces(numel, dtype);
   pipeline(oc, 2 * pc.count, [&] { stage_for_peers(pc, 0, data); }, [&](int64_t j) {
     const int64_t k = j / 2;

@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -37,8 +38,19 @@ class ShmChannel {
   ShmChannel(const ShmChannel&) = delete;
   ShmChannel& operator=(const ShmChannel&) = delete;
 
+  /// Memory every rank of the group can read and write: `bytes` for each
+  /// rank, zero-filled, in one segment all of them map. Every rank calls it
+  /// together; returns null on every rank alike when some rank cannot make
+  /// or map it (a full /dev/shm). The memory lives while the returned
+  /// object does, whether or not the channel still exists.
+  struct Region;
+  std::shared_ptr<Region> allocate(const OpContext& oc, size_t bytes);
+
   /// In place: every rank's `buf` (numel elements) receives the reduction
-  /// of all of them, the same bits on every rank.
+  /// of all of them, the same bits on every rank. When every rank's `buf`
+  /// lies at the same place in memory from allocate(), each rank reduces
+  /// its shard_range reading the peers' buffers where they are and writes
+  /// the result into every rank's buffer: no staging.
   void all_reduce(const OpContext& oc, void* buf, int64_t numel, DType dtype, ReduceOp op);
   /// In place: `buf` (numel elements) holds this rank's shard_range.
   void all_gather(const OpContext& oc, void* buf, int64_t numel, DType dtype);
@@ -56,6 +68,10 @@ class ShmChannel {
   std::atomic<uint32_t>& word(int r) const;
   std::atomic<uint32_t>& closed(int r) const;  // set when rank r's channel is destroyed
   std::atomic<uint32_t>& sleepers(int r) const;  // peers asleep (or about to be) on rank r's word
+  // What buffer rank r's current all_reduce reduces: the id of its Region
+  // (0: none) and the buffer's byte offset in it.
+  std::atomic<uint64_t>& region_id(int r) const;
+  std::atomic<int64_t>& region_offset(int r) const;
   char* stage(int r) const;  // after the header of size_ lines
   // How a buffer goes through the slots: piece k is elements
   // [k * per, (k + 1) * per) of every rank's shard_range of `numel`.
@@ -88,6 +104,17 @@ class ShmChannel {
   /// pieces: small enough to stay in cache from the rank that stages one to
   /// the rank that reads it.
   static constexpr size_t kPieceBytes = size_t{256} << 10;
+  /// All-reduces of at least this many bytes first agree whether every
+  /// rank's buffer is in allocated memory (an extra barrier, which smaller
+  /// ones, staged in cache anyway, do not pay).
+  static constexpr size_t kInPlaceBytes = size_t{256} << 10;
+  /// Elements combined per pass of the in-place path: the rank's piece and
+  /// the result stay in cache while they are copied to the peers.
+  static constexpr size_t kInPlaceChunkBytes = size_t{64} << 10;
+  // The in-place all_reduce; false (on every rank alike) when the buffers
+  // are not all at the same place of one allocation.
+  bool all_reduce_in_place(const OpContext& oc, char* buf, int64_t numel, DType dtype, ReduceOp op);
+  std::shared_ptr<Region> region_holding(const char* buf, size_t bytes) const;
   void publish();
   // A wait spins (up to 100 µs, unless the ranks outnumber the CPUs) before
   // it sleeps: a peer that is about to publish is usually microseconds away,
@@ -103,6 +130,24 @@ class ShmChannel {
   std::vector<int64_t> pids_;  // per group rank, for noticing a peer that exited
   uint32_t phase_ = 0;         // the last phase this rank published
   bool may_spin_ = false;      // not with more ranks than CPUs
+  uint64_t regions_made_ = 0;  // allocate() calls so far, the same on every rank
+  mutable std::mutex regions_mutex_;  // allocate() runs on the communication thread, releases anywhere
+  mutable std::vector<std::weak_ptr<Region>> regions_;
+};
+
+struct ShmChannel::Region {
+  Region(char* base, size_t per_rank, int ranks, int rank, uint64_t id)
+      : base(base), per_rank(per_rank), ranks(ranks), rank(rank), id(id) {}
+  ~Region();
+  Region(const Region&) = delete;
+  Region& operator=(const Region&) = delete;
+  char* of(int r) const { return base + static_cast<size_t>(r) * per_rank; }
+  char* mine() const { return of(rank); }
+  char* const base;  // this process's mapping of every rank's part
+  const size_t per_rank;
+  const int ranks;
+  const int rank;
+  const uint64_t id;
 };
 
 }  // namespace shardtrain::comm::detail

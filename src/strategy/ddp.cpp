@@ -73,9 +73,12 @@ class Reducer {
       for (size_t i : members) numel += params_[i].numel();
       const auto& first = params_[members.front()];
       // Gradients are reduced in the configured dtype (fp32 by default, so
-      // bf16 gradients are summed in fp32); copies in and out convert.
-      b.flat = at::zeros({numel}, first.options().dtype(scalar_type(options.reduce_dtype(), first.scalar_type()))
-                                      .requires_grad(false));
+      // bf16 gradients are summed in fp32); copies in and out convert. On
+      // the CPU the bucket comes from the communicator, so that where ranks
+      // share this host the all_reduce works on the buckets in place.
+      const at::ScalarType dtype = scalar_type(options.reduce_dtype(), first.scalar_type());
+      b.flat = first.device().is_cpu() ? comm_->allocate(numel, dtype)
+                                       : at::zeros({numel}, first.options().dtype(dtype).requires_grad(false));
       int64_t offset = 0;
       for (size_t i : members) {
         const auto& p = params_[i];

@@ -11,16 +11,17 @@ trap 'rm -rf "$dir"' EXIT
 fail() { echo "FAIL: $*"; cat "$dir/out.log" 2>/dev/null; exit 1; }
 
 # Each op on 250 floats (not divisible by 3); reduce_scatter and all_gather,
-# whose shards differ by rank, also on one element; all_reduce in bf16.
+# whose shards differ by rank, also on one element; all_reduce in bf16, and
+# on 75,001 floats of memory from Communicator::allocate (reduced in place).
 runs=0
 for run in "all_reduce 1001 float32 1000" "reduce_scatter 1001 float32 1000" "all_gather 1001 float32 1000" \
            "broadcast 1001 float32 1000" "reduce_scatter 4 float32 4" "all_gather 4 float32 4" \
-           "all_reduce 501 bfloat16 500"; do
+           "all_reduce 501 bfloat16 500" "all_reduce 300004 float32 300004 allocated"; do
   set -- $run
   op=$1
   shift
   "$cli" launch --nproc-per-node 3 -- "$cli" bench-comm --op "$op" --bytes "$1" --dtype "$2" \
-    --iters 2 --warmup 1 --json "$dir/figures.jsonl" > "$dir/out.log" 2>&1 \
+    --buffer "${4:-ordinary}" --iters 2 --warmup 1 --json "$dir/figures.jsonl" > "$dir/out.log" 2>&1 \
     || fail "bench-comm --op $op --bytes $1 --dtype $2 exited non-zero"
   grep -Eq "^\[rank 0\] $op +$2 +$3 bytes +3 ranks +[0-9.]+ us +algbw +[0-9.]+ GB/s" "$dir/out.log" \
     || fail "no figures line for $op $2 $3 bytes"
@@ -30,10 +31,16 @@ lines=$(grep -c '"impl":"shardtrain"' "$dir/figures.jsonl")
 [ "$lines" -eq "$runs" ] || fail "$lines JSON lines for $runs runs"
 grep -q '"op":"all_reduce","dtype":"bfloat16","bytes":500,"world_size":3,"iters":2' "$dir/figures.jsonl" \
   || fail "the JSON line of all_reduce bf16 lacks its fields"
+grep -q '"bytes":300004,.*"buffer":"allocated"' "$dir/figures.jsonl" \
+  || fail "the JSON line of all_reduce on allocated memory does not say so"
 
 rc=0
 "$cli" launch --nproc-per-node 2 -- "$cli" bench-comm --op all_to_all > "$dir/out.log" 2>&1 || rc=$?
 [ "$rc" -ne 0 ] || fail "an unknown --op was accepted"
 grep -q "all_to_all' is not one of all_reduce, reduce_scatter, all_gather, broadcast" "$dir/out.log" \
   || fail "the error does not name the bad --op and the choices"
+rc=0
+"$cli" launch --nproc-per-node 2 -- "$cli" bench-comm --buffer pinned > "$dir/out.log" 2>&1 || rc=$?
+[ "$rc" -ne 0 ] || fail "an unknown --buffer was accepted"
+grep -q "pinned' is not one of ordinary, allocated" "$dir/out.log" || fail "the error does not name the bad --buffer"
 echo "bench-comm: $runs runs checked"

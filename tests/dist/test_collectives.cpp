@@ -11,6 +11,8 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
+#include <fstream>
 #include <cstdlib>
 #include <thread>
 
@@ -220,6 +222,103 @@ TEST(Collectives, SequenceNumbersCountCollectives) {
   world().all_reduce(t);
   world().broadcast(t);
   EXPECT_EQ(world().sequence_number(), before + 2);
+}
+
+// ---- memory from allocate() ------------------------------------------------
+
+namespace {
+
+// Whether `t`'s memory is in one of this process's shared-memory segments.
+bool in_shared_memory(const at::Tensor& t) {
+  std::ifstream maps("/proc/self/maps");
+  const auto at = reinterpret_cast<uintptr_t>(t.data_ptr());
+  std::string line;
+  while (std::getline(maps, line)) {
+    uintptr_t lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx", &lo, &hi) == 2 && at >= lo && at < hi) {
+      return line.find("/dev/shm/shardtrain-") != std::string::npos;
+    }
+  }
+  return false;
+}
+
+bool shares_memory(const Communicator& c) {
+  return c.endpoint().find("through shared memory") != std::string::npos;
+}
+
+// Rank-dependent values that round when summed, so that a different order
+// of combining would show in the bits.
+at::Tensor uneven_values(int64_t numel, int rank, at::ScalarType dtype) {
+  return ((at::arange(numel, at::kDouble) * 0.37 + rank * 1.3).sin() * 100.0 + rank).to(dtype);
+}
+
+}  // namespace
+
+TEST(Allocated, IsZeroedAndSharedWhereTheGroupSharesMemory) {
+  auto t = world().allocate(1000, at::kFloat);
+  EXPECT_EQ(t.scalar_type(), at::kFloat);
+  EXPECT_TRUE(at::equal(t, at::zeros({1000}, at::kFloat)));
+  EXPECT_EQ(in_shared_memory(t), shares_memory(world())) << world().endpoint();
+  auto empty = world().allocate(0, at::kBFloat16);
+  EXPECT_EQ(empty.numel(), 0);
+  EXPECT_EQ(empty.scalar_type(), at::kBFloat16);
+  EXPECT_THROW(world().allocate(-1, at::kFloat), InvalidArgument);
+  EXPECT_THROW(world().allocate(4, at::kBool), InvalidArgument);
+}
+
+// In place (every rank's buffer at the same place of one allocation, whole
+// or a slice) the result is the staged path's, bit for bit, and the rest
+// of the allocation is left alone.
+TEST(Allocated, AllReduceInPlaceGivesTheStagedResultToTheBit) {
+  const int n = world().size();
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kDouble, at::kInt}) {
+    const int64_t at_threshold = (int64_t{256} << 10) / static_cast<int64_t>(c10::elementSize(dtype));
+    for (int64_t numel : {int64_t{0}, int64_t{1}, int64_t{7}, 5 * int64_t{n} + 1, at_threshold - 1,
+                          at_threshold, at_threshold * 3 + 2 * n + 1, (int64_t{1} << 20) + 3}) {
+      for (auto op : kOps) {
+        if (op == ReduceOp::Avg && !is_float(dtype)) continue;
+        const auto opts = AllReduceOptions().op(op);
+        const at::Tensor values = uneven_values(numel, world().rank(), dtype);
+        at::Tensor staged = values.clone();
+        world().all_reduce(staged, opts);
+        at::Tensor whole = world().allocate(numel, dtype);
+        whole.copy_(values);
+        world().all_reduce(whole, opts);
+        EXPECT_TRUE(at::equal(whole, staged)) << "whole allocation " << label(dtype, numel, op);
+        at::Tensor big = world().allocate(numel + 9, dtype);
+        at::Tensor slice = big.narrow(0, 5, numel);
+        slice.copy_(values);
+        world().all_reduce(slice, opts);
+        EXPECT_TRUE(at::equal(slice, staged)) << "slice " << label(dtype, numel, op);
+        EXPECT_EQ(big.narrow(0, 0, 5).count_nonzero().item<int64_t>(), 0) << label(dtype, numel, op);
+        EXPECT_EQ(big.narrow(0, numel + 5, 4).count_nonzero().item<int64_t>(), 0) << label(dtype, numel, op);
+      }
+    }
+  }
+}
+
+// Buffers that are not at the same place on every rank go the staged way,
+// with the same result: allocated on one rank only, at offsets that differ
+// by rank, in different allocations by rank.
+TEST(Allocated, BuffersThatDifferByRankAreStillReduced) {
+  const int64_t numel = (int64_t{1} << 18) + 5;
+  const int rank = world().rank();
+  const at::Tensor values = uneven_values(numel, rank, at::kFloat);
+  at::Tensor want = values.clone();
+  world().all_reduce(want);
+  at::Tensor a = world().allocate(numel + 8, at::kFloat);
+  at::Tensor b = world().allocate(numel, at::kFloat);
+  const std::vector<at::Tensor> per_rank = {
+      rank == 0 ? a.narrow(0, 0, numel) : values.clone(),
+      a.narrow(0, rank % 2, numel),
+      rank % 2 == 0 ? a.narrow(0, 0, numel) : b,
+  };
+  for (size_t k = 0; k < per_rank.size(); ++k) {
+    at::Tensor t = per_rank[k];
+    t.copy_(values);
+    world().all_reduce(t);
+    EXPECT_TRUE(at::equal(t, want)) << "case " << k;
+  }
 }
 
 TEST(PointToPoint, RingExchangeWithoutDeadlock) {

@@ -31,6 +31,7 @@ struct BenchArgs {
   int iters = 20;
   int warmup = 5;
   std::string json;
+  std::string buffer = "ordinary";
 };
 
 void print_help() {
@@ -41,6 +42,8 @@ void print_help() {
       "  --bytes B      buffer size in bytes; suffixes K, M, G (default 1M)\n"
       "  --dtype D      float32 | bfloat16 | float16 (default float32)\n"
       "  --iters K      timed iterations (default 20), after --warmup W (default 5)\n"
+      "  --buffer KIND  ordinary (at::ones) | allocated (Communicator::allocate,\n"
+      "                 which all_reduce works on in place) (default ordinary)\n"
       "  --json FILE    append the figures as one JSON line (rank 0)\n");
 }
 
@@ -69,11 +72,14 @@ std::optional<BenchArgs> parse(int argc, char** argv) {
   add_int(app, "--iters", a.iters, 1, 1000000000, "a count >= 1");
   add_int(app, "--warmup", a.warmup, 0, 1000000000, "a count >= 0");
   add_text(app, "--json", a.json);
+  add_text(app, "--buffer", a.buffer);
   if (parse_flags(app, argc, argv, "bench-comm", "unknown option")) return std::nullopt;
   ST_CHECK(a.op == "all_reduce" || a.op == "reduce_scatter" || a.op == "all_gather" ||
                a.op == "broadcast" || a.op == "barrier",
            ConfigError, "--op '", a.op,
            "' is not one of all_reduce, reduce_scatter, all_gather, broadcast, barrier");
+  ST_CHECK(a.buffer == "ordinary" || a.buffer == "allocated", ConfigError, "--buffer '", a.buffer,
+           "' is not one of ordinary, allocated");
   ST_CHECK(a.iters > 0 && a.warmup >= 0, ConfigError, "--iters must be positive and --warmup >= 0");
   return a;
 }
@@ -103,7 +109,7 @@ int bench_comm_main(int argc, char** argv) {
       barrier ? 0 : std::max<int64_t>(1, args.bytes / static_cast<int64_t>(c10::elementSize(dtype)));
   const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
   const comm::ShardRange mine = comm::shard_range(numel, n, comm->rank());
-  auto full = at::ones({numel}, dtype);
+  auto full = args.buffer == "allocated" ? comm->allocate(numel, dtype).fill_(1) : at::ones({numel}, dtype);
   auto shard = at::ones({mine.count}, dtype);
 
   auto run_once = [&] {
@@ -169,7 +175,7 @@ int bench_comm_main(int argc, char** argv) {
       out << "{\"impl\":\"shardtrain\",\"op\":\"" << args.op << "\",\"dtype\":\"" << args.dtype
           << "\",\"bytes\":" << bytes << ",\"world_size\":" << n << ",\"iters\":" << args.iters
           << ",\"time_us\":" << avg_s * 1e6 << ",\"algbw_gbps\":" << algbw
-          << ",\"busbw_gbps\":" << busbw << "}\n";
+          << ",\"busbw_gbps\":" << busbw << ",\"buffer\":\"" << args.buffer << "\"}\n";
     }
   }
   comm->barrier();

@@ -49,8 +49,12 @@
 #include "shardtrain/core/enum_names.h"
 #include "shardtrain/core/options.h"
 
+namespace c10 {
+enum class ScalarType : int8_t;
+}
 namespace at {
 class Tensor;
+using c10::ScalarType;
 }
 
 namespace shardtrain::comm {
@@ -197,6 +201,22 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   /// (transfers, reductions and waiting for peers); with the time the caller
   /// waited on Work, it tells how much communication compute hid.
   double busy_seconds() const;
+
+  /// A zero-filled flat tensor of `numel` elements for collectives to work
+  /// on in place; every rank of the group calls it together, with the same
+  /// arguments, as it calls a collective. Where all the group's ranks are on
+  /// this host (the shared-memory path), all of them map its memory: an
+  /// all_reduce of it, or of the same slice of it on every rank, of at least
+  /// 256 KB combines each rank's shard straight from the peers' tensors and
+  /// writes the result into theirs, with no staging copies (as registered
+  /// buffers do in GPU collective libraries). Anywhere else (ranks on
+  /// several hosts, the mpi backend, SHARDTRAIN_SHM=0, a /dev/shm without
+  /// room for it) it is an ordinary tensor. Either way every collective
+  /// takes it like any other tensor. Peak RSS then counts the pages of the
+  /// peers' tensors this rank reads and writes (they are shared, not extra
+  /// memory). Throws InvalidArgument for a negative numel or a dtype the
+  /// collectives do not move.
+  at::Tensor allocate(int64_t numel, at::ScalarType dtype);
 
   /// In place: every rank ends with the reduction of all ranks' tensors.
   Work all_reduce(const at::Tensor& tensor, const AllReduceOptions& options = {});
