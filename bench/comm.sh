@@ -151,7 +151,9 @@ fi
 
 # Every launch above appends exactly one line (rank 0); fewer means a rank failed quietly.
 n_ws=$(wc -w <<< "$WORLD_SIZES"); n_sizes=$(wc -w <<< "$SIZES")
-expected=$(( n_ws * n_sizes * (2 * $(wc -w <<< "$OPS") + $(wc -w <<< "$TORCH_OPS")) + n_ws * 5 + 3 + n_two_hosts ))
+n_allocated=$(for b in $SIZES; do [ "$b" -ge 1048576 ] && echo "$b"; done | wc -l)
+expected=$(( n_ws * n_sizes * (2 * $(wc -w <<< "$OPS") + $(wc -w <<< "$TORCH_OPS")) + n_ws * n_allocated \
+             + n_ws * 5 + 3 + n_two_hosts ))
 got=$(wc -l < "$RESULTS")
 [ "$got" -eq "$expected" ] || die "$RESULTS has $got lines, expected $expected"
 
