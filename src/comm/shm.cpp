@@ -367,8 +367,13 @@ std::shared_ptr<ShmChannel::Region> ShmChannel::allocate(const OpContext& setup,
   const uint64_t id = ++regions_made_;
   // Whole pages per rank, so every rank's part starts on one.
   const size_t per_rank = std::max<size_t>((bytes + kPage - 1) / kPage * kPage, kPage);
-  const int64_t nonce = exchange(oc, {oc.rank == 0 ? static_cast<int64_t>(++g_segments) : 0})[0];
-  const std::string name = "/shardtrain-" + std::to_string(pids_[0]) + "-" + std::to_string(nonce);
+  const std::vector<int64_t> all =
+      exchange(oc, {oc.rank == 0 ? static_cast<int64_t>(++g_segments) : 0, static_cast<int64_t>(bytes)});
+  for (int r = 0; r < size_; ++r) {
+    ST_CHECK(all[2 * r + 1] == all[1], InvalidArgument, oc.describe(r), ": allocate asked for ", bytes,
+             " bytes here and ", all[2 * r + 1], " there; every rank must ask for the same size");
+  }
+  const std::string name = "/shardtrain-" + std::to_string(pids_[0]) + "-" + std::to_string(all[0]);
   char* base = map_segment(oc, name, per_rank * static_cast<size_t>(size_));
   if (base == nullptr) return nullptr;
   auto region = std::make_shared<Region>(base, per_rank, size_, rank_, id);

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <numeric>
 #include <cstdlib>
 #include <thread>
 
@@ -264,6 +265,16 @@ TEST(Allocated, IsZeroedAndSharedWhereTheGroupSharesMemory) {
   EXPECT_EQ(empty.scalar_type(), at::kBFloat16);
   EXPECT_THROW(world().allocate(-1, at::kFloat), InvalidArgument);
   EXPECT_THROW(world().allocate(4, at::kBool), InvalidArgument);
+}
+
+// Sizes that differ by rank are an error on every rank, not memory one rank
+// reads past the end of (in a group of its own: the error breaks it).
+TEST(Allocated, SizesThatDifferByRankAreRefused) {
+  if (!shares_memory(world())) return;  // an ordinary tensor on each rank: nothing shared
+  std::vector<int> everyone(static_cast<size_t>(world().size()));
+  std::iota(everyone.begin(), everyone.end(), 0);
+  auto group = world().new_group(everyone);
+  EXPECT_THROW(group->allocate(100000 + 1000 * world().rank(), at::kFloat), InvalidArgument);
 }
 
 // In place (every rank's buffer at the same place of one allocation, whole
