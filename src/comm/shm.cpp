@@ -411,12 +411,15 @@ bool ShmChannel::all_reduce_in_place(const OpContext& oc, char* buf, int64_t num
   region_offset(rank_).store(offset, std::memory_order_relaxed);
   publish();
   wait_all(oc, phase_);
-  bool same = true;
-  for (int p = 0; p < size_; ++p) {
-    same = same && region_id(p).load(std::memory_order_relaxed) == region_id(0).load(std::memory_order_relaxed) &&
-           region_offset(p).load(std::memory_order_relaxed) == region_offset(0).load(std::memory_order_relaxed);
+  // Rank 0's answer against everyone's: the same test on every rank.
+  const uint64_t first_id = region_id(0).load(std::memory_order_relaxed);
+  const int64_t first_offset = region_offset(0).load(std::memory_order_relaxed);
+  bool same = first_id != 0;
+  for (int p = 1; p < size_ && same; ++p) {
+    same = region_id(p).load(std::memory_order_relaxed) == first_id &&
+           region_offset(p).load(std::memory_order_relaxed) == first_offset;
   }
-  if (!same || region_id(0).load(std::memory_order_relaxed) == 0) return false;
+  if (!same) return false;
 
   const ShardRange mine = shard_range(numel, size_, rank_);
   const auto per = static_cast<int64_t>(kInPlaceChunkBytes / es);
