@@ -320,13 +320,15 @@ void ShmChannel::copy_from_peers(const Pieces& pc, int64_t k, char* data) const 
 }
 
 // This rank's values, then each peer's in rank order; Avg divides on the last.
-void ShmChannel::combine(const void* own, void* out, int64_t k, int64_t count, DType dtype, ReduceOp op) const {
+template <typename Peer>
+void ShmChannel::combine(const void* own, void* out, int64_t count, DType dtype, ReduceOp op,
+                         const Peer& peer) const {
   const void* acc = own;
   int combined = 0;
   for (int p = 0; p < size_; ++p) {
     if (p == rank_) continue;
     const bool last = ++combined == size_ - 1;
-    reduce(out, acc, slot(p, k, rank_), count, dtype, op, last && op == ReduceOp::Avg ? size_ : 0);
+    reduce(out, acc, peer(p), count, dtype, op, last && op == ReduceOp::Avg ? size_ : 0);
     acc = out;
   }
 }
@@ -354,7 +356,10 @@ void ShmChannel::reduce_scatter(const OpContext& oc, const void* in, void* out, 
   const Pieces pc = pieces(numel, dtype);
   pipeline(oc, pc.count, [&] { stage_for_peers(pc, 0, src); }, [&](int64_t k) {
     const int64_t count = pc.elements_in(pc.mine, k);
-    if (count > 0) combine(src + pc.offset_of(pc.mine, k), dst + k * pc.per * pc.es, k, count, dtype, op);
+    if (count > 0) {
+      combine(src + pc.offset_of(pc.mine, k), dst + k * pc.per * pc.es, count, dtype, op,
+              [&](int p) { return slot(p, k, rank_); });
+    }
     if (k + 1 < pc.count) stage_for_peers(pc, k + 1, src);
   });
 }
@@ -427,12 +432,7 @@ bool ShmChannel::all_reduce_in_place(const OpContext& oc, char* buf, int64_t num
     const int64_t count = std::min(per, mine.count - lo);
     const size_t at = static_cast<size_t>(offset) + static_cast<size_t>(mine.offset + lo) * es;
     char* own = region->mine() + at;
-    int combined = 0;
-    for (int p = 0; p < size_; ++p) {
-      if (p == rank_) continue;
-      const bool last = ++combined == size_ - 1;
-      reduce(own, own, region->of(p) + at, count, dtype, op, last && op == ReduceOp::Avg ? size_ : 0);
-    }
+    combine(own, own, count, dtype, op, [&](int p) { return region->of(p) + at; });
     for (int p = 0; p < size_; ++p) {
       if (p != rank_) std::memcpy(region->of(p) + at, own, static_cast<size_t>(count) * es);
     }
@@ -459,7 +459,7 @@ void ShmChannel::all_reduce(const OpContext& oc, void* buf, int64_t numel, DType
       const int64_t count = pc.elements_in(pc.mine, k);
       if (count > 0) {
         char* acc = data + pc.offset_of(pc.mine, k);
-        combine(acc, acc, k, count, dtype, op);
+        combine(acc, acc, count, dtype, op, [&](int p) { return slot(p, k, rank_); });
         std::memcpy(slot(rank_, k, rank_), acc, static_cast<size_t>(count) * pc.es);
       }
       return;

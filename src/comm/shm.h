@@ -97,9 +97,11 @@ class ShmChannel {
   // peer, or out of that peer's own slot.
   void stage_for_peers(const Pieces& pc, int64_t k, const char* data) const;
   void copy_from_peers(const Pieces& pc, int64_t k, char* data) const;
-  // out = this rank's values (`own`) combined with each peer's slot for
-  // this rank in piece k.
-  void combine(const void* own, void* out, int64_t k, int64_t count, DType dtype, ReduceOp op) const;
+  // out = this rank's values (`own`) combined with each peer p's at
+  // peer(p) (count elements each): the order both all-reduce paths and
+  // reduce_scatter share, so they give the same bits.
+  template <typename Peer>
+  void combine(const void* own, void* out, int64_t count, DType dtype, ReduceOp op, const Peer& peer) const;
   /// Most bytes per slot of all_reduce, reduce_scatter and all_gather's
   /// pieces: small enough to stay in cache from the rank that stages one to
   /// the rank that reads it.

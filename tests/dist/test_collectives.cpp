@@ -279,7 +279,7 @@ TEST(Allocated, SizesThatDifferByRankAreRefused) {
 
 // In place (every rank's buffer at the same place of one allocation, whole
 // or a slice) the result is the staged path's, bit for bit, and the rest
-// of the allocation is left alone.
+// of the allocation is left alone; on exact values it is the fp64 sum.
 TEST(Allocated, AllReduceInPlaceGivesTheStagedResultToTheBit) {
   const int n = world().size();
   for (auto dtype : {at::kFloat, at::kBFloat16, at::kDouble, at::kInt}) {
@@ -303,6 +303,11 @@ TEST(Allocated, AllReduceInPlaceGivesTheStagedResultToTheBit) {
         EXPECT_TRUE(at::equal(slice, staged)) << "slice " << label(dtype, numel, op);
         EXPECT_EQ(big.narrow(0, 0, 5).count_nonzero().item<int64_t>(), 0) << label(dtype, numel, op);
         EXPECT_EQ(big.narrow(0, numel + 5, 4).count_nonzero().item<int64_t>(), 0) << label(dtype, numel, op);
+        // And against the reduction computed here in fp64, not by any path.
+        at::Tensor exact = world().allocate(numel, dtype);
+        exact.copy_(contribution(numel, world().rank(), dtype));
+        world().all_reduce(exact, opts);
+        expect_close(exact, expected_reduction(numel, dtype, op), "allocated " + label(dtype, numel, op));
       }
     }
   }
