@@ -250,6 +250,19 @@ CheckpointReader::~CheckpointReader() = default;
 const std::string& CheckpointReader::dir() const { return impl_->dir; }
 const Metadata& CheckpointReader::metadata() const { return impl_->meta; }
 
+// The runs of the whole tensor a target asks for, each with the part of its
+// local tensor they fill: one for a slice of the whole tensor, one per run of
+// a tensor-parallel block (ShardedTensor::chunk).
+static std::vector<std::pair<int64_t, at::Tensor>> target_runs(const ShardedTensor& t) {
+  if (t.chunk.whole()) return {{t.offset, t.local}};
+  std::vector<std::pair<int64_t, at::Tensor>> out;
+  const at::Tensor flat = t.local.view({-1});
+  for (const auto& run : strategy::chunk_runs(t.global_shape, t.chunk, t.offset, flat.numel())) {
+    out.emplace_back(run.global, flat.narrow(0, run.local, run.count));
+  }
+  return out;
+}
+
 void CheckpointReader::check(const std::vector<ShardedTensor>& targets) const {
   std::vector<std::string> missing, problems;
   for (const auto& t : targets) {
@@ -269,16 +282,18 @@ void CheckpointReader::check(const std::vector<ShardedTensor>& targets) const {
       continue;
     }
     const int64_t n = t.local.numel();
-    if (t.offset < 0 || t.offset > info.numel() - n) {
+    if (t.offset < 0 || (t.chunk.whole() && t.offset > info.numel() - n)) {
       problems.push_back("'" + t.name + "' asks for elements " + std::to_string(t.offset) + " + " +
                          std::to_string(n) + " of " + std::to_string(info.numel()));
       continue;
     }
     int64_t covered = 0;
-    for (const auto& s : info.slices) {
-      const int64_t lo = std::max(s.offset, t.offset);
-      const int64_t hi = std::min(s.offset + s.count, t.offset + n);
-      if (lo < hi) covered += hi - lo;
+    for (const auto& [offset, part] : target_runs(t)) {
+      for (const auto& s : info.slices) {
+        const int64_t lo = std::max(s.offset, offset);
+        const int64_t hi = std::min(s.offset + s.count, offset + part.numel());
+        if (lo < hi) covered += hi - lo;
+      }
     }
     if (covered != n) {
       problems.push_back("'" + t.name + "': the checkpoint stores only " +
@@ -305,7 +320,9 @@ void CheckpointReader::check(const std::vector<ShardedTensor>& targets) const {
 void CheckpointReader::read(std::vector<ShardedTensor>& targets) {
   check(targets);
   for (auto& t : targets) {
-    impl_->read_into(impl_->meta.tensors[impl_->tensor_index.at(t.name)], t.offset, t.local);
+    for (const auto& [offset, part] : target_runs(t)) {
+      impl_->read_into(impl_->meta.tensors[impl_->tensor_index.at(t.name)], offset, part);
+    }
   }
 }
 

@@ -71,6 +71,7 @@ ShardedTensor entry_like(const ShardedTensor& p, const char* key, at::Tensor loc
   e.name = entry_name(p, key);
   e.global_shape = p.global_shape;
   e.offset = p.offset;
+  e.chunk = p.chunk;
   e.local = std::move(local);
   e.primary = p.primary;
   e.is_parameter = false;
@@ -78,13 +79,15 @@ ShardedTensor entry_like(const ShardedTensor& p, const char* key, at::Tensor loc
 }
 
 // The step is one number per parameter: the rank holding element 0 of a
-// non-empty parameter as primary writes it.
+// non-empty parameter as primary writes it (of a tensor-parallel block, the
+// block that starts the whole tensor).
 ShardedTensor step_entry(const ShardedTensor& p, int64_t step) {
   ShardedTensor e;
   e.name = entry_name(p, "step");
   e.offset = 0;
   e.local = at::full({}, step, at::kLong);
-  e.primary = p.primary && p.offset == 0 && p.local.numel() > 0;
+  e.primary = p.primary && p.offset == 0 && p.local.numel() > 0 &&
+              (p.chunk.whole() || p.chunk.ranges.front().first == 0);
   e.is_parameter = false;
   return e;
 }

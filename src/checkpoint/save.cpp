@@ -122,18 +122,30 @@ RankResult write_rank_file(const std::string& tmp_dir, int rank, int world_size,
       result.tensors.push_back(std::move(info));
       continue;
     }
-    out.pad_to(kDataAlignment);
-    SliceInfo s;
-    s.rank = rank;
-    s.file = name;
-    s.offset = t.offset;
-    s.count = t.local.numel();
-    s.byte_offset = out.bytes();
-    if (s.count > 0) {
-      const at::Tensor data = t.local.detach().to(at::kCPU).contiguous();
-      out.write(data.data_ptr(), static_cast<size_t>(data.nbytes()));
+    // A tensor-parallel block is stored as the runs of the whole tensor it
+    // covers, so the file records global offsets whatever the layout.
+    const at::Tensor data = t.local.detach().to(at::kCPU).contiguous().view({-1});
+    for (const auto& run : strategy::chunk_runs(t.global_shape, t.chunk, t.offset, data.numel())) {
+      out.pad_to(kDataAlignment);
+      SliceInfo s;
+      s.rank = rank;
+      s.file = name;
+      s.offset = run.global;
+      s.count = run.count;
+      s.byte_offset = out.bytes();
+      const at::Tensor part = data.narrow(0, run.local, run.count);
+      out.write(part.data_ptr(), static_cast<size_t>(part.nbytes()));
+      info.slices.push_back(std::move(s));
     }
-    info.slices.push_back(std::move(s));
+    if (info.slices.empty()) {  // an empty piece still says who held it
+      out.pad_to(kDataAlignment);
+      SliceInfo s;
+      s.rank = rank;
+      s.file = name;
+      s.offset = t.offset;
+      s.byte_offset = out.bytes();
+      info.slices.push_back(std::move(s));
+    }
     result.tensors.push_back(std::move(info));
   }
   out.pad_to(kDataAlignment);

@@ -31,6 +31,21 @@ std::optional<YAML::Node> find_node(const YAML::Node& node, const std::vector<st
   return find_node(child, parts, i + 1);
 }
 
+// What the model's family says tensor parallelism needs, once its
+// architecture is known (a Hugging Face config.json may have set it): heads
+// that divide among the ranks. Refused here, in one line, rather than as a
+// reshape error in the first forward.
+void check_tensor_parallel(const Config& config) {
+  const int64_t tp = config.distributed.tensor_parallel();
+  if (tp == 1) return;
+  const models::ModelFamily& family = models::family_of(config.model.type);
+  for (const auto& [key, value] : family.tensor_parallel_divisors(config.model)) {
+    ST_CHECK(value % tp == 0, ConfigError, "distributed.tensor_parallel=", tp, " does not divide ", key, "=",
+             value, ": each rank holds ", key, " / tensor_parallel of them; choose a tensor_parallel "
+             "that divides ", key);
+  }
+}
+
 // Keys that are absent keep the struct default.
 Config read(Source& source, const YAML::Node& root) {
   Config config;
@@ -71,6 +86,7 @@ Config Config::parse(const std::string& yaml, const std::vector<std::string>& ov
   validate(source, config);
   // A Hugging Face directory's config.json sets the architecture, once.
   models::resolve_model_config(config.model);
+  check_tensor_parallel(config);
   return config;
 }
 

@@ -246,7 +246,19 @@ void declare_distributed(std::vector<Key>& keys) {
            not_below(0.0, "a number of MiB >= 0; 0: MemAvailable divided by the local ranks"),
            "Memory one rank may use, in MiB, for `strategy: auto`, `shardtrain estimate` and the "
            "check that the model fits before it is built; 0: this machine's MemAvailable "
-           "(`/proc/meminfo`) divided by the local ranks.");
+           "(`/proc/meminfo`) divided by the local ranks.")
+      .key(ST_OPTION(tensor_parallel), in_range(1, 1024, "an integer in 1..1024, dividing the ranks per host"),
+           "Ranks that split every layer (Megatron's tensor parallelism): the mesh's innermost "
+           "dimension, so its ranks share a host; 1: none. The model's heads and key/value heads "
+           "must divide by it; the data-parallel size is the world divided by it. See "
+           "docs/strategies.md.")
+      .key(ST_OPTION(sequence_parallel),
+           "With `tensor_parallel` > 1: norms, dropout and the residual stream hold 1/tp of the "
+           "tokens between the parallel regions (`model.block_size` must divide by "
+           "`tensor_parallel`).")
+      .key(ST_OPTION(loss_parallel),
+           "With `tensor_parallel` > 1: the loss is computed on vocabulary-sharded logits (no rank "
+           "holds the whole vocabulary); `false` gathers the logits first.");
 }
 
 void declare_checkpoint_precision(std::vector<Key>& keys) {
@@ -404,6 +416,21 @@ void check_relations(const Source& s, const Config& c) {
                     ": a separate gathered copy needs zero1 or fsdp (fsdp with sharding no_shard "
                     "is ddp through that path); or use precision bf16-mixed"),
             {"distributed.strategy"});
+  const int64_t tp = d.tensor_parallel();
+  s.require(tp == 1 || d.strategy() != StrategyKind::Single, "distributed.tensor_parallel",
+            std::to_string(tp), "1 with distributed.strategy=single (one process); use ddp, zero1 or fsdp",
+            {"distributed.strategy"});
+  s.require(tp == 1 || d.nproc_per_node() == 0 || d.nproc_per_node() % tp == 0, "distributed.tensor_parallel",
+            std::to_string(tp),
+            str_cat("a divisor of distributed.nproc_per_node=", d.nproc_per_node(),
+                    ": a tensor-parallel group must share one host"),
+            {"distributed.nproc_per_node"});
+  s.require(tp == 1 || !d.sequence_parallel() || c.model.block_size % tp == 0, "distributed.tensor_parallel",
+            std::to_string(tp),
+            str_cat("a divisor of model.block_size=", c.model.block_size,
+                    " under sequence parallelism (each rank holds block_size / tensor_parallel tokens); or "
+                    "set distributed.sequence_parallel: false"),
+            {"model.block_size", "distributed.sequence_parallel"});
   s.require(d.auto_wrap_policy() != strategy::AutoWrapPolicy::ModuleType ||
                 !d.wrap_module_types().empty(),
             "distributed.wrap_module_types", "[]",

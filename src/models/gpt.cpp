@@ -17,6 +17,7 @@
 #include "models/families.h"
 #include "models/activations.h"
 #include "models/layers.h"
+#include "models/tensor_parallel.h"
 #include "shardtrain/config/config.h"
 #include "shardtrain/checkpoint/safetensors.h"
 #include "shardtrain/models/checkpoint.h"
@@ -107,15 +108,17 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& config)
 
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& segment,
                                               torch::Tensor* cache_k, torch::Tensor* cache_v) {
-  const int64_t batch = x.size(0);
-  const int64_t t = x.size(1);
-  const int64_t c = x.size(2);
-  const int64_t head_size = c / n_head_;
+  const torch::Tensor in = detail::column_input(*this, x);
+  const int64_t batch = in.size(0);
+  const int64_t t = in.size(1);
+  const int64_t head_size = in.size(2) / n_head_;
 
-  // [B, T, 3C] -> three [B, nh, T, hs]
-  auto qkv = lora_forward(*c_attn, x).split(c, /*dim=*/2);
+  // [B, T, 3C] -> three [B, nh, T, hs]; under tensor parallelism this
+  // rank's heads of each third: [B, T, 3C/tp] -> three [B, nh/tp, T, hs].
+  const torch::Tensor fused = lora_forward(*c_attn, in);
+  auto qkv = fused.split(fused.size(2) / 3, /*dim=*/2);
   auto heads = [&](const torch::Tensor& y) {
-    return y.view({batch, t, n_head_, head_size}).transpose(1, 2);
+    return y.view({batch, t, -1, head_size}).transpose(1, 2);
   };
   auto k = heads(qkv[1]);
   auto v = heads(qkv[2]);
@@ -124,8 +127,8 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x, const tor
     v = detail::append_cache(*cache_v, v);
   }
   auto y = detail::causal_attention(heads(qkv[0]), k, v, segment, dropout_, is_training());
-  y = y.transpose(1, 2).contiguous().view({batch, t, c});
-  return maybe_dropout(lora_forward(*c_proj, y), dropout_, *this);
+  y = y.transpose(1, 2).contiguous().view({batch, t, -1});
+  return maybe_dropout(detail::row_parallel(*this, *c_proj, y), dropout_, *this);
 }
 
 // ---- MLP and block -------------------------------------------------------------------
@@ -137,7 +140,9 @@ MLPBlockImpl::MLPBlockImpl(const GPTConfig& config) : dropout_(config.dropout) {
 }
 
 torch::Tensor MLPBlockImpl::forward(const torch::Tensor& x) {
-  return maybe_dropout(lora_forward(*c_proj, detail::gelu_tanh(lora_forward(*c_fc, x))), dropout_, *this);
+  const torch::Tensor in = detail::column_input(*this, x);
+  return maybe_dropout(detail::row_parallel(*this, *c_proj, detail::gelu_tanh(lora_forward(*c_fc, in))),
+                       dropout_, *this);
 }
 
 BlockImpl::BlockImpl(const GPTConfig& config) {
@@ -197,7 +202,10 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx, const torch::Tensor& po
            "; hint: crop the context to the last block_size tokens");
 
   const auto pos = position.defined() ? position : torch::arange(t, idx.options().dtype(torch::kLong));
-  auto x = maybe_dropout(wte(idx) + wpe(pos), config_.dropout, *this);  // [B, T, C] + [(B,) T, C]
+  // [B, T, C] + [(B,) T, C]; under sequence parallelism this rank's tokens of both.
+  const torch::Tensor positions = wpe(pos).expand({idx.size(0), t, config_.n_embd});
+  auto x = maybe_dropout(detail::vocab_embedding(*this, *wte, idx) + detail::sequence_shard(*this, positions),
+                         config_.dropout, *this);
   // Activation checkpointing keeps only each block's input and recomputes the
   // block during backward; pointless without a backward to come.
   const bool recompute =
@@ -212,9 +220,9 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx, const torch::Tensor& po
                        : block->forward(x, segment);
     });
   }
-  x = ln_f(x);
+  x = detail::column_input(*this, ln_f(x));
   // Tied output projection: logits = x @ wte.weight^T.
-  return torch::nn::functional::linear(x, wte->weight);
+  return detail::vocab_logits(*this, torch::nn::functional::linear(x, wte->weight));
 }
 
 torch::Tensor GPTImpl::forward_cached(const torch::Tensor& idx, KVCache& cache) {
@@ -263,6 +271,17 @@ class GptFamily final : public ModelFamily {
                                          m.n_embd, ", vocab_size=", m.vocab_size, ", block_size=", m.block_size);
   }
   std::vector<std::string> lora_targets() const override { return {"c_attn", "c_proj", "c_fc"}; }
+  TensorParallelPlan tensor_parallel_plan() const override {
+    TensorParallelPlan p;
+    p.column = {{"attn.c_attn", 3}, {"mlp.c_fc", 1}};
+    p.row = {"attn.c_proj", "mlp.c_proj"};
+    p.regions = {"attn", "mlp"};
+    p.embedding = "wte";
+    return p;
+  }
+  std::vector<std::pair<std::string, int64_t>> tensor_parallel_divisors(const config::ModelConfig& m) const override {
+    return {{"model.n_head", m.n_head}};
+  }
   // HF's GPT2LMHeadModel keeps the blocks under "transformer.".
   std::string peft_prefix() const override { return "base_model.model.transformer."; }
   bool hf_transposed(const std::string& name) const override { return checkpoint::is_conv1d_weight(name); }

@@ -11,6 +11,7 @@
 #include "models/attention.h"
 #include "models/families.h"
 #include "models/layers.h"
+#include "models/tensor_parallel.h"
 #include "shardtrain/config/config.h"
 #include "shardtrain/core/deferred.h"
 #include "shardtrain/core/error.h"
@@ -149,18 +150,22 @@ AttentionImpl::AttentionImpl(const LlamaConfig& c)
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                   const at::Tensor& segment, at::Tensor* cache_k, at::Tensor* cache_v) {
-  const int64_t b = x.size(0), t = x.size(1);
-  auto heads = [&](const at::Tensor& y, int64_t n) { return y.view({b, t, n, head_dim_}).transpose(1, 2); };
-  const auto q = apply_rotary(heads(lora_forward(*q_proj, x), heads_), cos, sin);
-  auto k = apply_rotary(heads(lora_forward(*k_proj, x), kv_heads_), cos, sin);
-  auto v = heads(lora_forward(*v_proj, x), kv_heads_);
+  // Heads as the projections hold them: all, or this rank's share under
+  // tensor parallelism (query and key/value heads split alike, so grouped
+  // queries still read their own key/value head).
+  const at::Tensor in = detail::column_input(*this, x);
+  const int64_t b = in.size(0), t = in.size(1);
+  auto heads = [&](const at::Tensor& y) { return y.view({b, t, -1, head_dim_}).transpose(1, 2); };
+  const auto q = apply_rotary(heads(lora_forward(*q_proj, in)), cos, sin);
+  auto k = apply_rotary(heads(lora_forward(*k_proj, in)), cos, sin);
+  auto v = heads(lora_forward(*v_proj, in));
   if (cache_k != nullptr) {
     k = detail::append_cache(*cache_k, k);
     v = detail::append_cache(*cache_v, v);
   }
   auto y = detail::causal_attention(q, k, v, segment, dropout_, is_training());
-  y = y.transpose(1, 2).reshape({b, t, heads_ * head_dim_});
-  return lora_forward(*o_proj, y);
+  y = y.transpose(1, 2).reshape({b, t, -1});
+  return detail::row_parallel(*this, *o_proj, y);
 }
 
 MLPImpl::MLPImpl(const LlamaConfig& c) {
@@ -173,7 +178,9 @@ MLPImpl::MLPImpl(const LlamaConfig& c) {
 }
 
 at::Tensor MLPImpl::forward(const at::Tensor& x) {
-  return lora_forward(*down_proj, detail::swiglu(lora_forward(*gate_proj, x), lora_forward(*up_proj, x)));
+  const at::Tensor in = detail::column_input(*this, x);
+  return detail::row_parallel(*this, *down_proj,
+                              detail::swiglu(lora_forward(*gate_proj, in), lora_forward(*up_proj, in)));
 }
 
 BlockImpl::BlockImpl(const LlamaConfig& c) {
@@ -253,7 +260,7 @@ at::Tensor LlamaImpl::forward_cached(const at::Tensor& idx, KVCache& cache) {
 at::Tensor LlamaImpl::run(const at::Tensor& idx, const at::Tensor& position, const at::Tensor& segment,
                           KVCache* cache) {
   const int64_t b = idx.size(0), t = idx.size(1);
-  auto h = model->embed_tokens(idx);
+  auto h = detail::vocab_embedding(*this, *model->embed_tokens, idx);
   const auto pos = position.defined()
                        ? position.to(at::kLong)
                        : at::arange(t, idx.options().dtype(at::kLong)).unsqueeze(0).expand({b, t});
@@ -281,8 +288,8 @@ at::Tensor LlamaImpl::run(const at::Tensor& idx, const at::Tensor& position, con
                        : block->forward(h, cos, sin, segment);
     });
   }
-  h = model->norm(h);
-  return lm_head ? lora_forward(*lm_head, h) : at::linear(h, model->embed_tokens->weight);
+  h = detail::column_input(*this, model->norm(h));
+  return detail::vocab_logits(*this, lm_head ? lora_forward(*lm_head, h) : at::linear(h, model->embed_tokens->weight));
 }
 
 // ---- the family -------------------------------------------------------------------------------
@@ -342,6 +349,19 @@ class LlamaFamily final : public ModelFamily {
            (name.size() >= inv.size() && name.compare(name.size() - inv.size(), inv.size(), inv) == 0);
   }
   std::vector<std::string> hf_model_types() const override { return {"llama", "mistral", "qwen2"}; }
+  TensorParallelPlan tensor_parallel_plan() const override {
+    TensorParallelPlan p;
+    p.column = {{"q_proj", 1}, {"k_proj", 1}, {"v_proj", 1}, {"gate_proj", 1}, {"up_proj", 1}};
+    p.row = {"o_proj", "down_proj"};
+    p.regions = {"self_attn", "mlp"};
+    p.embedding = "model.embed_tokens";
+    p.head = "lm_head";
+    return p;
+  }
+  std::vector<std::pair<std::string, int64_t>> tensor_parallel_divisors(const config::ModelConfig& m) const override {
+    const LlamaConfig c = LlamaConfig::from(m);
+    return {{"model.n_head", c.num_heads}, {"model.n_kv_head", c.num_kv_heads}};
+  }
   void read_hf_config(const nlohmann::json& j, config::ModelConfig& m) const override;
   std::string hf_config_json(const config::ModelConfig& m) const override;
 };

@@ -347,19 +347,20 @@ LoraSummary apply_lora(torch::nn::Module& model, const LoraOptions& options) {
   return summary;
 }
 
-at::Tensor lora_forward(torch::nn::LinearImpl& layer, const at::Tensor& x) {
+at::Tensor lora_forward(torch::nn::LinearImpl& layer, const at::Tensor& x, bool with_bias) {
   // at::linear, not LibTorch's Linear::forward: for [B, T, in] inputs the
   // latter runs a GEMM and then adds the bias in a pass of its own, where
   // at::linear folds the bias into the GEMM (addmm), as PyTorch does.
+  const at::Tensor bias = with_bias ? layer.bias : at::Tensor();
   const LoraStateImpl* s = state_of(layer);
-  if (s == nullptr) return at::linear(x, layer.weight, layer.bias);
+  if (s == nullptr) return at::linear(x, layer.weight, bias);
   at::Tensor y;
   if (s->quantize == LoraQuantize::None) {
-    y = at::linear(x, layer.weight, layer.bias);
+    y = at::linear(x, layer.weight, bias);
   } else {
     y = DequantLinear::apply(x, s->qweight, s->scales(), static_cast<int64_t>(s->quantize), s->out,
                              s->in);
-    if (layer.bias.defined()) y = y + layer.bias;
+    if (bias.defined()) y = y + bias;
   }
   const at::Tensor h =
       s->dropout > 0 && layer.is_training() ? torch::dropout(x, s->dropout, /*train=*/true) : x;

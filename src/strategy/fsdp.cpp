@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "shardtrain/comm/mesh.h"
 #include "shardtrain/core/deferred.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/launch/env.h"
@@ -139,9 +140,17 @@ void ShardedStrategy::need_setup(const char* what) const {
 void ShardedStrategy::setup(torch::nn::Module& model, std::shared_ptr<comm::Communicator> comm) {
   ST_CHECK(comm != nullptr, InvalidArgument,
            "sharded setup needs a communicator; pass Communicator::create(CommOptions::from_env())");
+  // The whole world is data-parallel; hybrid sharding's nodes come from
+  // the ranks per node.
+  int local = static_cast<int>(options_.local_world_size());
+  if (local <= 0) local = dist::ClusterEnv::detect().local_world_size;
+  setup(model, comm::DeviceMesh::create(comm, comm::mesh_shape_for(comm->size(), local, 1, 1, mode_.hybrid)));
+}
+
+void ShardedStrategy::setup(torch::nn::Module& model, const comm::DeviceMesh& mesh) {
   ST_CHECK(model_ == nullptr, InvalidArgument, "setup() called twice on one strategy");
   at::NoGradGuard no_grad;
-  world_ = std::move(comm);
+  world_ = mesh.dp();
   {
     std::vector<at::Tensor> tensors;
     std::vector<std::string> names;
@@ -154,7 +163,7 @@ void ShardedStrategy::setup(torch::nn::Module& model, std::shared_ptr<comm::Comm
     }
     broadcast_from_rank0(*world_, tensors, names);
   }
-  make_groups();
+  make_groups(mesh);
   build_units(model);
   model_ = &model;
   gatherer_ = std::make_unique<UnitGatherer>(units_, flats_, shard_comm_.get(),
@@ -165,26 +174,11 @@ void ShardedStrategy::setup(torch::nn::Module& model, std::shared_ptr<comm::Comm
   install_hooks();
 }
 
-// Who shards with whom, who replicates.
-void ShardedStrategy::make_groups() {
-  const int n = world_->size();
+// Who shards with whom, who replicates: the mesh's data-parallel dimensions.
+void ShardedStrategy::make_groups(const comm::DeviceMesh& mesh) {
   if (mode_.hybrid) {
-    int local = static_cast<int>(options_.local_world_size());
-    if (local <= 0) local = dist::ClusterEnv::detect().local_world_size;
-    ST_CHECK(local >= 1 && n % local == 0, ConfigError, "hybrid_shard needs the world size (", n,
-             ") to be a multiple of the ranks per node (", local,
-             "); start the same number of ranks on every node (LOCAL_WORLD_SIZE)");
-    const int nodes = n / local;
-    for (int k = 0; k < nodes; ++k) {
-      std::vector<int> ranks;
-      for (int j = 0; j < local; ++j) ranks.push_back(k * local + j);
-      if (auto g = world_->new_group(ranks)) shard_comm_ = g;
-    }
-    for (int j = 0; j < local; ++j) {
-      std::vector<int> ranks;
-      for (int k = 0; k < nodes; ++k) ranks.push_back(k * local + j);
-      if (auto g = world_->new_group(ranks)) replica_comm_ = g;
-    }
+    shard_comm_ = mesh.dp_shard();
+    replica_comm_ = mesh.dp_replicate();
   } else if (mode_.shard_optimizer) {
     shard_comm_ = world_;
   } else {

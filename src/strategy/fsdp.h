@@ -58,6 +58,8 @@ class ShardedStrategy final : public Strategy {
   ~ShardedStrategy() override;
 
   void setup(torch::nn::Module& model, std::shared_ptr<comm::Communicator> comm) override;
+  void setup(torch::nn::Module& model, const comm::DeviceMesh& mesh) override;
+  comm::Communicator* optimizer_shard_group() const override { return shard_comm_.get(); }
   void set_gradient_sync(bool enabled) override { sync_ = enabled; }
   void finish_gradient_sync() override;
   std::vector<ShardedTensor> optimizer_parameters() override;
@@ -95,7 +97,7 @@ class ShardedStrategy final : public Strategy {
     Backward,  // inside a backward pass
   };
 
-  void make_groups();
+  void make_groups(const comm::DeviceMesh& mesh);
   void build_units(torch::nn::Module& model);
   void build_flat(size_t unit, std::vector<FlatMember> params, bool trainable, at::ScalarType dtype);
   void install_hooks();

@@ -6,6 +6,7 @@
 #include <unordered_set>
 
 #include "shardtrain/comm/communicator.h"
+#include "shardtrain/comm/mesh.h"
 #include "shardtrain/core/deferred.h"
 #include "shardtrain/core/error.h"
 #include "strategy/detail.h"
@@ -13,6 +14,45 @@
 
 namespace shardtrain::strategy {
 
+void Strategy::setup(torch::nn::Module& model, const comm::DeviceMesh& mesh) { setup(model, mesh.dp()); }
+
+std::vector<int64_t> TensorChunk::shape(const std::vector<int64_t>& global_shape) const {
+  std::vector<int64_t> s = global_shape;
+  if (whole()) return s;
+  s[static_cast<size_t>(dim)] = 0;
+  for (const auto& r : ranges) s[static_cast<size_t>(dim)] += r.second;
+  return s;
+}
+
+std::vector<ElementRun> chunk_runs(const std::vector<int64_t>& global_shape, const TensorChunk& chunk,
+                                   int64_t first, int64_t count) {
+  std::vector<ElementRun> runs;
+  if (count <= 0) return runs;
+  if (chunk.whole()) return {{first, 0, count}};
+  const size_t d = static_cast<size_t>(chunk.dim);
+  int64_t inner = 1;  // elements per index along dim
+  for (size_t i = d + 1; i < global_shape.size(); ++i) inner *= global_shape[i];
+  const int64_t along = chunk.shape(global_shape)[d];
+  const int64_t slab = along * inner;  // the chunk's elements per outer index
+  int64_t e = first;
+  while (e < first + count) {
+    const int64_t outer = e / slab, j = e % slab / inner, i = e % inner;
+    // The range holding index j of the chunk along dim.
+    int64_t before = 0;
+    size_t k = 0;
+    while (before + chunk.ranges[k].second <= j) before += chunk.ranges[k++].second;
+    const int64_t start = chunk.ranges[k].first + (j - before);
+    const int64_t n = std::min(first + count - e, (before + chunk.ranges[k].second - j) * inner - i);
+    const int64_t global = (outer * global_shape[d] + start) * inner + i;
+    if (!runs.empty() && runs.back().global + runs.back().count == global) {
+      runs.back().count += n;
+    } else {
+      runs.push_back({global, e - first, n});
+    }
+    e += n;
+  }
+  return runs;
+}
 
 namespace {
 

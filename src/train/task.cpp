@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <filesystem>
 
-#include "models/activations.h"
+#include "models/tensor_parallel.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/data/lm_data.h"
 #include "shardtrain/launch/env.h"
@@ -52,9 +52,11 @@ TrainTask lm_task(const config::Config& config, std::shared_ptr<models::CausalLM
   TrainTask task;
   task.model = model;
   task.tokens_per_sample = block_size;
-  task.loss_sum = [model, vocab = vocab_size](const data::Batch& b) {
+  // Under tensor parallelism with a vocabulary-parallel loss the logits
+  // are this rank's columns; lm_cross_entropy_sum knows from the model.
+  task.loss_sum = [model](const data::Batch& b) {
     const auto logits = model->forward(b.input, b.position, b.segment);
-    return models::detail::cross_entropy_sum(logits.view({-1, vocab}), b.target.view({-1}), kIgnoreIndex);
+    return models::detail::lm_cross_entropy_sum(*model, logits, b.target, kIgnoreIndex);
   };
   task.count_targets = count_non_ignored;
   task.train_batch = data.train_batch;

@@ -17,9 +17,12 @@
 #include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/checkpoint/safetensors.h"
 #include "shardtrain/comm/communicator.h"
+#include "shardtrain/comm/mesh.h"
 #include "shardtrain/core/blas.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/launch/env.h"
+#include "shardtrain/models/family.h"
+#include "shardtrain/parallel/tensor_parallel.h"
 #include "shardtrain/precision/precision.h"
 #include "shardtrain/strategy/estimate.h"
 #include "shardtrain/strategy/strategy.h"
@@ -149,8 +152,18 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
     : config_(std::move(config)), task_(std::move(task)), comm_(std::move(comm)) {
   ST_CHECK(task_.model && task_.loss_sum && task_.count_targets && task_.train_batch, ConfigError,
            "a TrainTask needs a model, loss_sum, count_targets and train_batch");
-  batch_ = config_.resolve_batch(comm_->size());
   const dist::ClusterEnv env = dist::ClusterEnv::detect();
+  // The mesh first: everything below that speaks of data parallelism (the
+  // batch plan, the strategy, the sampler's ranks) means its dp dimension.
+  {
+    const int tp = static_cast<int>(config_.distributed.tensor_parallel());
+    const bool hybrid = config_.distributed.strategy() == strategy::StrategyKind::Fsdp &&
+                        config_.distributed.sharding() == strategy::Sharding::HybridShard;
+    mesh_ = std::make_unique<comm::DeviceMesh>(comm::DeviceMesh::create(
+        comm_, comm::mesh_shape_for(comm_->size(), env.local_world_size, tp, 1, hybrid)));
+    dp_ = mesh_->dp();
+  }
+  batch_ = config_.resolve_batch(dp_->size());
   restarts_ = env.restart_count;
   threads_ = threads_for_rank(config_.distributed.threads_per_rank(), env.local_world_size);
   at::set_num_threads(threads_);
@@ -189,12 +202,23 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
     base_identity_ = std::move(base.identity);
     reference_base_ = base.referenced;
   }
+  // Tensor parallelism before the data-parallel strategy plans over the
+  // parameters: each rank keeps its blocks of the split layers.
+  std::optional<parallel::TensorParallelLayout> tp_layout;
+  if (mesh_->shape().tp() > 1) {
+    tp_layout = parallel::apply_tensor_parallel(
+        *task_.model, models::family_of(config_.model.type).tensor_parallel_plan(), mesh_->tp(),
+        parallel::TensorParallelOptions()
+            .sequence_parallel(config_.distributed.sequence_parallel())
+            .loss_parallel(config_.distributed.loss_parallel()));
+  }
   precision_->prepare_model(*task_.model);
 
   const strategy::StrategyOptions so =
-      strategy_options(config_, *task_.model, comm_->size(), env.local_world_size);
+      strategy_options(config_, *task_.model, dp_->size(), env.local_world_size);
   strategy_ = strategy::make_strategy(so);
-  strategy_->setup(*task_.model, comm_);
+  if (tp_layout) strategy_ = parallel::tensor_parallel_strategy(std::move(strategy_), std::move(*tp_layout), mesh_->tp());
+  strategy_->setup(*task_.model, *mesh_);
   // After setup: the optimizer must see the parameters as the strategy left them.
   optimizer_ = make_optimizer(strategy_->optimizer_parameters(), config_.optimizer);
 
@@ -279,18 +303,19 @@ void Trainer::run_step() {
     ST_PROFILE_PHASE("data");
     int64_t local_targets = 0;
     for (int64_t j = 0; j < accumulate; ++j) {
-      window.push_back(task_.train_batch(step, j, batch_.micro, comm_->rank(), comm_->size()));
+      window.push_back(task_.train_batch(step, j, batch_.micro, dp_->rank(), dp_->size()));
       local_targets += task_.count_targets(window.back());
     }
     auto targets = torch::tensor({local_targets}, torch::kLong);
-    comm_->all_reduce(targets);
+    dp_->all_reduce(targets);
     total_targets = targets.item<int64_t>();
   }
   ST_CHECK(total_targets > 0, Error, "step ", step + 1,
            " has no targets on any rank (every target is the ignore index)");
-  // The strategy averages gradients over ranks, hence the world size here:
-  // the result is the sum over all targets divided by their count.
-  const double normaliser = static_cast<double>(comm_->size()) / static_cast<double>(total_targets);
+  // The strategy averages gradients over the data-parallel ranks, hence
+  // their number here: the result is the sum over all targets divided by
+  // their count. (Tensor-parallel ranks share their micro-batches.)
+  const double normaliser = static_cast<double>(dp_->size()) / static_cast<double>(total_targets);
 
   // Forward and backward over the window; only the last micro-step's
   // backward communicates.
@@ -348,8 +373,10 @@ void Trainer::run_step() {
                     state_.step, comm_->rank(), step_time * 1e6);
   }
 
-  // One all-gather gives every rank the loss, memory and time of all ranks.
-  auto local = torch::tensor({loss_sum, peak_rss_mb(), step_time}, torch::kDouble);
+  // One all-gather gives every rank the loss, memory and time of all ranks
+  // (a tensor-parallel group's loss counted once, its first rank's).
+  const double counted_loss = mesh_->tp()->rank() == 0 ? loss_sum : 0.0;
+  auto local = torch::tensor({counted_loss, peak_rss_mb(), step_time}, torch::kDouble);
   auto all = torch::empty({3 * comm_->size()}, torch::kDouble);
   comm_->all_gather(local, all);
   auto per_rank = all.view({comm_->size(), 3});
@@ -372,6 +399,7 @@ void Trainer::run_step() {
   m.set("peak_rss_mb_ranks", std::vector<double>(rss_ranks.data_ptr<double>(),
                                                  rss_ranks.data_ptr<double>() + comm_->size()));
   m.set("world_size", static_cast<int64_t>(comm_->size()));
+  m.set("tensor_parallel", static_cast<int64_t>(mesh_->shape().tp()));
   m.set("strategy", strategy_->name());
   // Communication of the gradient path: time the comm threads worked and
   // the part the training thread waited for (the rest overlapped compute).
@@ -417,14 +445,14 @@ double Trainer::evaluate() {
   double sum = 0.0;
   int64_t count = 0;
   for (int64_t i = 0; i < config_.trainer.eval_batches; ++i) {
-    const data::Batch batch = task_.eval_batch(i, batch_.micro, comm_->rank(), comm_->size());
+    const data::Batch batch = task_.eval_batch(i, batch_.micro, dp_->rank(), dp_->size());
     const auto autocast = precision_->autocast();
     sum += task_.loss_sum(batch).item<double>();
     count += task_.count_targets(batch);
   }
   task_.model->train();
   auto totals = torch::tensor({sum, static_cast<double>(count)}, torch::kDouble);
-  comm_->all_reduce(totals);
+  dp_->all_reduce(totals);
   const double eval_loss = totals[0].item<double>() / totals[1].item<double>();
   Metrics m;
   m.set("step", state_.step);

@@ -1,7 +1,8 @@
 // Loading a Hugging Face directory under FULL_SHARD never costs a rank the
 // whole model: the model is built deferred, and each rank reads from the
 // files only the slices its shards hold (a quantized base is quantized
-// tensor by tensor as it is read).
+// tensor by tensor as it is read). With SHARDTRAIN_LOADING_TP=2 the ranks
+// are a tensor-parallel pair instead: each reads only its blocks.
 //
 // Each rank measures its own peak RSS (VmHWM, reset through clear_refs)
 // while the trainer is built and set up, against the model's fp32 bytes and
@@ -134,6 +135,9 @@ config::Config run_config(const config::ModelConfig& m, models::LoraQuantize q, 
   c.distributed.strategy(strategy::StrategyKind::Fsdp);
   c.distributed.sharding(strategy::Sharding::FullShard);
   c.distributed.threads_per_rank(1);
+  // SHARDTRAIN_LOADING_TP: tensor-parallel ranks (the rest shard); each
+  // reads only its blocks of the split tensors.
+  c.distributed.tensor_parallel(env_int("SHARDTRAIN_LOADING_TP", 1));
   if (q != models::LoraQuantize::None) c.lora.r(4).alpha(8).quantize(q).double_quant(true);
   return c;
 }
@@ -164,7 +168,7 @@ Loaded load_and_train(const config::Config& c) {
   // the setup's first collective as loading.
   g_world->barrier();
   const auto t0 = std::chrono::steady_clock::now();
-  auto task = train::make_task(c, g_world->size());
+  auto task = train::make_task(c, c.distributed.data_parallel_size(g_world->size()));
   train::Trainer trainer(c, std::move(task), g_world);
   r.load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   r.load_peak = status_bytes("VmHWM");
@@ -223,7 +227,8 @@ TEST(ShardedLoading, NoRankHoldsTheWholeModelAndTheShardsAreTheFiles) {
     const double growth = max_over_ranks(static_cast<double>(r.load_growth));
     const double load_s = max_over_ranks(r.load_s);
     // FULL_SHARD on n ranks keeps 1/n of the weights and, when they train,
-    // 1/n of their gradients, plus a layer read at a time (0.3 leaves room
+    // 1/n of their gradients (tensor-parallel ranks split all but the
+    // norms, so tp x full_shard keeps 1/n too), plus a layer read at a time (0.3 leaves room
     // for the allocator); a quantized base keeps its codes alone, plus the
     // quantizer's scratch memory, which the allocator keeps for training to
     // reuse (measured: 0.39 of full_bytes on 2 ranks). Building the whole

@@ -12,7 +12,7 @@ add_test(NAME models.llama.reference_selfcheck
 add_test(NAME models.llama.logits COMMAND ${LLAMA_PARITY} logits $<TARGET_FILE:llama_logits> ${PROJECT_SOURCE_DIR})
 add_test(NAME models.llama.export COMMAND ${LLAMA_PARITY} export ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
 
-# name variant strategy [bf16]
+# name variant strategy [bf16] [key=value ...] [+make_arg=value] [clip=x]
 set(LLAMA_TRAIN_CASES
   "single gqa_llama3 single"
   "ddp_x2 gqa_llama3 ddpx2"
@@ -24,12 +24,33 @@ set(LLAMA_TRAIN_CASES
   "mistral_head_dim_zero1_x2 mistral_head_dim zero1x2"
   "biases_full_shard_x2 biases full_shardx2"
   "bf16_ddp_x2 gqa_llama3 ddpx2 bf16"
-  "bf16_full_shard_x2 tied_qwen2 full_shardx2 bf16")
+  "bf16_full_shard_x2 tied_qwen2 full_shardx2 bf16"
+  # Tensor parallelism (distributed.tensor_parallel): sequence and loss
+  # parallel on by default, each switched off once; GQA with kv heads = tp;
+  # every projection's bias (row-parallel ones added once) at tp 4; composed
+  # with ddp, full_shard and hybrid_shard on the data-parallel ranks; a tied
+  # Qwen2 head with q/k/v biases; clipping that fires every step (the norm
+  # counts each replicated parameter once); bf16-mixed.
+  "tp2 gqa_llama3 ddpx2 distributed.tensor_parallel=2"
+  "tp2_no_sequence_parallel gqa_llama3 ddpx2 distributed.tensor_parallel=2 distributed.sequence_parallel=false"
+  "tp2_no_loss_parallel gqa_llama3 ddpx2 distributed.tensor_parallel=2 distributed.loss_parallel=false"
+  "tp4_biases biases ddpx4 distributed.tensor_parallel=4 +--num_key_value_heads=4"
+  "tp2_ddp_x2 gqa_llama3 ddpx4 distributed.tensor_parallel=2"
+  "tp2_full_shard_x2 gqa_llama3 full_shardx4 distributed.tensor_parallel=2"
+  "tp2_hybrid_shard_x4 gqa_llama3 hybrid_shardx8 distributed.tensor_parallel=2"
+  "tp2_tied_qwen2_zero1 tied_qwen2 zero1x2 distributed.tensor_parallel=2 +--num_key_value_heads=2"
+  "tp2_clip_fires gqa_llama3 full_shardx4 distributed.tensor_parallel=2 clip=0.05"
+  "bf16_tp2 gqa_llama3 ddpx2 bf16 distributed.tensor_parallel=2")
 foreach(case ${LLAMA_TRAIN_CASES})
   string(REPLACE " " ";" args ${case})
   list(POP_FRONT args name)
   add_test(NAME models.llama.train.${name} COMMAND ${LLAMA_PARITY} train ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR} ${args})
 endforeach()
+
+# A checkpoint saved under tp2 x full_shard 2 resumes under one process,
+# ddp x4 and tp4 (each piece records its place in the whole tensor).
+add_test(NAME models.llama.reshard_tensor_parallel
+         COMMAND ${LLAMA_PARITY} reshard ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR} full_shardx4:tp2 single ddpx4 ddpx4:tp4)
 
 # LoRA from a PEFT adapter the reference wrote.
 foreach(spec single ddpx2 zero1x2 full_shardx2)

@@ -9,13 +9,21 @@ Hugging Face directories that the reference writes:
     llama_parity.py logits LLAMA_LOGITS SRC
         logits of every variant (full forward, packed rows, and the KV-cached
         forward one token at a time) within 1e-5 of the reference's
-    llama_parity.py train CLI SRC VARIANT STRATEGY[xN] [bf16]
+    llama_parity.py train CLI SRC VARIANT STRATEGY[xN] [bf16] [KEY=VALUE ...] [+MAKE_ARG=VALUE ...] [clip=X]
         10 training steps through `shardtrain train` (launcher, data sampler,
         strategy, exporter) against the reference's loop on the same batches:
-        the per-step losses and the exported weights
+        the per-step losses and gradient norms, and the exported weights.
+        KEY=VALUE are config overrides (distributed.tensor_parallel=2: the
+        tensor-parallel layouts); +ARG=VALUE goes to the reference's `make`
+        of the variant (+--num_key_value_heads=2); clip=X sets the clipping
+        norm of both (small enough that it fires every step)
     llama_parity.py export CLI SRC
         an exported directory reloads bit for bit (whole and in shards), and
         the reference reads it
+    llama_parity.py reshard CLI SRC SAVE_SPEC LOAD_SPEC...
+        a checkpoint written at step 5 under SAVE_SPEC (STRATEGY[xN][:tpK])
+        resumes under each LOAD_SPEC; steps 6..10 and the exported weights
+        match the reference's
     llama_parity.py lora CLI SRC STRATEGY[xN]
         a PEFT adapter written by the reference trains 10 steps in both; the
         saved adapters match, in the PEFT names and config
@@ -67,7 +75,7 @@ MICRO = 2
 # to about 1e-7 relative; AdamW divides by sqrt(v) + eps, so a gradient
 # element near zero can move its parameter by a few lr-relative ulps more,
 # and ten steps at lr 4e-3 stay within 5e-5 absolute (measured about 1e-5).
-FP32 = {"loss": 2e-5, "param_atol": 5e-5, "param_rtol": 1e-4}
+FP32 = {"loss": 2e-5, "param_atol": 5e-5, "param_rtol": 1e-4, "norm_atol": 1e-5, "norm_rtol": 1e-4}
 # bf16-mixed against the reference under torch.autocast(bf16): both round
 # GEMM inputs to bf16 (2^-8 relative), but not at the same places (autocast
 # keeps the residual stream and the norms in fp32 and rounds each GEMM's
@@ -160,7 +168,7 @@ def strategy_args(spec):
     return world, sets
 
 
-def shardtrain_train(cli, src, hf_dir, run_dir, spec, extra_sets=(), port=None, steps=STEPS):
+def shardtrain_train(cli, src, hf_dir, run_dir, spec, extra_sets=(), port=None, steps=STEPS, with_norms=False):
     world, sets = strategy_args(spec)
     sets = sets + [
         "model.type=auto", f"model.init_from={hf_dir}", f"model.block_size={BLOCK}",
@@ -199,11 +207,15 @@ def shardtrain_train(cli, src, hf_dir, run_dir, spec, extra_sets=(), port=None, 
             print(p.stderr[-4000:])
             fail(f"{spec}: shardtrain train exited {p.returncode}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        losses = [json.loads(l)["loss"] for l in f if '"loss"' in l and '"eval' not in l]
-    return world, losses
+        records = [json.loads(l) for l in f if '"loss"' in l and '"eval' not in l]
+    if with_norms:
+        return world, [r["loss"] for r in records], [r["grad_norm"] for r in records]
+    return world, [r["loss"] for r in records]
 
 
-def ref_train(src, hf_dir, out_dir, world, extra=()):
+def ref_train(src, hf_dir, out_dir, world, extra=(), with_norms=False):
+    """`world`: the data-parallel ranks of the run compared with (their
+    micro-batches make the held-out rows)."""
     out = os.path.join(out_dir, "ref.json")
     weights = os.path.join(out_dir, "ref.safetensors")
     ref("train", hf_dir, "--steps", str(STEPS), "--data", os.path.join(src, "data/corpus.txt"),
@@ -211,7 +223,10 @@ def ref_train(src, hf_dir, out_dir, world, extra=()):
         "--eval-rows", str(MICRO * world), "--warmup", "2", "--out", out, "--out-weights", weights,
         *extra)
     with open(out) as f:
-        return json.load(f)["losses"], weights
+        result = json.load(f)
+    if with_norms:
+        return result["losses"], [r["grad_norm"] for r in result["steps"]], weights
+    return result["losses"], weights
 
 
 def compare_weights(ours_dir, theirs, initial_dir, tol, what):
@@ -237,24 +252,87 @@ def compare_weights(ours_dir, theirs, initial_dir, tol, what):
                  f"(atol {tol['param_atol']}, rtol {tol['param_rtol']})")
 
 
-def cmd_train(cli, src, variant, spec, precision="fp32"):
+def cmd_train(cli, src, variant, spec, *options):
+    precision = "bf16" if "bf16" in options else "fp32"
+    sets = [o for o in options if "=" in o and not o.startswith(("+", "clip="))]
+    make_args = [a for o in options if o.startswith("+") for a in o[1:].split("=", 1)]
+    clip = [o.split("=", 1)[1] for o in options if o.startswith("clip=")]
     work = tempfile.mkdtemp(prefix="llama_parity_")
     try:
-        hf = make_variant(work, variant)
+        hf = make_variant(work, variant, make_args)
         extra = ["precision=bf16-mixed"] if precision == "bf16" else ["precision=fp32"]
-        world, ours = shardtrain_train(cli, src, hf, os.path.join(work, "run"), spec, extra)
-        theirs, weights = ref_train(src, hf, work, world, ["--autocast", "bf16"] if precision == "bf16" else [])
-        what = f"{variant} {spec} {precision}"
+        ref_extra = ["--autocast", "bf16"] if precision == "bf16" else []
+        if clip:
+            extra.append(f"trainer.max_grad_norm={clip[0]}")
+            ref_extra += ["--max-grad-norm", clip[0]]
+        world, ours, our_norms = shardtrain_train(cli, src, hf, os.path.join(work, "run"), spec, extra + sets,
+                                                  with_norms=True)
+        tp = int(next((s.split("=")[1] for s in sets if s.startswith("distributed.tensor_parallel=")), 1))
+        theirs, their_norms, weights = ref_train(src, hf, work, world // tp, ref_extra, with_norms=True)
+        what = " ".join([variant, spec] + list(options or ["fp32"]))
         if len(ours) != STEPS:
             fail(f"{what}: {len(ours)} step losses in metrics.jsonl, expected {STEPS}")
         for i, (o, r) in enumerate(zip(ours, theirs)):
             bad = abs(o - r) > (BF16["loss_rtol"] * abs(r) if precision == "bf16" else FP32["loss"])
             if bad:
                 fail(f"{what}: step {i + 1} loss {o:.7f}, reference {r:.7f}")
+        if precision == "fp32":
+            # The norm before clipping: a parameter counted twice or missed
+            # (a replicated norm weight once per tensor-parallel rank) shows here.
+            for i, (o, r) in enumerate(zip(our_norms, their_norms)):
+                if abs(o - r) > FP32["norm_atol"] + FP32["norm_rtol"] * abs(r):
+                    fail(f"{what}: step {i + 1} gradient norm {o:.7f}, reference {r:.7f}")
+            if clip and not min(their_norms) > float(clip[0]):
+                fail(f"{what}: clipping at {clip[0]} did not fire on every step (norms {their_norms})")
         tol = BF16 if precision == "bf16" else FP32
         compare_weights(os.path.join(work, "run", "model"), weights, hf, tol, what)
-        print(f"{what}: {STEPS} losses and the exported weights match the reference "
+        print(f"{what}: {STEPS} losses, gradient norms and the exported weights match the reference "
               f"(last loss {ours[-1]:.6f} vs {theirs[-1]:.6f})")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def cmd_reshard(cli, src, save_spec, *load_specs):
+    """A checkpoint saved at step 5 under one (tp, dp, strategy) layout
+    resumes under others; every resumed run's steps 6..10 match the
+    reference's 10 steps. Specs are STRATEGY[xN][:tpK]."""
+    def parse(spec):
+        strategy, _, tp = spec.partition(":tp")
+        return strategy, ([f"distributed.tensor_parallel={tp}"] if tp else [])
+
+    work = tempfile.mkdtemp(prefix="llama_parity_")
+    try:
+        # Four key/value heads, so that tp 4 splits them too.
+        hf = make_variant(work, "gqa_llama3", ["--num_key_value_heads", "4"])
+        # No held-out split: its rows depend on the data-parallel size, and
+        # the runs compared here have different ones.
+        theirs, _ = ref_train(src, hf, work, 1, ["--val-fraction", "0"])
+        strategy, sets = parse(save_spec)
+        saved = os.path.join(work, "saved")
+        world, ours = shardtrain_train(cli, src, hf, saved, strategy,
+                                       sets + ["precision=fp32", "data.val_fraction=0", "checkpoint.every_n_steps=5",
+                                               "checkpoint.keep=0"])
+        for i, (o, r) in enumerate(zip(ours, theirs)):
+            if abs(o - r) > FP32["loss"]:
+                fail(f"reshard: saving run {save_spec}: step {i + 1} loss {o:.7f}, reference {r:.7f}")
+        checkpoint = os.path.join(saved, "checkpoints", "step-000005")
+        if not os.path.exists(os.path.join(checkpoint, "COMMITTED")):
+            fail(f"reshard: {save_spec} wrote no committed checkpoint at {checkpoint}")
+        for spec in load_specs:
+            strategy, sets = parse(spec)
+            resumed = os.path.join(work, "resumed-" + spec.replace(":", "-"))
+            _, after = shardtrain_train(cli, src, hf, resumed, strategy,
+                                        sets + ["precision=fp32", "data.val_fraction=0",
+                                                f"checkpoint.resume={checkpoint}"])
+            if len(after) != STEPS - 5:
+                fail(f"reshard: {save_spec} -> {spec}: {len(after)} steps after resuming, expected {STEPS - 5}")
+            for i, (o, r) in enumerate(zip(after, theirs[5:])):
+                if abs(o - r) > FP32["loss"]:
+                    fail(f"reshard: {save_spec} -> {spec}: step {i + 6} loss {o:.7f}, reference {r:.7f}")
+            compare_weights(os.path.join(resumed, "model"), os.path.join(work, "ref.safetensors"), hf, FP32,
+                            f"reshard {save_spec} -> {spec}")
+            print(f"reshard: saved under {save_spec}, resumed under {spec}: steps 6..10 and the exported "
+                  f"weights match the reference")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -376,8 +454,10 @@ def main(argv):
         cmd_lora(argv[1], argv[2], argv[3])
     elif cmd == "export":
         cmd_export(argv[1], argv[2])
+    elif cmd == "reshard":
+        cmd_reshard(argv[1], argv[2], argv[3], *argv[4:])
     elif cmd == "train":
-        cmd_train(argv[1], argv[2], argv[3], argv[4], *(argv[5:6] or ["fp32"]))
+        cmd_train(argv[1], argv[2], argv[3], argv[4], *argv[5:])
     else:
         sys.exit(__doc__)
 

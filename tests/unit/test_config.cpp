@@ -258,6 +258,7 @@ Config every_key_set() {
   c.distributed.limit_all_gathers(5);
   c.distributed.accumulation(Accumulation::Unsharded);
   c.distributed.memory_budget_mb(1536.5);
+  c.distributed.tensor_parallel(3).sequence_parallel(false).loss_parallel(false);
   c.precision = PrecisionKind::Bf16Mixed;
   c.loss_scaler.initial_scale_power(12)
       .loss_scale_window(50)
@@ -648,6 +649,31 @@ TEST(ConfigErrors, OutOfRange) {
   }
   // A cross-key check on a key left at its default names the key that was set.
   EXPECT_HAS(parse_error("\n\nmodel:\n  n_head: 3\n"), "test.yaml:4");
+}
+
+// Tensor parallelism's impossible layouts are refused when the config is
+// read, in one line that names both numbers, never as a reshape error in
+// the first forward.
+TEST(ConfigErrors, TensorParallelLayoutsThatCannotSplit) {
+  const std::string llama = "model: {type: llama, n_head: 6, n_kv_head: 2, n_embd: 96, block_size: 48}\n";
+  EXPECT_HAS(parse_error(llama + "distributed: {tensor_parallel: 4}"),
+             "distributed.tensor_parallel=4 does not divide model.n_head=6");
+  EXPECT_HAS(parse_error(llama + "distributed: {tensor_parallel: 3}"),
+             "distributed.tensor_parallel=3 does not divide model.n_kv_head=2");
+  EXPECT_HAS(parse_error("model: {type: gpt, n_head: 6, n_embd: 96}\ndistributed: {tensor_parallel: 4}"),
+             "does not divide model.n_head=6");
+  // Sequence parallelism splits the block's tokens.
+  const std::string sp = parse_error("model: {type: llama, n_head: 4, n_embd: 64, block_size: 30}\n"
+                                     "distributed: {tensor_parallel: 4}");
+  EXPECT_HAS(sp, "a divisor of model.block_size=30");
+  EXPECT_HAS(sp, "distributed.sequence_parallel");
+  EXPECT_NO_THROW(Config::parse("model: {type: llama, n_head: 4, n_embd: 64, block_size: 30}\n"
+                                "distributed: {tensor_parallel: 4, sequence_parallel: false}"));
+  // A tensor-parallel group shares a host; one process has no group.
+  EXPECT_HAS(parse_error("distributed: {tensor_parallel: 4, nproc_per_node: 6}"),
+             "a divisor of distributed.nproc_per_node=6");
+  EXPECT_HAS(parse_error("distributed: {tensor_parallel: 2, strategy: single}"), "distributed.strategy");
+  EXPECT_HAS(parse_error("distributed: {tensor_parallel: 0}"), "distributed.tensor_parallel");
 }
 
 TEST(ConfigErrors, ShardingKeysSuggestAndNameTheOverride) {

@@ -224,3 +224,51 @@ TEST(DDPWorldOfOne, GradientsReduceInTheConfiguredDtype) {
   }
   EXPECT_THROW(enum_from_name<strategy::DType>("fp8", "distributed.reduce_dtype"), ConfigError);
 }
+
+// chunk_runs against torch's own slicing: the chunk's elements, taken from
+// the whole tensor by narrow + cat, sit where the runs say. Splits of dim 0
+// (one run), of dim 1 (a run per row), three blocks of dim 0 (GPT's fused
+// q|k|v), of a 3-D tensor's middle dimension, and partial runs that start
+// and end inside rows, including empty and one-element ones.
+TEST(ChunkRuns, PlaceEachElementWhereTorchSlicingDoes) {
+  using shardtrain::strategy::TensorChunk;
+  struct Case {
+    std::vector<int64_t> shape;
+    TensorChunk chunk;
+  };
+  const std::vector<Case> cases = {
+      {{6, 5}, {0, {{2, 3}}}},
+      {{6, 5}, {1, {{3, 2}}}},
+      {{9, 4}, {0, {{1, 2}, {4, 2}, {7, 2}}}},
+      {{3, 7, 2}, {1, {{0, 1}, {5, 2}}}},
+      {{7}, {0, {{4, 3}}}},
+      {{6, 5}, {-1, {}}},
+  };
+  for (const auto& c : cases) {
+    const at::Tensor whole = at::arange(c.shape.empty() ? 1 : at::ones(c.shape).numel(), at::kLong).view(c.shape);
+    at::Tensor block = whole;
+    if (!c.chunk.whole()) {
+      std::vector<at::Tensor> parts;
+      for (const auto& [start, length] : c.chunk.ranges) parts.push_back(whole.narrow(c.chunk.dim, start, length));
+      block = at::cat(parts, c.chunk.dim);
+    }
+    EXPECT_EQ(c.chunk.shape(c.shape), block.sizes().vec());
+    const at::Tensor flat = block.contiguous().view({-1});
+    const int64_t n = flat.numel();
+    for (int64_t first : {int64_t{0}, int64_t{1}, n / 2, n - 1, n}) {
+      for (int64_t count : {int64_t{0}, int64_t{1}, n - first}) {
+        if (first + count > n) continue;
+        int64_t covered = 0, next_local = 0;
+        for (const auto& run : shardtrain::strategy::chunk_runs(c.shape, c.chunk, first, count)) {
+          EXPECT_EQ(run.local, next_local) << "runs are in order and contiguous in the chunk";
+          EXPECT_TRUE(at::equal(whole.view({-1}).narrow(0, run.global, run.count),
+                                flat.narrow(0, first + run.local, run.count)))
+              << "shape " << at::IntArrayRef(c.shape) << " dim " << c.chunk.dim << " first " << first;
+          next_local += run.count;
+          covered += run.count;
+        }
+        EXPECT_EQ(covered, count);
+      }
+    }
+  }
+}

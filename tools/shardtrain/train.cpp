@@ -184,15 +184,19 @@ int train_main(int argc, char** argv) {
   ST_CHECK(config.distributed.strategy() != strategy::StrategyKind::Single || comm->size() == 1, ConfigError,
            "distributed.strategy 'single' runs one process, but WORLD_SIZE is ", comm->size(),
            "; use ddp or start one rank");
-  train::Trainer trainer(config, train::make_task(config, comm->size()), comm);
+  // Tensor-parallel ranks share their data: the task plans for the
+  // data-parallel ranks.
+  train::Trainer trainer(config, train::make_task(config, config.distributed.data_parallel_size(comm->size())), comm);
   if (comm->rank() == 0) {
     const auto plan = trainer.batch();
     const std::string core = blas_core();
-    std::printf("%s | %d rank(s) x %d thread(s) | %s | strategy %s | batch %lld = %lld micro x %lld accumulate x %d ranks\n",
+    const int dp = config.distributed.data_parallel_size(comm->size());
+    std::printf("%s | %d rank(s) x %d thread(s) | %s | strategy %s%s | batch %lld = %lld micro x %lld accumulate x %d ranks\n",
                 env.describe().c_str(), comm->size(), at::get_num_threads(),
                 core.empty() ? "BLAS: not OpenBLAS" : ("OpenBLAS " + core + " kernels").c_str(),
-                enum_name(config.distributed.strategy()), (long long)plan.global, (long long)plan.micro,
-                (long long)plan.accumulate, comm->size());
+                enum_name(config.distributed.strategy()),
+                dp == comm->size() ? "" : (" x tensor_parallel " + std::to_string(comm->size() / dp)).c_str(),
+                (long long)plan.global, (long long)plan.micro, (long long)plan.accumulate, dp);
     std::printf("precision: %s\n", trainer.precision_description().c_str());
     if (comm->size() > 1) std::printf("network: %s\n", comm->endpoint().c_str());
     std::fflush(stdout);

@@ -18,6 +18,7 @@
 // is read, so they obey the same rules.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -187,6 +188,20 @@ struct DistributedConfig : strategy::StrategyOptions {
   /// What moves the bytes between ranks; auto: MPI under mpirun/srun, else
   /// Gloo. Not auto: wins over SHARDTRAIN_BACKEND.
   ST_ARG(comm::Backend, backend) = comm::Backend::Auto;
+  /// Ranks that split each layer (the mesh's tp dimension, innermost: they
+  /// share a host); 1: none. The data-parallel size is what is left.
+  ST_ARG(int64_t, tensor_parallel) = 1;
+  /// Under tensor parallelism: norms, dropout and the residual stream hold
+  /// 1/tp of the tokens (all-gather in, reduce-scatter out of each region).
+  ST_ARG(bool, sequence_parallel) = true;
+  /// Under tensor parallelism: the loss on vocabulary-sharded logits.
+  ST_ARG(bool, loss_parallel) = true;
+
+ public:
+  /// The ranks that see different data among `world`: world / tensor_parallel.
+  int data_parallel_size(int world) const {
+    return world / static_cast<int>(std::max<int64_t>(1, tensor_parallel()));
+  }
 };
 
 /// LoRA fine-tuning (models/lora.h): the adapter options, off while r is 0,

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
@@ -32,6 +33,26 @@ struct ModelConfig;
 }
 
 namespace shardtrain::models {
+
+/// How a family splits over a tensor-parallel group (Megatron's layout), as
+/// data: apply_tensor_parallel (parallel/tensor_parallel.h) reads it. Module
+/// paths match when equal or ending in "." + the entry.
+struct TensorParallelPlan {
+  /// Linear layers split along their outputs (and biases with them); an
+  /// entry's `parts` > 1 splits each of that many equal blocks of the output
+  /// on its own (GPT's fused q|k|v, split per head within each third).
+  std::vector<std::pair<std::string, int>> column;
+  /// Linear layers split along their inputs: the partial products are
+  /// summed over the group, then the bias is added once.
+  std::vector<std::string> row;
+  /// Modules whose forward is one region: column_input on the way in,
+  /// row_parallel on the way out (models/tensor_parallel.h).
+  std::vector<std::string> regions;
+  /// The token embedding (vocabulary-parallel) and the untied head
+  /// (column-parallel over the vocabulary); head "" when tied.
+  std::string embedding;
+  std::string head;
+};
 
 class ModelFamily {
  public:
@@ -85,6 +106,14 @@ class ModelFamily {
   /// The config.json of an exported Hugging Face directory; "" when the
   /// family has none (the model is exported as one safetensors file).
   virtual std::string hf_config_json(const config::ModelConfig& m) const { return ""; }
+  /// The tensor-parallel plan; no regions: the family cannot be split.
+  virtual TensorParallelPlan tensor_parallel_plan() const { return {}; }
+  /// The sizes a tensor-parallel degree must divide, with their keys
+  /// ({"model.n_head", 12}, ...): checked when the config is read.
+  virtual std::vector<std::pair<std::string, int64_t>> tensor_parallel_divisors(
+      const config::ModelConfig& m) const {
+    return {};
+  }
   /// Class name of a wrap unit (strategy/wrap.h's module_type policy).
   virtual std::string unit_type() const { return "BlockImpl"; }
 };

@@ -89,7 +89,9 @@ struct LoraSummary {
 LoraSummary apply_lora(torch::nn::Module& model, const LoraOptions& options);
 
 /// layer(x), plus its adapter when apply_lora attached one; x [..., in].
-at::Tensor lora_forward(torch::nn::LinearImpl& layer, const at::Tensor& x);
+/// `with_bias` false leaves the bias out (a row-parallel layer adds it once,
+/// after its partial products are summed).
+at::Tensor lora_forward(torch::nn::LinearImpl& layer, const at::Tensor& x, bool with_bias = true);
 
 /// Whether `layer` carries an adapter.
 bool has_lora(const torch::nn::Module& layer);

@@ -38,9 +38,35 @@ class Optimizer;
 
 namespace shardtrain::comm {
 class Communicator;
+class DeviceMesh;
 }
 
 namespace shardtrain::strategy {
+
+/// A block of a whole tensor along one dimension: the elements whose index
+/// along `dim` lies in one of `ranges` ({global start, length}, in this
+/// order). What a tensor-parallel rank holds of a split parameter: rows
+/// [r·V/tp, ...) of an embedding, the columns of its input features of a
+/// row-parallel weight, three row blocks of GPT's fused q|k|v.
+struct TensorChunk {
+  /// -1: the whole tensor (no ranges).
+  int64_t dim = -1;
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  bool whole() const { return dim < 0; }
+  /// The chunk's shape: `global_shape` with `dim` the ranges' total length.
+  std::vector<int64_t> shape(const std::vector<int64_t>& global_shape) const;
+};
+
+/// Where `count` elements of a chunk, from its row-major element `first`,
+/// lie in the whole tensor: runs of {whole-tensor offset, offset from
+/// `first`, length}, in order. One run for a whole tensor or a split of dim 0.
+struct ElementRun {
+  int64_t global = 0;
+  int64_t local = 0;
+  int64_t count = 0;
+};
+std::vector<ElementRun> chunk_runs(const std::vector<int64_t>& global_shape, const TensorChunk& chunk,
+                                   int64_t first, int64_t count);
 
 /// One tensor of the model's state as this rank holds it: the whole tensor,
 /// or a contiguous run of its row-major (flattened) elements.
@@ -60,6 +86,10 @@ struct ShardedTensor {
   bool primary = true;
   /// A parameter (true) or a buffer (false).
   bool is_parameter = true;
+  /// Under tensor parallelism, the block of the whole tensor this rank's
+  /// parameter is: `offset` and `local` then count the chunk's row-major
+  /// elements, and chunk_runs() tells where they lie in the whole tensor.
+  TensorChunk chunk;
 };
 
 /// Time a strategy spent on communication in the last optimizer step.
@@ -87,6 +117,15 @@ class Strategy {
   /// 0's parameters and buffers, then plans buckets or shards and installs
   /// its autograd hooks.
   virtual void setup(torch::nn::Module& model, std::shared_ptr<comm::Communicator> comm) = 0;
+
+  /// The same on the data-parallel dimensions of `mesh` (comm/mesh.h):
+  /// gradients are averaged over mesh.dp(), and hybrid sharding shards
+  /// within mesh.dp_shard() and replicates across mesh.dp_replicate().
+  virtual void setup(torch::nn::Module& model, const comm::DeviceMesh& mesh);
+
+  /// The group over which optimizer_parameters() split the model (each rank
+  /// holding its own slices), or null where every rank holds them all.
+  virtual comm::Communicator* optimizer_shard_group() const { return nullptr; }
 
   /// Whether the next backward synchronises gradients. Off on accumulation
   /// micro-steps, on for the last one; on by default.

@@ -22,6 +22,7 @@ class Optimizer;
 }
 namespace shardtrain::comm {
 class Communicator;
+class DeviceMesh;
 }
 namespace shardtrain::strategy {
 class Strategy;
@@ -113,6 +114,10 @@ class Trainer {
   config::Config config_;
   TrainTask task_;
   std::shared_ptr<comm::Communicator> comm_;
+  // The mesh over comm_ (distributed.tensor_parallel x data parallel) and
+  // its data-parallel group: the ranks that see different data.
+  std::unique_ptr<comm::DeviceMesh> mesh_;
+  std::shared_ptr<comm::Communicator> dp_;
   std::unique_ptr<precision::Precision> precision_;
   std::unique_ptr<strategy::Strategy> strategy_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;

@@ -1,0 +1,74 @@
+// Tensor parallelism as plain functions over a built model and the mesh's
+// tensor-parallel group, applied in this order before the data-parallel
+// strategy's setup (torchtitan's parallelize order):
+//
+//   auto layout = apply_tensor_parallel(*model, family.tensor_parallel_plan(), mesh.tp(), options);
+//   auto strategy = tensor_parallel_strategy(make_strategy(so), layout, mesh.tp());
+//   strategy->setup(*model, mesh);            // the inner strategy on mesh.dp()
+//
+// apply_tensor_parallel keeps, of every parameter its family's plan splits,
+// this rank's block (models/tensor_parallel.h has the layout), reading only
+// that block of a deferred (file-backed) weight. Parameters the plan does
+// not split (norms, row-parallel biases, GPT's position embedding) stay
+// whole on every rank: "replicated". The strategy wrapper then gives the
+// rest of shardtrain one model again:
+//   - checkpoints and optimizer state record each block's place in the
+//     whole tensor (ShardedTensor::chunk), so any layout loads any other;
+//   - the gradient norm counts a split parameter's blocks once each and a
+//     replicated one once, not tp times;
+//   - under sequence parallelism each rank's gradient of a replicated
+//     parameter covers its tokens only: they are summed over the group;
+//   - full_state_dict() assembles the whole tensors on rank 0.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardtrain/core/options.h"
+#include "shardtrain/strategy/strategy.h"
+
+namespace torch::nn {
+class Module;
+}
+namespace shardtrain::models {
+struct TensorParallelPlan;
+}
+
+namespace shardtrain::parallel {
+
+struct TensorParallelOptions {
+  /// Norms, dropout and the residual stream hold 1/tp of the tokens between
+  /// regions: all-gather in, reduce-scatter out instead of one all-reduce.
+  ST_ARG(bool, sequence_parallel) = true;
+  /// The loss takes vocabulary-sharded logits; no rank holds the whole vocabulary.
+  ST_ARG(bool, loss_parallel) = true;
+};
+
+/// What apply_tensor_parallel split: per parameter name, the block each
+/// tensor-parallel rank holds (index = rank) and the whole shape.
+struct TensorParallelLayout {
+  struct Split {
+    std::vector<int64_t> global_shape;
+    std::vector<strategy::TensorChunk> chunks;
+  };
+  std::map<std::string, Split> splits;
+  bool sequence_parallel = false;
+};
+
+/// Splits `model` over `tp` as `plan` says (every rank of `tp` calls it on
+/// the same model). Parameters must not be sharded yet; LoRA adapters are
+/// not split (InvalidArgument when the model carries them). ConfigError
+/// when a split dimension has fewer elements than ranks.
+TensorParallelLayout apply_tensor_parallel(torch::nn::Module& model, const models::TensorParallelPlan& plan,
+                                           std::shared_ptr<comm::Communicator> tp,
+                                           const TensorParallelOptions& options = {});
+
+/// `inner` (the data-parallel strategy) wrapped so that the trainer,
+/// checkpoints and clipping see the whole model; see the top of this file.
+std::unique_ptr<strategy::Strategy> tensor_parallel_strategy(std::unique_ptr<strategy::Strategy> inner,
+                                                             TensorParallelLayout layout,
+                                                             std::shared_ptr<comm::Communicator> tp);
+
+}  // namespace shardtrain::parallel
