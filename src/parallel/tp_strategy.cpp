@@ -103,12 +103,13 @@ class TensorParallelStrategy final : public strategy::Strategy {
       const auto it = layout_.splits.find(name);
       if (it == layout_.splits.end()) continue;
       const TensorParallelLayout::Split& s = it->second;
-      int64_t widest = 0;
-      for (const auto& c : s.chunks) {
+      const auto numel_of = [&](const strategy::TensorChunk& c) {
         int64_t numel = 1;
         for (int64_t d : c.shape(s.global_shape)) numel *= d;
-        widest = std::max(widest, numel);
-      }
+        return numel;
+      };
+      int64_t widest = 0;
+      for (const auto& c : s.chunks) widest = std::max(widest, numel_of(c));
       at::Tensor mine = at::zeros({widest}, local.options());
       mine.narrow(0, 0, local.numel()).copy_(local.reshape({-1}));
       at::Tensor all = at::empty({n * widest}, local.options());
@@ -118,9 +119,7 @@ class TensorParallelStrategy final : public strategy::Strategy {
       at::Tensor flat = whole.view({-1});
       for (int k = 0; k < n; ++k) {
         const strategy::TensorChunk& c = s.chunks[static_cast<size_t>(k)];
-        int64_t numel = 1;
-        for (int64_t d : c.shape(s.global_shape)) numel *= d;
-        for (const auto& run : strategy::chunk_runs(s.global_shape, c, 0, numel)) {
+        for (const auto& run : strategy::chunk_runs(s.global_shape, c, 0, numel_of(c))) {
           flat.narrow(0, run.global, run.count).copy_(all.narrow(0, k * widest + run.local, run.count));
         }
       }

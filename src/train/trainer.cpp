@@ -292,6 +292,7 @@ void Trainer::run_step() {
         std::min(2.0 * (1 << 30), strategy::default_memory_budget_bytes(env.local_world_size) / 4)));
   }
   const auto start = Clock::now();
+  const double tp_busy_before = mesh_->tp()->busy_seconds();
 
   // The whole window's micro-batches first: the loss is normalised by the
   // number of targets in the window on all ranks (one small all-reduce), so
@@ -400,6 +401,9 @@ void Trainer::run_step() {
                                                  rss_ranks.data_ptr<double>() + comm_->size()));
   m.set("world_size", static_cast<int64_t>(comm_->size()));
   m.set("tensor_parallel", static_cast<int64_t>(mesh_->shape().tp()));
+  // The tensor-parallel collectives of the step (forward, backward and the
+  // loss): the training thread waits for each, so this is time not computing.
+  m.set("tp_comm_s", mesh_->tp()->busy_seconds() - tp_busy_before);
   m.set("strategy", strategy_->name());
   // Communication of the gradient path: time the comm threads worked and
   // the part the training thread waited for (the rest overlapped compute).
