@@ -76,6 +76,13 @@ strategy::EstimateInput estimate_input(const config::Config& config, torch::nn::
   return in;
 }
 
+comm::MeshShape mesh_shape(const config::Config& config, int world_size, int local_world_size) {
+  const auto& d = config.distributed;
+  const bool hybrid =
+      d.strategy() == strategy::StrategyKind::Fsdp && d.sharding() == strategy::Sharding::HybridShard;
+  return comm::mesh_shape_for(world_size, local_world_size, static_cast<int>(d.tensor_parallel()), 1, hybrid);
+}
+
 void attach_lora(torch::nn::Module& model, const config::Config& config) {
   if (config.lora.r() > 0) models::apply_lora(model, detail::lora_options(config));
 }

@@ -155,14 +155,9 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
   const dist::ClusterEnv env = dist::ClusterEnv::detect();
   // The mesh first: everything below that speaks of data parallelism (the
   // batch plan, the strategy, the sampler's ranks) means its dp dimension.
-  {
-    const int tp = static_cast<int>(config_.distributed.tensor_parallel());
-    const bool hybrid = config_.distributed.strategy() == strategy::StrategyKind::Fsdp &&
-                        config_.distributed.sharding() == strategy::Sharding::HybridShard;
-    mesh_ = std::make_unique<comm::DeviceMesh>(comm::DeviceMesh::create(
-        comm_, comm::mesh_shape_for(comm_->size(), env.local_world_size, tp, 1, hybrid)));
-    dp_ = mesh_->dp();
-  }
+  mesh_ = std::make_unique<comm::DeviceMesh>(
+      comm::DeviceMesh::create(comm_, mesh_shape(config_, comm_->size(), env.local_world_size)));
+  dp_ = mesh_->dp();
   batch_ = config_.resolve_batch(dp_->size());
   restarts_ = env.restart_count;
   threads_ = threads_for_rank(config_.distributed.threads_per_rank(), env.local_world_size);

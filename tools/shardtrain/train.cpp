@@ -26,6 +26,7 @@
 #include "shardtrain/models/family.h"
 #include "shardtrain/models/gpt.h"
 #include "shardtrain/models/hf_dir.h"
+#include "shardtrain/train/plan.h"
 #include "shardtrain/train/report.h"
 #include "shardtrain/train/task.h"
 #include "shardtrain/train/trainer.h"
@@ -184,6 +185,9 @@ int train_main(int argc, char** argv) {
   ST_CHECK(config.distributed.strategy() != strategy::StrategyKind::Single || comm->size() == 1, ConfigError,
            "distributed.strategy 'single' runs one process, but WORLD_SIZE is ", comm->size(),
            "; use ddp or start one rank");
+  // A layout the mesh cannot hold (a tensor-parallel group across hosts)
+  // is refused before the model is built.
+  train::mesh_shape(config, comm->size(), env.local_world_size);
   // Tensor-parallel ranks share their data: the task plans for the
   // data-parallel ranks.
   train::Trainer trainer(config, train::make_task(config, config.distributed.data_parallel_size(comm->size())), comm);

@@ -2,6 +2,7 @@
 // for, and the memory estimator's input for a model trained as it says.
 #pragma once
 
+#include "shardtrain/comm/mesh.h"
 #include "shardtrain/config/config.h"
 #include "shardtrain/strategy/estimate.h"
 #include "shardtrain/strategy/options.h"
@@ -54,6 +55,13 @@ void check_model_fits(const config::Config& config, int world_size, int local_wo
 /// The strategy options the config's distributed section asks for; strategy
 /// "auto" becomes the one choose_strategy() picks for the memory budget
 /// (distributed.memory_budget_mb, or MemAvailable / local ranks).
+/// The device mesh the config asks for on `world_size` ranks,
+/// `local_world_size` per host: distributed.tensor_parallel innermost, the
+/// rest data-parallel (hybrid_shard: within a host, replicated across).
+/// ConfigError, before anything is built, for a tensor-parallel group that
+/// would span hosts.
+comm::MeshShape mesh_shape(const config::Config& config, int world_size, int local_world_size);
+
 strategy::StrategyOptions strategy_options(const config::Config& config, torch::nn::Module& model,
                                            int world_size, int local_world_size);
 
