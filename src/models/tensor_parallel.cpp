@@ -33,11 +33,10 @@ class TensorParallelChildImpl : public torch::nn::Module {
 // The group travels through autograd's saved data as an address: the
 // model holds it (its child) as long as the model lives.
 int64_t as_word(const TensorParallelGroup* g) { return reinterpret_cast<int64_t>(g); }
-const TensorParallelGroup& group_of(AutogradContext* ctx) {
-  return *reinterpret_cast<const TensorParallelGroup*>(ctx->saved_data["group"].toInt());
-}
+const TensorParallelGroup& group_at(int64_t word) { return *reinterpret_cast<const TensorParallelGroup*>(word); }
+const TensorParallelGroup& group_of(AutogradContext* ctx) { return group_at(ctx->saved_data["group"].toInt()); }
 
-// ---- the four collectives --------------------------------------------------------------------
+// ---- the collectives --------------------------------------------------------------------
 
 at::Tensor all_reduced(const TensorParallelGroup& g, const at::Tensor& x) {
   at::Tensor out = x.contiguous().clone();
@@ -80,7 +79,7 @@ at::Tensor scattered_tokens(const TensorParallelGroup& g, const at::Tensor& x) {
 struct EnterRegion : torch::autograd::Function<EnterRegion> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t group) {
     ctx->saved_data["group"] = group;
-    const auto& g = *reinterpret_cast<const TensorParallelGroup*>(group);
+    const auto& g = group_at(group);
     return g.sequence_parallel ? gathered_tokens(g, x) : x;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grad) {
@@ -94,7 +93,7 @@ struct EnterRegion : torch::autograd::Function<EnterRegion> {
 struct LeaveRegion : torch::autograd::Function<LeaveRegion> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t group) {
     ctx->saved_data["group"] = group;
-    const auto& g = *reinterpret_cast<const TensorParallelGroup*>(group);
+    const auto& g = group_at(group);
     return g.sequence_parallel ? scattered_tokens(g, x) : all_reduced(g, x);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grad) {
@@ -109,7 +108,7 @@ struct LeaveRegion : torch::autograd::Function<LeaveRegion> {
 struct GatherVocab : torch::autograd::Function<GatherVocab> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, int64_t group) {
     ctx->saved_data["group"] = group;
-    const auto& g = *reinterpret_cast<const TensorParallelGroup*>(group);
+    const auto& g = group_at(group);
     const int tp = g.comm->size();
     const int64_t widest = comm::shard_range(g.vocab_size, tp, 0).count;
     const int64_t rows = logits.numel() / std::max<int64_t>(1, g.vocab_local);
@@ -138,7 +137,7 @@ struct GatherVocab : torch::autograd::Function<GatherVocab> {
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& target,
                             int64_t group, int64_t ignore_index) {
-    const auto& g = *reinterpret_cast<const TensorParallelGroup*>(group);
+    const auto& g = group_at(group);
     const at::Tensor x = logits.to(at::kFloat);
     const at::Tensor valid = target.ne(ignore_index);
     ST_CHECK(target.ge(0).logical_and(target.lt(g.vocab_size)).logical_or(valid.logical_not()).all().item<bool>(),

@@ -212,7 +212,9 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
   const strategy::StrategyOptions so =
       strategy_options(config_, *task_.model, dp_->size(), env.local_world_size);
   strategy_ = strategy::make_strategy(so);
-  if (tp_layout) strategy_ = parallel::tensor_parallel_strategy(std::move(strategy_), std::move(*tp_layout), mesh_->tp());
+  if (tp_layout) {
+    strategy_ = parallel::tensor_parallel_strategy(std::move(strategy_), std::move(*tp_layout), mesh_->tp());
+  }
   strategy_->setup(*task_.model, *mesh_);
   // After setup: the optimizer must see the parameters as the strategy left them.
   optimizer_ = make_optimizer(strategy_->optimizer_parameters(), config_.optimizer);
