@@ -128,14 +128,22 @@ std::pair<double, std::string> kept_weight_bytes(const config::Config& config, i
     bytes = 1.0;
     what = "int8 base weights";
   }
+  // Tensor-parallel ranks read only their blocks of the split layers
+  // (nearly all of the weights), before any data-parallel sharding.
+  const int64_t tp = config.distributed.tensor_parallel();
+  if (tp > 1) {
+    bytes /= static_cast<double>(tp);
+    what += ::shardtrain::detail::str_cat(", 1/", tp, " tensor-parallel blocks");
+  }
   const strategy::StrategyOptions& d = config.distributed;
   const bool fsdp = d.strategy() == strategy::StrategyKind::Fsdp;
+  const int per_host = std::max<int>(1, local_world_size / static_cast<int>(tp));
   if (d.strategy() == strategy::StrategyKind::Auto ||
       (fsdp && d.sharding() == strategy::Sharding::FullShard)) {
     return {bytes / world_size, ::shardtrain::detail::str_cat(what, ", 1/", world_size, " of them")};
   }
   if (fsdp && d.sharding() == strategy::Sharding::HybridShard) {
-    return {bytes / local_world_size, ::shardtrain::detail::str_cat(what, ", 1/", local_world_size, " of them")};
+    return {bytes / per_host, ::shardtrain::detail::str_cat(what, ", 1/", per_host, " of them")};
   }
   return {bytes, what};
 }
@@ -150,7 +158,11 @@ void check_model_fits(const config::Config& config, int world_size, int local_wo
   const double weights = per_param * params;
   const int64_t micro = estimate_micro_batch(config, world_size);
   const int act_bytes = activation_element_bytes(config);
-  const double activations = family.activation_bytes(m, micro, act_bytes);
+  // Under sequence parallelism a tensor-parallel rank holds 1/tp of each
+  // layer's activations (inside the regions and outside them).
+  const auto& d = config.distributed;
+  const double activations = family.activation_bytes(m, micro, act_bytes) /
+                             (d.sequence_parallel() ? static_cast<double>(d.tensor_parallel()) : 1.0);
   const double need = weights + activations;
   const double budget_mb = config.distributed.memory_budget_mb();
   const double have = budget_mb > 0.0 ? budget_mb * 1024.0 * 1024.0

@@ -188,6 +188,33 @@ TEST(UntrustedConfig, AModelReadFromFilesNeedsOnlyWhatARankKeeps) {
   EXPECT_HAS(fits(c), "nf4 base weights");
 }
 
+// Tensor-parallel ranks read only their blocks of a model from files, and
+// under sequence parallelism hold 1/tp of its activations: a model whose
+// whole fp32 weights exceed a rank's memory passes at tp 4 when read from
+// files, and is still refused when drawn from nothing (drawn whole on every
+// rank before it is split).
+TEST(UntrustedConfig, TensorParallelRanksReadOnlyTheirBlocks) {
+  Config c = Config::parse("distributed: {strategy: ddp, tensor_parallel: 4}", {}, "test.yaml");
+  const auto& family = shardtrain::models::family_of(c.model.type);
+  const double params = family.num_parameters(c.model);
+  const double act = family.activation_bytes(c.model, shardtrain::train::estimate_micro_batch(c, 1), 4);
+  // Half the whole fp32 weights plus a quarter of the activations.
+  c.distributed.memory_budget_mb((2.0 * params + act / 4.0 + 1.0) / (1024.0 * 1024.0));
+  const auto fits = [](const Config& config) {
+    try {
+      shardtrain::train::check_model_fits(config, 1, 4);  // one data-parallel rank, four per host
+      return std::string();
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+  };
+  EXPECT_HAS(fits(c), "fp32 weights");  // drawn from nothing: whole on every rank
+  c.model.init_from = "/models/base";
+  EXPECT_EQ(fits(c), "");  // read from files: a quarter per rank
+  c.distributed.tensor_parallel(2);
+  EXPECT_HAS(fits(c), "1/2 tensor-parallel blocks");  // half the weights: over the budget
+}
+
 // ---- FIFOs and other files that are not regular -------------------------------------
 
 // Runs `fn`, which must refuse the FIFO at `fifo` with ErrorType. A plain
