@@ -4,6 +4,7 @@
 
 #include <torch/torch.h>
 
+#include <atomic>
 #include <vector>
 
 #include "shardtrain/comm/communicator.h"
@@ -29,6 +30,12 @@ class TensorParallelChildImpl : public torch::nn::Module {
   explicit TensorParallelChildImpl(std::shared_ptr<const TensorParallelGroup> g) : group(std::move(g)) {}
   std::shared_ptr<const TensorParallelGroup> group;
 };
+
+// Groups ever registered in this process (never decreases).
+std::atomic<int64_t>& registrations() {
+  static std::atomic<int64_t> count{0};
+  return count;
+}
 
 // The group travels through autograd's saved data as an address: the
 // model holds it (its child) as long as the model lives.
@@ -180,9 +187,13 @@ void set_tensor_parallel(torch::nn::Module& module, std::shared_ptr<const Tensor
   ST_CHECK(tensor_parallel_of(module) == nullptr, InvalidArgument, "module ", module.name(),
            " is already tensor-parallel");
   module.register_module(kChildName, std::make_shared<TensorParallelChildImpl>(std::move(group)));
+  registrations().fetch_add(1, std::memory_order_relaxed);
 }
 
 const TensorParallelGroup* tensor_parallel_of(const torch::nn::Module& module) {
+  // Every layer call of every model asks: a process that never split a
+  // model answers without walking the module's children.
+  if (registrations().load(std::memory_order_relaxed) == 0) return nullptr;
   for (const auto& child : module.named_children()) {
     if (child.key() != kChildName) continue;
     const auto* held = dynamic_cast<const TensorParallelChildImpl*>(child.value().get());

@@ -3,12 +3,11 @@
 // gradients of replicated parameters, the whole model on rank 0.
 #include <torch/torch.h>
 
-#include <cmath>
-
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/comm/mesh.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/parallel/tensor_parallel.h"
+#include "strategy/detail.h"
 
 namespace shardtrain::parallel {
 
@@ -29,9 +28,13 @@ class TensorParallelStrategy final : public strategy::Strategy {
   void setup(torch::nn::Module& model, const comm::DeviceMesh& mesh) override {
     ST_CHECK(mesh.tp() == tp_, InvalidArgument, "setup: the mesh's tp group is not the one the model was split over");
     inner_->setup(model, mesh);
-    // Which of the optimizer's tensors are replicated over tp, once.
+    // Once: which of the optimizer's tensors are replicated over tp, and
+    // which count towards this rank's part of the gradient norm (a split
+    // block always, a replicated parameter on tp rank 0 only).
     for (const ShardedTensor& p : inner_->optimizer_parameters()) {
-      if (layout_.splits.count(p.name) == 0) replicated_.push_back(p.local);
+      const bool split = layout_.splits.count(p.name) > 0;
+      if (!split) replicated_.push_back(p.local);
+      if (split || tp_->rank() == 0) counted_.push_back(p.local);
     }
   }
   void set_gradient_sync(bool enabled) override { inner_->set_gradient_sync(enabled); }
@@ -63,30 +66,14 @@ class TensorParallelStrategy final : public strategy::Strategy {
 
   // The global norm: a split parameter's blocks each once (summed over tp),
   // a replicated one once (tp rank 0's), the optimizer's slices summed over
-  // the group they split the model over.
+  // the group they split the model over; every rank's gradients scaled.
   double clip_grad_norm(double max_norm) override {
-    at::NoGradGuard no_grad;
-    double sum_sq = 0.0;
-    for (const ShardedTensor& p : inner_->optimizer_parameters()) {
-      const at::Tensor& g = p.local.grad();
-      if (!g.defined() || g.numel() == 0) continue;
-      if (layout_.splits.count(p.name) == 0 && tp_->rank() != 0) continue;
-      const double n = g.norm(2).item<double>();
-      sum_sq += n * n;
+    std::vector<at::Tensor> counted;
+    for (const at::Tensor& p : counted_) {
+      if (p.grad().defined()) counted.push_back(p.grad());
     }
-    auto t = torch::tensor({sum_sq}, torch::kDouble);
-    if (comm::Communicator* shards = inner_->optimizer_shard_group(); shards != nullptr && shards->size() > 1) {
-      shards->all_reduce(t);
-    }
-    tp_->all_reduce(t);
-    const double total = std::sqrt(t.item<double>());
-    if (max_norm > 0.0) {
-      const double coef = max_norm / (total + 1e-6);
-      if (coef < 1.0) {
-        for (const at::Tensor& g : inner_->gradients()) g.mul_(coef);
-      }
-    }
-    return total;
+    return strategy::detail::clip_grad_norm(counted, inner_->gradients(), max_norm,
+                                            {inner_->optimizer_shard_group(), tp_.get()});
   }
 
   void optimizer_step(torch::optim::Optimizer& optimizer) override { inner_->optimizer_step(optimizer); }
@@ -104,9 +91,7 @@ class TensorParallelStrategy final : public strategy::Strategy {
       if (it == layout_.splits.end()) continue;
       const TensorParallelLayout::Split& s = it->second;
       const auto numel_of = [&](const strategy::TensorChunk& c) {
-        int64_t numel = 1;
-        for (int64_t d : c.shape(s.global_shape)) numel *= d;
-        return numel;
+        return c10::multiply_integers(c.shape(s.global_shape));
       };
       int64_t widest = 0;
       for (const auto& c : s.chunks) widest = std::max(widest, numel_of(c));
@@ -155,7 +140,7 @@ class TensorParallelStrategy final : public strategy::Strategy {
   std::unique_ptr<Strategy> inner_;
   TensorParallelLayout layout_;
   std::shared_ptr<comm::Communicator> tp_;
-  std::vector<at::Tensor> replicated_;
+  std::vector<at::Tensor> replicated_, counted_;
 };
 
 }  // namespace

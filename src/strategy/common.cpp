@@ -108,24 +108,30 @@ int64_t mib_to_bytes(double mib) { return static_cast<int64_t>(mib * (1 << 20));
 
 double clip_grad_norm(const std::vector<at::Tensor>& grads, double max_norm,
                       comm::Communicator* sum_over) {
+  return clip_grad_norm(grads, grads, max_norm, {sum_over});
+}
+
+double clip_grad_norm(const std::vector<at::Tensor>& counted, const std::vector<at::Tensor>& scaled,
+                      double max_norm, const std::vector<comm::Communicator*>& sum_over) {
   at::NoGradGuard no_grad;
   // Each gradient's norm in its own dtype (as torch does), summed in double
   // so that many parameters do not lose the small ones.
   double sum_sq = 0.0;
-  for (const auto& g : grads) {
+  for (const auto& g : counted) {
     const double n = g.norm(2).item<double>();
     sum_sq += n * n;
   }
-  if (sum_over != nullptr && sum_over->size() > 1) {
+  for (comm::Communicator* group : sum_over) {
+    if (group == nullptr || group->size() <= 1) continue;
     auto t = torch::tensor({sum_sq}, torch::kDouble);
-    sum_over->all_reduce(t);
+    group->all_reduce(t);
     sum_sq = t.item<double>();
   }
   const double total = std::sqrt(sum_sq);
   if (max_norm > 0.0) {
     const double coef = max_norm / (total + 1e-6);
     if (coef < 1.0) {
-      for (const auto& g : grads) g.mul_(coef);
+      for (const auto& g : scaled) g.mul_(coef);
     }
   }
   return total;

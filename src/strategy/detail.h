@@ -24,6 +24,13 @@ namespace shardtrain::strategy::detail {
 /// max_norm / (norm + 1e-6) only when max_norm > 0 and that is below 1.
 double clip_grad_norm(const std::vector<at::Tensor>& grads, double max_norm,
                       comm::Communicator* sum_over = nullptr);
+/// The same where the norm's terms and the gradients it scales differ: the
+/// squares of `counted` summed over each group of `sum_over` in turn (null
+/// or single-rank groups skipped), `scaled` multiplied by the coefficient.
+/// Tensor parallelism counts a replicated parameter on one rank of its
+/// group but scales every rank's copy.
+double clip_grad_norm(const std::vector<at::Tensor>& counted, const std::vector<at::Tensor>& scaled,
+                      double max_norm, const std::vector<comm::Communicator*>& sum_over);
 
 /// The dtype `dtype` names, or `own` for DType::Auto.
 at::ScalarType scalar_type(DType dtype, at::ScalarType own);

@@ -245,7 +245,7 @@ TEST(ChunkRuns, PlaceEachElementWhereTorchSlicingDoes) {
       {{6, 5}, {-1, {}}},
   };
   for (const auto& c : cases) {
-    const at::Tensor whole = at::arange(c.shape.empty() ? 1 : at::ones(c.shape).numel(), at::kLong).view(c.shape);
+    const at::Tensor whole = at::arange(c10::multiply_integers(c.shape), at::kLong).view(c.shape);
     at::Tensor block = whole;
     if (!c.chunk.whole()) {
       std::vector<at::Tensor> parts;

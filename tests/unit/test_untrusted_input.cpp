@@ -158,6 +158,16 @@ TEST(UntrustedConfig, ModelsThatCannotFitAreRefusedWithTheirBytes) {
   }
 }
 
+// check_model_fits' ConfigError message for `config`, or "" when it fits.
+std::string fits_message(const Config& config, int world_size, int local_world_size) {
+  try {
+    shardtrain::train::check_model_fits(config, world_size, local_world_size);
+    return std::string();
+  } catch (const ConfigError& e) {
+    return std::string(e.what());
+  }
+}
+
 // A model read from files is built deferred: a rank holds only what its
 // strategy keeps, so a model whose fp32 weights exceed a rank's memory is
 // refused when drawn from nothing or kept whole, and passes sharded over four
@@ -169,14 +179,7 @@ TEST(UntrustedConfig, AModelReadFromFilesNeedsOnlyWhatARankKeeps) {
   const double act = family.activation_bytes(c.model, shardtrain::train::estimate_micro_batch(c, 4), 4);
   // Twice a quarter of the fp32 weights: a full_shard rank's share fits, the whole does not.
   c.distributed.memory_budget_mb((2.0 * params + act) / (1024.0 * 1024.0));
-  const auto fits = [](const Config& config) {
-    try {
-      shardtrain::train::check_model_fits(config, 4, 4);
-      return std::string();
-    } catch (const ConfigError& e) {
-      return std::string(e.what());
-    }
-  };
+  const auto fits = [](const Config& config) { return fits_message(config, 4, 4); };
   EXPECT_HAS(fits(c), "fp32 weights");  // drawn from nothing: whole on every rank
   c.model.init_from = "/models/base";
   EXPECT_EQ(fits(c), "");  // read from files: a quarter per rank
@@ -200,14 +203,8 @@ TEST(UntrustedConfig, TensorParallelRanksReadOnlyTheirBlocks) {
   const double act = family.activation_bytes(c.model, shardtrain::train::estimate_micro_batch(c, 1), 4);
   // Half the whole fp32 weights plus a quarter of the activations.
   c.distributed.memory_budget_mb((2.0 * params + act / 4.0 + 1.0) / (1024.0 * 1024.0));
-  const auto fits = [](const Config& config) {
-    try {
-      shardtrain::train::check_model_fits(config, 1, 4);  // one data-parallel rank, four per host
-      return std::string();
-    } catch (const ConfigError& e) {
-      return std::string(e.what());
-    }
-  };
+  // One data-parallel rank, four per host.
+  const auto fits = [](const Config& config) { return fits_message(config, 1, 4); };
   EXPECT_HAS(fits(c), "fp32 weights");  // drawn from nothing: whole on every rank
   c.model.init_from = "/models/base";
   EXPECT_EQ(fits(c), "");  // read from files: a quarter per rank
