@@ -431,6 +431,15 @@ void check_relations(const Source& s, const Config& c) {
                     " under sequence parallelism (each rank holds block_size / tensor_parallel tokens); or "
                     "set distributed.sequence_parallel: false"),
             {"model.block_size", "distributed.sequence_parallel"});
+  // A base each rank quantizes on its own block has no whole quantized form
+  // to write: it is left out of checkpoints and read again from its file.
+  const bool quantized = c.lora.r() > 0 && c.lora.quantize() != models::LoraQuantize::None;
+  s.require(tp == 1 || !quantized || (!c.model.init_from.empty() && !c.checkpoint.save_frozen_base),
+            "distributed.tensor_parallel", std::to_string(tp),
+            str_cat("1 with lora.quantize=", enum_name(c.lora.quantize()),
+                    " unless model.init_from names the base and checkpoint.save_frozen_base is false (each "
+                    "rank quantizes its own block, so checkpoints reference the base file instead of holding it)"),
+            {"lora.quantize", "model.init_from", "checkpoint.save_frozen_base"});
   s.require(d.auto_wrap_policy() != strategy::AutoWrapPolicy::ModuleType ||
                 !d.wrap_module_types().empty(),
             "distributed.wrap_module_types", "[]",

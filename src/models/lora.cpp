@@ -300,7 +300,6 @@ LoraSummary apply_lora(torch::nn::Module& model, const LoraOptions& options) {
   }
 
   auto gen = at::detail::createCPUGenerator(options.seed());
-  const auto cache = std::make_shared<QuantizedCache>();
   LoraSummary summary;
   for (auto& [path, layer] : targets) {
     const int64_t in = layer->options.in_features(), out = layer->options.out_features();
@@ -308,9 +307,6 @@ LoraSummary apply_lora(torch::nn::Module& model, const LoraOptions& options) {
     auto state = std::make_shared<LoraStateImpl>();
     state->scale = options.alpha() / static_cast<double>(options.r());
     state->dropout = options.dropout();
-    state->quantize = options.quantize();
-    state->in = in;
-    state->out = out;
     // PEFT's init: kaiming_uniform_(a=sqrt(5)) gives the bound 1/sqrt(fan_in).
     state->a = torch::nn::Linear(torch::nn::LinearOptions(in, options.r()).bias(false)).ptr();
     state->b = torch::nn::Linear(torch::nn::LinearOptions(options.r(), out).bias(false)).ptr();
@@ -319,32 +315,51 @@ LoraSummary apply_lora(torch::nn::Module& model, const LoraOptions& options) {
     state->b->weight.set_data(at::zeros({out, options.r()}, wopts));
     state->a->weight.set_requires_grad(true);
     state->b->weight.set_requires_grad(true);
-
-    if (options.quantize() != LoraQuantize::None) {
-      // A deferred base is quantized as it is read, tensor by tensor.
-      const QuantizedWeight q = is_deferred(layer->weight)
-                                    ? deferred_quantization(layer->weight.detach(), options, cache)
-                                    : quantize(layer->weight, options);
-      ParameterTable::of(*layer).erase("weight");
-      layer->weight = at::Tensor();
-      state->qweight = layer->register_parameter("qweight", q.codes, false);
-      if (q.scales_q.defined()) {
-        state->qscale_q = layer->register_parameter("qscale_q", q.scales_q, false);
-        state->qscale_scale = layer->register_parameter("qscale_scale", q.scales_scale, false);
-        state->qscale_mean = layer->register_parameter("qscale_mean", q.scales_mean, false);
-      } else {
-        state->qscale = layer->register_parameter("qscale", q.scales, false);
-      }
-    }
     layer->register_module("lora_A", state->a);
     layer->register_module("lora_B", state->b);
     layer->register_module(kStateName, state);
     summary.adapted.push_back(path);
   }
+  quantize_lora_bases(model, options);
   for (const auto& p : model.parameters(/*recurse=*/true)) {
     (p.requires_grad() ? summary.trainable : summary.frozen) += p.numel();
   }
   return summary;
+}
+
+void quantize_lora_bases(torch::nn::Module& model, const LoraOptions& options) {
+  if (options.quantize() == LoraQuantize::None) return;
+  torch::NoGradGuard no_grad;
+  const auto cache = std::make_shared<QuantizedCache>();
+  for (const auto& item : model.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
+    auto* layer = dynamic_cast<torch::nn::LinearImpl*>(item.value().get());
+    LoraStateImpl* state = layer == nullptr ? nullptr : state_of(*layer);
+    if (state == nullptr || state->quantize != LoraQuantize::None) continue;
+    // The widths of the weight as it is now: a tensor-parallel rank's block.
+    const int64_t out = layer->weight.size(0), in = layer->weight.size(1);
+    ST_CHECK(options.quantize() != LoraQuantize::Nf4 || in % kNf4Block == 0, ConfigError,
+             "lora.quantize=nf4 needs every adapted layer's input width to be a multiple of the "
+             "block size ", kNf4Block, ", but layer '", item.key(), "' has ", in,
+             in == layer->options.in_features() ? "" : " on each rank (its input split by distributed.tensor_parallel)",
+             "; hint: use lora.quantize=int8, or leave this layer out of lora.target_modules");
+    // A deferred base is quantized as it is read, tensor by tensor.
+    const QuantizedWeight q = is_deferred(layer->weight)
+                                  ? deferred_quantization(layer->weight.detach(), options, cache)
+                                  : quantize(layer->weight, options);
+    ParameterTable::of(*layer).erase("weight");
+    layer->weight = at::Tensor();
+    state->quantize = options.quantize();
+    state->in = in;
+    state->out = out;
+    state->qweight = layer->register_parameter("qweight", q.codes, false);
+    if (q.scales_q.defined()) {
+      state->qscale_q = layer->register_parameter("qscale_q", q.scales_q, false);
+      state->qscale_scale = layer->register_parameter("qscale_scale", q.scales_scale, false);
+      state->qscale_mean = layer->register_parameter("qscale_mean", q.scales_mean, false);
+    } else {
+      state->qscale = layer->register_parameter("qscale", q.scales, false);
+    }
+  }
 }
 
 at::Tensor lora_forward(torch::nn::LinearImpl& layer, const at::Tensor& x, bool with_bias) {

@@ -6,6 +6,7 @@
 #include "shardtrain/models/family.h"
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -199,20 +200,52 @@ void load_peft_adapter(torch::nn::Module& model, const std::string& dir, const s
   for (auto& [p, name] : copies) p.copy_(file.read(name).to(p.scalar_type()));
 }
 
-std::vector<std::pair<std::string, at::Tensor>> merge_lora_state(
-    const std::vector<std::pair<std::string, at::Tensor>>& state, const LoraOptions& options) {
+std::vector<std::pair<std::string, at::Tensor>> dequantize_lora_bases(
+    const std::vector<std::pair<std::string, at::Tensor>>& state) {
   std::map<std::string, at::Tensor> by_name(state.begin(), state.end());
   const auto get = [&](const std::string& name) {
     const auto it = by_name.find(name);
     return it == by_name.end() ? at::Tensor() : it->second;
   };
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  at::NoGradGuard no_grad;
+  for (const auto& [name, t] : state) {
+    if (ends_with(name, ".qscale") || ends_with(name, ".qscale_q") || ends_with(name, ".qscale_scale") ||
+        ends_with(name, ".qscale_mean")) {
+      continue;  // with the codes below
+    }
+    if (!ends_with(name, ".qweight")) {
+      out.emplace_back(name, t);
+      continue;
+    }
+    const std::string layer = name.substr(0, name.size() - std::strlen(".qweight"));
+    const at::Tensor a = get(layer + ".lora_A.weight"), b = get(layer + ".lora_B.weight");
+    ST_CHECK(a.defined() && b.defined(), CheckpointError, "quantized layer '", layer, "' has no adapter");
+    if (t.scalar_type() == at::kChar) {
+      out.emplace_back(layer + ".weight", dequantize_int8(t, get(layer + ".qscale")).to(a.scalar_type()));
+    } else {
+      QuantizedWeight q;
+      q.scales = get(layer + ".qscale");
+      q.scales_q = get(layer + ".qscale_q");
+      q.scales_scale = get(layer + ".qscale_scale");
+      q.scales_mean = get(layer + ".qscale_mean");
+      out.emplace_back(layer + ".weight",
+                       dequantize_nf4(t, nf4_scales(q), {b.size(0), a.size(1)}).to(a.scalar_type()));
+    }
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> merge_lora_state(
+    const std::vector<std::pair<std::string, at::Tensor>>& quantized, const LoraOptions& options) {
+  const std::vector<std::pair<std::string, at::Tensor>> state = dequantize_lora_bases(quantized);
+  std::map<std::string, at::Tensor> by_name(state.begin(), state.end());
   const double scale = options.alpha() / static_cast<double>(options.r());
   std::vector<std::pair<std::string, at::Tensor>> out;
   at::NoGradGuard no_grad;
   for (const auto& [name, t] : state) {
     const std::string tail = ".lora_A.weight";
-    if (ends_with(name, ".lora_B.weight") || ends_with(name, ".qweight") || ends_with(name, ".qscale") ||
-        ends_with(name, ".qscale_q") || ends_with(name, ".qscale_scale") || ends_with(name, ".qscale_mean") ||
+    if (ends_with(name, ".lora_B.weight") ||
         (ends_with(name, ".weight") && by_name.count(name.substr(0, name.size() - 7) + tail))) {
       continue;  // folded into the weight below
     }
@@ -221,24 +254,11 @@ std::vector<std::pair<std::string, at::Tensor>> merge_lora_state(
       continue;
     }
     const std::string layer = name.substr(0, name.size() - tail.size());
-    const at::Tensor a = t.to(at::kFloat), b = get(layer + ".lora_B.weight").to(at::kFloat);
-    at::Tensor w = get(layer + ".weight");
-    at::ScalarType dtype = w.defined() ? w.scalar_type() : a.scalar_type();
-    if (!w.defined()) {
-      const at::Tensor codes = get(layer + ".qweight");
-      ST_CHECK(codes.defined(), CheckpointError, "adapted layer '", layer, "' has no base weight");
-      if (codes.scalar_type() == at::kChar) {
-        w = dequantize_int8(codes, get(layer + ".qscale"));
-      } else {
-        QuantizedWeight q;
-        q.scales = get(layer + ".qscale");
-        q.scales_q = get(layer + ".qscale_q");
-        q.scales_scale = get(layer + ".qscale_scale");
-        q.scales_mean = get(layer + ".qscale_mean");
-        w = dequantize_nf4(codes, nf4_scales(q), {b.size(0), a.size(1)});
-      }
-    }
-    out.emplace_back(layer + ".weight", (w.to(at::kFloat) + at::matmul(b, a) * scale).to(dtype));
+    const at::Tensor a = t.to(at::kFloat), b = by_name.at(layer + ".lora_B.weight").to(at::kFloat);
+    const auto w = by_name.find(layer + ".weight");
+    ST_CHECK(w != by_name.end(), CheckpointError, "adapted layer '", layer, "' has no base weight");
+    out.emplace_back(layer + ".weight",
+                     (w->second.to(at::kFloat) + at::matmul(b, a) * scale).to(w->second.scalar_type()));
   }
   return out;
 }

@@ -9,7 +9,6 @@
 #include "shardtrain/core/deferred.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/models/family.h"
-#include "shardtrain/models/lora.h"
 
 namespace shardtrain::parallel {
 
@@ -62,60 +61,92 @@ void keep_block(const at::Tensor& param, const TensorChunk& chunk) {
   param.set_data(at::cat(blocks, chunk.dim).contiguous());
 }
 
+// The adapter matrix `name` (lora_A or lora_B) of an adapted Linear, or null.
+torch::nn::LinearImpl* adapter(torch::nn::LinearImpl& layer, const char* name) {
+  for (const auto& child : layer.named_children()) {
+    if (child.key() == name) return dynamic_cast<torch::nn::LinearImpl*>(child.value().get());
+  }
+  return nullptr;
+}
+
 }  // namespace
+
+TensorParallelLayout split_for_tensor_parallel(torch::nn::Module& model, const models::TensorParallelPlan& plan,
+                                              int tp, int rank) {
+  ST_CHECK(tp >= 1 && rank >= 0 && rank < tp, InvalidArgument, "split_for_tensor_parallel: rank ", rank,
+           " of ", tp);
+  ST_CHECK(!plan.regions.empty(), ConfigError, "distributed.tensor_parallel=", tp,
+           ": this model family has no tensor-parallel plan (gpt and llama have one); set it to 1");
+  TensorParallelLayout layout;
+  // Every rank's block of a parameter, this rank's kept.
+  const auto keep = [&](const std::string& name, const at::Tensor& param, int64_t dim, int parts) {
+    TensorParallelLayout::Split s;
+    s.global_shape = param.sizes().vec();
+    for (int k = 0; k < tp; ++k) s.chunks.push_back(split(dim, s.global_shape[dim], parts, tp, k, name));
+    keep_block(param, s.chunks[static_cast<size_t>(rank)]);
+    layout.splits[name] = std::move(s);
+  };
+  // A Linear split along its output (dim 0) or its input (dim 1), with its
+  // adapter: B's rows follow the output, A's columns the input; the other
+  // matrix stays whole and its gradient is partial.
+  const auto split_linear = [&](const std::string& path, torch::nn::LinearImpl& linear, int64_t dim, int parts) {
+    ST_CHECK(linear.weight.defined(), ConfigError, "tensor parallelism splits '", path,
+             "', whose LoRA base is already quantized; quantize after the split (models::quantize_lora_bases)");
+    keep(path + ".weight", linear.weight, dim, parts);
+    if (dim == 0 && linear.bias.defined()) keep(path + ".bias", linear.bias, 0, parts);
+    torch::nn::LinearImpl* a = adapter(linear, "lora_A");
+    torch::nn::LinearImpl* b = adapter(linear, "lora_B");
+    if (a == nullptr || b == nullptr) return;
+    if (dim == 0) {
+      keep(path + ".lora_B.weight", b->weight, 0, parts);
+      layout.partial_gradients.push_back(path + ".lora_A.weight");
+    } else {
+      keep(path + ".lora_A.weight", a->weight, 1, parts);
+      layout.partial_gradients.push_back(path + ".lora_B.weight");
+    }
+  };
+  bool embedding_found = false;
+  for (const auto& item : model.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
+    const std::string& path = item.key();
+    torch::nn::Module& m = *item.value();
+    if (auto* linear = dynamic_cast<torch::nn::LinearImpl*>(&m)) {
+      for (const auto& [entry, parts] : plan.column) {
+        if (matches(path, entry)) split_linear(path, *linear, 0, parts);
+      }
+      for (const auto& entry : plan.row) {
+        if (matches(path, entry)) split_linear(path, *linear, 1, 1);
+      }
+      if (path == plan.head) split_linear(path, *linear, 0, 1);
+    }
+    if (auto* embedding = dynamic_cast<torch::nn::EmbeddingImpl*>(&m); embedding != nullptr && path == plan.embedding) {
+      keep(path + ".weight", embedding->weight, 0, 1);
+      embedding_found = true;
+    }
+  }
+  ST_CHECK(embedding_found, ConfigError, "the tensor-parallel plan's embedding '", plan.embedding,
+           "' is no Embedding of this model");
+  return layout;
+}
 
 TensorParallelLayout apply_tensor_parallel(torch::nn::Module& model, const models::TensorParallelPlan& plan,
                                            std::shared_ptr<comm::Communicator> tp,
                                            const TensorParallelOptions& options) {
   ST_CHECK(tp != nullptr, InvalidArgument, "apply_tensor_parallel needs the mesh's tp group");
-  ST_CHECK(!plan.regions.empty(), ConfigError, "distributed.tensor_parallel=", tp->size(),
-           ": this model family has no tensor-parallel plan (gpt and llama have one); set it to 1");
-  const int n = tp->size(), r = tp->rank();
-  TensorParallelLayout layout;
+  TensorParallelLayout layout = split_for_tensor_parallel(model, plan, tp->size(), tp->rank());
   layout.sequence_parallel = options.sequence_parallel();
   auto group = std::make_shared<models::detail::TensorParallelGroup>();
   group->comm = tp;
   group->sequence_parallel = options.sequence_parallel();
   group->loss_parallel = options.loss_parallel();
-
-  // Every rank's block of a parameter, this rank's kept.
-  const auto keep = [&](const std::string& name, const at::Tensor& param, int64_t dim, int parts) {
-    TensorParallelLayout::Split s;
-    s.global_shape = param.sizes().vec();
-    for (int k = 0; k < n; ++k) s.chunks.push_back(split(dim, s.global_shape[dim], parts, n, k, name));
-    keep_block(param, s.chunks[static_cast<size_t>(r)]);
-    layout.splits[name] = std::move(s);
-  };
-  std::vector<torch::nn::Module*> regions;
+  const TensorParallelLayout::Split& vocab = layout.splits.at(plan.embedding + ".weight");
+  group->vocab_size = vocab.global_shape[0];
+  group->vocab_start = vocab.chunks[static_cast<size_t>(tp->rank())].ranges[0].first;
+  group->vocab_local = vocab.chunks[static_cast<size_t>(tp->rank())].ranges[0].second;
   for (const auto& item : model.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
-    const std::string& path = item.key();
-    torch::nn::Module& m = *item.value();
-    ST_CHECK(!models::has_lora(m), ConfigError, "distributed.tensor_parallel does not split LoRA adapters yet (",
-             path, " carries one); set distributed.tensor_parallel: 1 with lora.r > 0");
     for (const auto& region : plan.regions) {
-      if (matches(path, region)) regions.push_back(&m);
-    }
-    if (auto* linear = dynamic_cast<torch::nn::LinearImpl*>(&m)) {
-      for (const auto& [entry, parts] : plan.column) {
-        if (!matches(path, entry)) continue;
-        keep(path + ".weight", linear->weight, 0, parts);
-        if (linear->bias.defined()) keep(path + ".bias", linear->bias, 0, parts);
-      }
-      for (const auto& entry : plan.row) {
-        if (matches(path, entry)) keep(path + ".weight", linear->weight, 1, 1);
-      }
-      if (path == plan.head) keep(path + ".weight", linear->weight, 0, 1);
-    }
-    if (auto* embedding = dynamic_cast<torch::nn::EmbeddingImpl*>(&m); embedding != nullptr && path == plan.embedding) {
-      group->vocab_size = embedding->weight.size(0);
-      keep(path + ".weight", embedding->weight, 0, 1);
-      group->vocab_start = layout.splits[path + ".weight"].chunks[static_cast<size_t>(r)].ranges[0].first;
-      group->vocab_local = embedding->weight.size(0);
+      if (matches(item.key(), region)) models::detail::set_tensor_parallel(*item.value(), group);
     }
   }
-  ST_CHECK(group->vocab_size > 0, ConfigError, "the tensor-parallel plan's embedding '", plan.embedding,
-           "' is no Embedding of this model");
-  for (torch::nn::Module* m : regions) models::detail::set_tensor_parallel(*m, group);
   models::detail::set_tensor_parallel(model, group);
   return layout;
 }

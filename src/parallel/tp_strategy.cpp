@@ -3,9 +3,12 @@
 // gradients of replicated parameters, the whole model on rank 0.
 #include <torch/torch.h>
 
+#include <set>
+
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/comm/mesh.h"
 #include "shardtrain/core/error.h"
+#include "shardtrain/models/lora_peft.h"
 #include "shardtrain/parallel/tensor_parallel.h"
 #include "strategy/detail.h"
 
@@ -28,12 +31,14 @@ class TensorParallelStrategy final : public strategy::Strategy {
   void setup(torch::nn::Module& model, const comm::DeviceMesh& mesh) override {
     ST_CHECK(mesh.tp() == tp_, InvalidArgument, "setup: the mesh's tp group is not the one the model was split over");
     inner_->setup(model, mesh);
-    // Once: which of the optimizer's tensors are replicated over tp, and
-    // which count towards this rank's part of the gradient norm (a split
-    // block always, a replicated parameter on tp rank 0 only).
+    // Once: which of the optimizer's tensors have gradients to sum over tp
+    // (see finish_gradient_sync), and which count towards this rank's part
+    // of the gradient norm (a split block always, a replicated parameter on
+    // tp rank 0 only).
+    const std::set<std::string> partial(layout_.partial_gradients.begin(), layout_.partial_gradients.end());
     for (const ShardedTensor& p : inner_->optimizer_parameters()) {
       const bool split = layout_.splits.count(p.name) > 0;
-      if (!split) replicated_.push_back(p.local);
+      if (!split && (layout_.sequence_parallel || partial.count(p.name) > 0)) summed_.push_back(p.local);
       if (split || tp_->rank() == 0) counted_.push_back(p.local);
     }
   }
@@ -41,12 +46,13 @@ class TensorParallelStrategy final : public strategy::Strategy {
 
   void finish_gradient_sync() override {
     inner_->finish_gradient_sync();
-    // Under sequence parallelism each rank's gradient of a replicated
-    // parameter holds its own tokens' part: the sum over tp is the whole.
-    if (!layout_.sequence_parallel || replicated_.empty()) return;
+    // Each rank's gradient of a replicated parameter holds its part (under
+    // sequence parallelism its tokens'; a LoRA matrix beside a split one,
+    // its block's): the sum over tp is the whole.
+    if (summed_.empty()) return;
     at::NoGradGuard no_grad;
     std::vector<at::Tensor> grads;
-    for (const at::Tensor& p : replicated_) {
+    for (const at::Tensor& p : summed_) {
       if (p.grad().defined()) grads.push_back(p.grad());
     }
     if (grads.empty()) return;
@@ -82,8 +88,10 @@ class TensorParallelStrategy final : public strategy::Strategy {
 
   // The inner strategy's whole tensors (of this rank's blocks, on dp rank
   // 0), then each split tensor assembled from the tp ranks' blocks on rank 0.
+  // A LoRA base each rank quantized on its own block has no whole
+  // quantized form: its blocks are dequantized and assembled as a weight.
   std::vector<std::pair<std::string, at::Tensor>> full_state_dict() override {
-    std::vector<std::pair<std::string, at::Tensor>> out = inner_->full_state_dict();
+    std::vector<std::pair<std::string, at::Tensor>> out = models::dequantize_lora_bases(inner_->full_state_dict());
     if (out.empty()) return out;  // not dp rank 0: neither are the rest of this tp group
     const int n = tp_->size();
     for (auto& [name, local] : out) {
@@ -140,7 +148,7 @@ class TensorParallelStrategy final : public strategy::Strategy {
   std::unique_ptr<Strategy> inner_;
   TensorParallelLayout layout_;
   std::shared_ptr<comm::Communicator> tp_;
-  std::vector<at::Tensor> replicated_, counted_;
+  std::vector<at::Tensor> summed_, counted_;
 };
 
 }  // namespace

@@ -129,27 +129,41 @@ std::string write_exported_model(const std::string& run_dir, const config::Confi
   return written;
 }
 
-bool prepare_lora(torch::nn::Module& model, const config::Config& config) {
+namespace {
+
+// Quantizing frees the full-precision base, layer by layer. A fixed mmap
+// threshold gives such large blocks back to the system when freed (glibc
+// would otherwise raise its threshold after the first and keep the rest on
+// the heap), and the trim returns what stayed, so training does not carry
+// the fp32 base's pages through its peak.
+template <class F>
+void returning_freed_base(bool quantized, F&& f) {
+  if (quantized) mallopt(M_MMAP_THRESHOLD, 4 << 20);
+  f();
+  if (quantized) malloc_trim(0);
+}
+
+}  // namespace
+
+bool prepare_lora(torch::nn::Module& model, const config::Config& config, bool quantize) {
   if (config.lora.r() == 0) {
     ST_CHECK(config.lora.init_from().empty(), ConfigError, "lora.init_from='",
              config.lora.init_from(), "' needs lora.r > 0; hint: set lora.r (and the other lora keys) "
              "to those of the adapter's adapter_config.json");
     return false;
   }
-  const models::LoraOptions options = lora_options(config);
-  const bool quantized = options.quantize() != models::LoraQuantize::None;
-  // Quantizing frees the full-precision base, layer by layer. A fixed mmap
-  // threshold gives such large blocks back to the system when freed (glibc
-  // would otherwise raise its threshold after the first and keep the rest on
-  // the heap), and the trim returns what stayed, so training does not carry
-  // the fp32 base's pages through its peak.
-  if (quantized) mallopt(M_MMAP_THRESHOLD, 4 << 20);
-  models::apply_lora(model, options);
-  if (quantized) malloc_trim(0);
+  models::LoraOptions options = lora_options(config);
+  if (!quantize) options.quantize(models::LoraQuantize::None);
+  returning_freed_base(options.quantize() != models::LoraQuantize::None, [&] { models::apply_lora(model, options); });
   if (!config.lora.init_from().empty()) {
     models::load_peft_adapter(model, config.lora.init_from(), peft_prefix(config), &options);
   }
   return true;
+}
+
+void quantize_lora(torch::nn::Module& model, const config::Config& config) {
+  if (config.lora.r() == 0 || config.lora.quantize() == models::LoraQuantize::None) return;
+  returning_freed_base(true, [&] { models::quantize_lora_bases(model, lora_options(config)); });
 }
 
 FrozenBase frozen_base(const torch::nn::Module& model, const config::Config& config) {

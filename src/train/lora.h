@@ -62,8 +62,14 @@ std::string write_exported_model(const std::string& run_dir, const config::Confi
 /// With lora.r > 0: freezes the model and attaches the adapters (after the
 /// base weights were loaded, before the strategy's setup), then loads
 /// lora.init_from if set; a no-op otherwise. Every rank calls it alike.
-/// Returns whether the model was adapted.
-bool prepare_lora(torch::nn::Module& model, const config::Config& config);
+/// Returns whether the model was adapted. `quantize` false leaves a
+/// quantized base (lora.quantize) to quantize_lora, after tensor
+/// parallelism has split the layers.
+bool prepare_lora(torch::nn::Module& model, const config::Config& config, bool quantize = true);
+
+/// With lora.r > 0 and lora.quantize set: quantizes the bases that
+/// prepare_lora(..., false) left whole, each rank its own blocks.
+void quantize_lora(torch::nn::Module& model, const config::Config& config);
 
 /// The frozen base of an adapted model, as checkpoints see it.
 struct FrozenBase {

@@ -185,8 +185,21 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
   // rank keeps, from the files in its setup (every rank reads them).
   detail::load_init_weights(*task_.model, config_);
   // LoRA: freeze the (loaded) base and attach the adapters before anything
-  // plans over the parameters.
-  detail::prepare_lora(*task_.model, config_);
+  // plans over the parameters. Under tensor parallelism the adapters split
+  // with their layers, and a quantized base is quantized per block after.
+  const bool tensor_parallel = mesh_->shape().tp() > 1;
+  detail::prepare_lora(*task_.model, config_, /*quantize=*/!tensor_parallel);
+  // Tensor parallelism before the data-parallel strategy plans over the
+  // parameters: each rank keeps its blocks of the split layers.
+  std::optional<parallel::TensorParallelLayout> tp_layout;
+  if (tensor_parallel) {
+    tp_layout = parallel::apply_tensor_parallel(
+        *task_.model, models::family_of(config_.model.type).tensor_parallel_plan(), mesh_->tp(),
+        parallel::TensorParallelOptions()
+            .sequence_parallel(config_.distributed.sequence_parallel())
+            .loss_parallel(config_.distributed.loss_parallel()));
+    detail::quantize_lora(*task_.model, config_);
+  }
   // After QLoRA's quantization of a base built whole, which returns the
   // fp32 base first; before the strategy reads deferred weights, whose
   // per-tensor scratch memory is then reused instead of mapped afresh.
@@ -196,16 +209,6 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
     frozen_names_ = std::move(base.names);
     base_identity_ = std::move(base.identity);
     reference_base_ = base.referenced;
-  }
-  // Tensor parallelism before the data-parallel strategy plans over the
-  // parameters: each rank keeps its blocks of the split layers.
-  std::optional<parallel::TensorParallelLayout> tp_layout;
-  if (mesh_->shape().tp() > 1) {
-    tp_layout = parallel::apply_tensor_parallel(
-        *task_.model, models::family_of(config_.model.type).tensor_parallel_plan(), mesh_->tp(),
-        parallel::TensorParallelOptions()
-            .sequence_parallel(config_.distributed.sequence_parallel())
-            .loss_parallel(config_.distributed.loss_parallel()));
   }
   precision_->prepare_model(*task_.model);
 

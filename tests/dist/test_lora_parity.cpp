@@ -14,6 +14,9 @@
 
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/config/config.h"
+#include "shardtrain/models/family.h"
+#include "shardtrain/models/hf_dir.h"
+#include "shardtrain/models/lora_peft.h"
 #include "shardtrain/strategy/strategy.h"
 #include "shardtrain/train/task.h"
 #include "shardtrain/train/trainer.h"
@@ -240,5 +243,88 @@ TEST(LoraParity, Bf16MixedMatchesTheSingleProcess) {
       if (g_world->rank() == 0) fs::remove_all(c.run.dir);
     }
   }
+  fs::remove(data);
+}
+
+// QLoRA under tensor parallelism (world 2: tp 2): every rank quantizes its
+// own blocks of the base, read from model.init_from. nf4 blocks run along a
+// row's input, so a block of a tp rank is a block of the whole weight (each
+// row-parallel input width here, 128 / 2 and 512 / 2, is a multiple of 64)
+// and the run equals the single process's QLoRA run: losses, norms, the
+// adapters, and the dequantized base assembled whole. int8 scales each row
+// by its absolute maximum, which a row-parallel block takes over its half
+// of the row: the same run within the quantization's own error.
+TEST(LoraTensorParallel, QuantizedBasesSplitPerBlock) {
+  ASSERT_EQ(g_world->size(), 2) << "run at world size 2";
+  const std::string data = corpus_file();
+  const fs::path base = fs::temp_directory_path() / ("shardtrain_lora_tp_base_" + ::shardtrain::testing::job_id());
+  for (const LoraQuantize q : {LoraQuantize::Nf4, LoraQuantize::Int8}) {
+    const auto make = [&](const std::string& strategy, int64_t micro) {
+      auto c = lora_config(data, micro, strategy, q);
+      c.model.n_embd = 128;
+      c.lora.double_quant(false);
+      return c;
+    };
+    if (g_world->rank() == 0 && !fs::exists(base)) {  // the random base, as an HF directory
+      auto c = make("single", 12);
+      const auto model = train::make_task(c, 1).model;
+      std::vector<std::pair<std::string, at::Tensor>> state;
+      for (const auto& p : model->named_parameters()) state.emplace_back(p.key(), p.value().detach());
+      const auto& family = models::family_of(c.model.type);
+      models::save_hf_dir(base.string(), family.hf_config_json(c.model), state, &family, models::kDefaultMaxShardBytes);
+    }
+    g_world->barrier();
+    const auto reference = [&] {
+      auto c = make("single", 12);
+      c.model.init_from = base.string();
+      c.run.dir += "_tp_reference_" + std::to_string(getpid());
+      LoraRun r = train_run(c, comm::Communicator::create(comm::CommOptions()));
+      fs::remove_all(c.run.dir);
+      return r;
+    }();
+    auto c = make("ddp", 6);
+    c.model.init_from = base.string();
+    c.distributed.tensor_parallel(2);
+    c.run.dir += std::string("_tp2_") + enum_name(q);
+    const LoraRun run = train_run(c, g_world);
+    const std::string what = run.trainer->strategy().name() + " lora " + enum_name(q);
+    const bool exact = q == LoraQuantize::Nf4;
+    const Tolerance tol = exact ? kFp32 : Tolerance{0.0, 2e-3, 2e-2, 0.0, 0.0};
+    ASSERT_EQ(run.steps().size(), reference.steps().size());
+    for (size_t i = 0; i < run.steps().size(); ++i) {
+      const double want = reference.steps()[i].loss;
+      EXPECT_NEAR(run.steps()[i].loss, want, tol.loss_atol + tol.loss_rtol * want) << what << " step " << i + 1;
+      EXPECT_NEAR(run.steps()[i].grad_norm, reference.steps()[i].grad_norm,
+                  tol.norm_rtol * reference.steps()[i].grad_norm) << what << " step " << i + 1;
+    }
+    const auto state = run.trainer->strategy().full_state_dict();
+    const auto want = models::dequantize_lora_bases(reference.trainer->strategy().full_state_dict());
+    if (g_world->rank() == 0) {
+      ASSERT_EQ(state.size(), want.size()) << what;
+      for (size_t i = 0; i < want.size(); ++i) {
+        const auto& [name, value] = state[i];
+        ASSERT_EQ(name, want[i].first) << what;
+        const at::Tensor& other = want[i].second;
+        if (is_adapter(name)) {
+          // int8: AdamW's normalised steps turn the quantizations' small
+          // gradient differences into lr-sized moves of near-zero
+          // elements; the losses and norms above are its check.
+          if (exact) {
+            EXPECT_TRUE(torch::allclose(value, other, tol.param_rtol, tol.param_atol))
+                << what << " " << name << " differs by " << (value - other).abs().max().item<double>();
+          }
+        } else if (!exact) {  // the bases within the rounding of two int8 quantizations
+          EXPECT_TRUE(torch::allclose(value, other, 0.0, 2e-3))
+              << what << ": the base " << name << " differs by " << (value - other).abs().max().item<double>();
+        } else {
+          EXPECT_TRUE(torch::equal(value, other)) << what << ": the base " << name << " differs";
+        }
+      }
+    }
+    g_world->barrier();
+    if (g_world->rank() == 0) fs::remove_all(c.run.dir);
+  }
+  g_world->barrier();
+  if (g_world->rank() == 0) fs::remove_all(base);
   fs::remove(data);
 }

@@ -52,11 +52,18 @@ endforeach()
 add_test(NAME models.llama.reshard_tensor_parallel
          COMMAND ${LLAMA_PARITY} reshard ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR} full_shardx4:tp2 single ddpx4 ddpx4:tp4)
 
-# LoRA from a PEFT adapter the reference wrote.
+# LoRA from a PEFT adapter the reference wrote; under tensor parallelism the
+# adapters split with their layers (with and without sequence parallelism:
+# without it, only the partial gradients of the unsplit adapter matrices are
+# summed over the tp ranks).
 foreach(spec single ddpx2 zero1x2 full_shardx2)
   string(REPLACE "x2" "_x2" name ${spec})
   add_test(NAME models.llama.lora.${name} COMMAND ${LLAMA_PARITY} lora ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR} ${spec})
 endforeach()
+add_test(NAME models.llama.lora.tp2 COMMAND ${LLAMA_PARITY} lora ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR} ddpx2:tp2)
+add_test(NAME models.llama.lora.tp2_full_shard_x2_no_sequence_parallel
+         COMMAND ${LLAMA_PARITY} lora ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR} full_shardx4:tp2
+                 distributed.sequence_parallel=false)
 
 get_property(llama_tests DIRECTORY PROPERTY TESTS)
 list(FILTER llama_tests INCLUDE REGEX "^models\\.llama\\.")

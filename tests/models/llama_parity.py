@@ -24,7 +24,7 @@ Hugging Face directories that the reference writes:
         a checkpoint written at step 5 under SAVE_SPEC (STRATEGY[xN][:tpK])
         resumes under each LOAD_SPEC; steps 6..10 and the exported weights
         match the reference's
-    llama_parity.py lora CLI SRC STRATEGY[xN]
+    llama_parity.py lora CLI SRC STRATEGY[xN][:tpK] [KEY=VALUE ...]
         a PEFT adapter written by the reference trains 10 steps in both; the
         saved adapters match, in the PEFT names and config
 
@@ -342,21 +342,25 @@ def cmd_reshard(cli, src, save_spec, *load_specs):
 PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def cmd_lora(cli, src, spec):
+def cmd_lora(cli, src, spec, *sets):
     """An adapter the reference writes (B non-zero, so its scale shows in the
     first step) trains 10 steps in both; shardtrain reads and writes the PEFT
-    names, and its default targets are Llama's seven projections."""
+    names, and its default targets are Llama's seven projections. SPEC is
+    STRATEGY[xN][:tpK] (tensor parallelism splits the adapters with their
+    layers); SETS are more config overrides."""
+    strategy, _, tp = spec.partition(":tp")
+    tp_sets = [f"distributed.tensor_parallel={tp}"] if tp else []
     work = tempfile.mkdtemp(prefix="llama_parity_")
     try:
         hf = make_variant(work, "gqa_llama3")
         start = os.path.join(work, "start")
         ref("make-adapter", hf, start, "--r", "4", "--alpha", "8", "--seed", "5")
         run_dir = os.path.join(work, "run")
-        world, ours = shardtrain_train(cli, src, hf, run_dir, spec,
-                                       ["lora.r=4", "lora.alpha=8", f"lora.init_from={start}"])
+        world, ours = shardtrain_train(cli, src, hf, run_dir, strategy,
+                                       ["lora.r=4", "lora.alpha=8", f"lora.init_from={start}"] + tp_sets + list(sets))
         trained = os.path.join(work, "ref_adapter")
-        theirs, _ = ref_train(src, hf, work, world, ["--adapter", start, "--out-adapter", trained])
-        what = f"lora {spec}"
+        theirs, _ = ref_train(src, hf, work, world // int(tp or 1), ["--adapter", start, "--out-adapter", trained])
+        what = " ".join(["lora", spec] + list(sets))
         for i, (o, r) in enumerate(zip(ours, theirs)):
             if abs(o - r) > FP32["loss"]:
                 fail(f"{what}: step {i + 1} loss {o:.7f}, reference {r:.7f}")
@@ -451,7 +455,7 @@ def main(argv):
     if cmd == "logits":
         cmd_logits(argv[1], argv[2])
     elif cmd == "lora":
-        cmd_lora(argv[1], argv[2], argv[3])
+        cmd_lora(argv[1], argv[2], argv[3], *argv[4:])
     elif cmd == "export":
         cmd_export(argv[1], argv[2])
     elif cmd == "reshard":

@@ -674,6 +674,13 @@ TEST(ConfigErrors, TensorParallelLayoutsThatCannotSplit) {
              "a divisor of distributed.nproc_per_node=6");
   EXPECT_HAS(parse_error("distributed: {tensor_parallel: 2, strategy: single}"), "distributed.strategy");
   EXPECT_HAS(parse_error("distributed: {tensor_parallel: 0}"), "distributed.tensor_parallel");
+  // A base quantized per block is read again from its file, never saved.
+  const std::string qlora = "distributed: {tensor_parallel: 2}\nlora: {r: 4, quantize: nf4}\n";
+  EXPECT_HAS(parse_error(qlora), "1 with lora.quantize=nf4 unless model.init_from names the base");
+  EXPECT_HAS(parse_error(qlora + "model: {init_from: base.safetensors}\ncheckpoint: {save_frozen_base: true}"),
+             "checkpoint.save_frozen_base");
+  EXPECT_NO_THROW(Config::parse(qlora + "model: {init_from: base.safetensors}"));
+  EXPECT_NO_THROW(Config::parse("distributed: {tensor_parallel: 2}\nlora: {r: 4}"));
 }
 
 TEST(ConfigErrors, ShardingKeysSuggestAndNameTheOverride) {

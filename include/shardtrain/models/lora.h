@@ -88,6 +88,13 @@ struct LoraSummary {
 /// width not divisible by 64, or the model is already adapted.
 LoraSummary apply_lora(torch::nn::Module& model, const LoraOptions& options);
 
+/// Quantizes, as `options.quantize()` says, the base weight of every
+/// adapted layer that still holds one (apply_lora does this itself). A
+/// tensor-parallel run adapts with quantize none, splits the layers, then
+/// calls this: each rank quantizes its own block (nf4 then needs that
+/// block's input width to be a multiple of 64: ConfigError otherwise).
+void quantize_lora_bases(torch::nn::Module& model, const LoraOptions& options);
+
 /// layer(x), plus its adapter when apply_lora attached one; x [..., in].
 /// `with_bias` false leaves the bias out (a row-parallel layer adds it once,
 /// after its partial products are summed).

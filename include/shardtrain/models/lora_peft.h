@@ -50,6 +50,13 @@ void save_peft_adapter(const std::string& dir,
 void load_peft_adapter(torch::nn::Module& model, const std::string& dir, const std::string& prefix,
                        const LoraOptions* options = nullptr);
 
+/// The state of an adapted model with every quantized base (qweight,
+/// qscale, ...) replaced by its dequantized `.weight` in the adapter's dtype, shaped by the
+/// layer's adapter in the same state ([B rows, A columns]); everything else
+/// unchanged, in order (a base takes its qweight's place).
+std::vector<std::pair<std::string, at::Tensor>> dequantize_lora_bases(
+    const std::vector<std::pair<std::string, at::Tensor>>& state);
+
 /// The state of an adapted model (named as named_parameters()) with every
 /// adapter folded into its layer's weight, W = base + (alpha / r) B A, the
 /// base dequantized when it is stored quantized: the plain model's names

@@ -18,6 +18,10 @@
 //     replicated one once, not tp times;
 //   - under sequence parallelism each rank's gradient of a replicated
 //     parameter covers its tokens only: they are summed over the group;
+//   - LoRA adapters split with their base (B's rows under a
+//     column-parallel layer, A's columns under a row-parallel one); the
+//     other, replicated, matrix sees only this rank's part of the layer,
+//     so its gradient is summed over the group too;
 //   - full_state_dict() assembles the whole tensors on rank 0.
 #pragma once
 
@@ -54,13 +58,27 @@ struct TensorParallelLayout {
     std::vector<strategy::TensorChunk> chunks;
   };
   std::map<std::string, Split> splits;
+  /// Replicated parameters whose gradient on each rank is a partial sum
+  /// over the group even without sequence parallelism: the A of a LoRA
+  /// adapter on a column-parallel layer, the B of one on a row-parallel layer.
+  std::vector<std::string> partial_gradients;
   bool sequence_parallel = false;
 };
 
+/// Keeps, of every parameter `plan` splits, the block of tensor-parallel
+/// rank `rank` of `tp` (a deferred weight stays deferred and will read only
+/// that block), and says what was split. Registers no group: the layers
+/// still compute alone (apply_tensor_parallel does both; a planner sizes a
+/// rank's share with this alone). LoRA adapters must be attached unquantized
+/// (models::quantize_lora_bases after the split quantizes each block).
+
+TensorParallelLayout split_for_tensor_parallel(torch::nn::Module& model, const models::TensorParallelPlan& plan,
+                                              int tp, int rank);
+
 /// Splits `model` over `tp` as `plan` says (every rank of `tp` calls it on
-/// the same model). Parameters must not be sharded yet; LoRA adapters are
-/// not split (InvalidArgument when the model carries them). ConfigError
-/// when a split dimension has fewer elements than ranks.
+/// the same model) and makes the plan's regions compute over the group.
+/// Parameters must not be sharded yet. ConfigError when a split dimension
+/// has fewer elements than ranks, or a LoRA base is already quantized.
 TensorParallelLayout apply_tensor_parallel(torch::nn::Module& model, const models::TensorParallelPlan& plan,
                                            std::shared_ptr<comm::Communicator> tp,
                                            const TensorParallelOptions& options = {});
