@@ -37,7 +37,7 @@ std::optional<YAML::Node> find_node(const YAML::Node& node, const std::vector<st
 // reshape error in the first forward.
 void check_tensor_parallel(const Config& config) {
   const int64_t tp = config.distributed.tensor_parallel();
-  if (tp == 1) return;
+  if (tp <= 1) return;  // none, or auto (which picks among the degrees that divide)
   const models::ModelFamily& family = models::family_of(config.model.type);
   for (const auto& [key, value] : family.tensor_parallel_divisors(config.model)) {
     ST_CHECK(value % tp == 0, ConfigError, "distributed.tensor_parallel=", tp, " does not divide ", key, "=",

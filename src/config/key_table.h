@@ -195,7 +195,7 @@ class SectionKeys {
 
   /// An integer key whose 0 is written `auto` (a count found at start-up).
   template <class GetField>
-  SectionKeys& auto_count(const char* name, GetField get_field, std::string doc);
+  SectionKeys& auto_count(const char* name, GetField get_field, std::string doc, int64_t max = kMaxAutoCount);
 
  private:
   std::vector<Key>& out_;
@@ -211,16 +211,16 @@ SectionKeys<GetSection> section(std::vector<Key>& out, std::string prefix, GetSe
 template <class GetSection>
 template <class GetField>
 SectionKeys<GetSection>& SectionKeys<GetSection>::auto_count(const char* name, GetField get_field,
-                                                             std::string doc) {
+                                                             std::string doc, int64_t max) {
   const GetSection get_section = get_section_;
   const auto value = [get_section, get_field](auto& c) -> auto& { return get_field(get_section(c)); };
   // At most kMaxAutoCount: the count becomes an int (processes, threads);
   // 99999999999 must be refused, not wrapped.
-  const std::string expected = "auto or an integer in 1.." + std::to_string(kMaxAutoCount);
+  const std::string expected = "auto or an integer in 1.." + std::to_string(max);
   Key k;
   k.path = prefix_ + "." + name;
   k.type = "`auto` or int";
-  k.allowed = "`auto`, 1.." + std::to_string(kMaxAutoCount) + " (0 also means auto)";
+  k.allowed = "`auto`, 1.." + std::to_string(max) + " (0 also means auto)";
   k.doc = std::move(doc);
   k.read = [path = k.path, value, expected](const Source& s, const YAML::Node& node, Config& c) {
     int64_t v = 0;
@@ -235,8 +235,8 @@ SectionKeys<GetSection>& SectionKeys<GetSection>::auto_count(const char* name, G
   k.write = [value](const Config& c) {
     return value(c) == 0 ? std::string("auto") : std::to_string(value(c));
   };
-  k.check = [path = k.path, value, expected](const Source& s, const Config& c) {
-    s.require(value(c) >= 0 && value(c) <= kMaxAutoCount, path, std::to_string(value(c)), expected);
+  k.check = [path = k.path, value, expected, max](const Source& s, const Config& c) {
+    s.require(value(c) >= 0 && value(c) <= max, path, std::to_string(value(c)), expected);
   };
   out_.push_back(std::move(k));
   return *this;

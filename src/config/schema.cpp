@@ -247,11 +247,13 @@ void declare_distributed(std::vector<Key>& keys) {
            "Memory one rank may use, in MiB, for `strategy: auto`, `shardtrain estimate` and the "
            "check that the model fits before it is built; 0: this machine's MemAvailable "
            "(`/proc/meminfo`) divided by the local ranks.")
-      .key(ST_OPTION(tensor_parallel), in_range(1, 1024, "an integer in 1..1024, dividing the ranks per host"),
-           "Ranks that split every layer (Megatron's tensor parallelism): the mesh's innermost "
-           "dimension, so its ranks share a host; 1: none. The model's heads and key/value heads "
-           "must divide by it; the data-parallel size is the world divided by it. See "
-           "docs/strategies.md.")
+      .auto_count(ST_OPTION(tensor_parallel),
+                  "Ranks that split every layer (Megatron's tensor parallelism): the mesh's innermost "
+                  "dimension, so its ranks share a host; 1: none. The model's heads and key/value heads "
+                  "must divide by it; the data-parallel size is the world divided by it. `auto`: the "
+                  "least degree at which `strategy` (for `auto`, any strategy) fits "
+                  "`memory_budget_mb`, as `shardtrain estimate` shows. See docs/strategies.md.",
+                  1024)
       .key(ST_OPTION(sequence_parallel),
            "With `tensor_parallel` > 1: norms, dropout and the residual stream hold 1/tp of the "
            "tokens between the parallel regions (`model.block_size` must divide by "
@@ -417,15 +419,15 @@ void check_relations(const Source& s, const Config& c) {
                     "is ddp through that path); or use precision bf16-mixed"),
             {"distributed.strategy"});
   const int64_t tp = d.tensor_parallel();
-  s.require(tp == 1 || d.strategy() != StrategyKind::Single, "distributed.tensor_parallel",
+  s.require(tp <= 1 || d.strategy() != StrategyKind::Single, "distributed.tensor_parallel",
             std::to_string(tp), "1 with distributed.strategy=single (one process); use ddp, zero1 or fsdp",
             {"distributed.strategy"});
-  s.require(tp == 1 || d.nproc_per_node() == 0 || d.nproc_per_node() % tp == 0, "distributed.tensor_parallel",
+  s.require(tp <= 1 || d.nproc_per_node() == 0 || d.nproc_per_node() % tp == 0, "distributed.tensor_parallel",
             std::to_string(tp),
             str_cat("a divisor of distributed.nproc_per_node=", d.nproc_per_node(),
                     ": a tensor-parallel group must share one host"),
             {"distributed.nproc_per_node"});
-  s.require(tp == 1 || !d.sequence_parallel() || c.model.block_size % tp == 0, "distributed.tensor_parallel",
+  s.require(tp <= 1 || !d.sequence_parallel() || c.model.block_size % tp == 0, "distributed.tensor_parallel",
             std::to_string(tp),
             str_cat("a divisor of model.block_size=", c.model.block_size,
                     " under sequence parallelism (each rank holds block_size / tensor_parallel tokens); or "
@@ -434,7 +436,7 @@ void check_relations(const Source& s, const Config& c) {
   // A base each rank quantizes on its own block has no whole quantized form
   // to write: it is left out of checkpoints and read again from its file.
   const bool quantized = c.lora.r() > 0 && c.lora.quantize() != models::LoraQuantize::None;
-  s.require(tp == 1 || !quantized || (!c.model.init_from.empty() && !c.checkpoint.save_frozen_base),
+  s.require(tp <= 1 || !quantized || (!c.model.init_from.empty() && !c.checkpoint.save_frozen_base),
             "distributed.tensor_parallel", std::to_string(tp),
             str_cat("1 with lora.quantize=", enum_name(c.lora.quantize()),
                     " unless model.init_from names the base and checkpoint.save_frozen_base is false (each "

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 #include <unordered_set>
 
 #include "shardtrain/core/error.h"
@@ -12,6 +13,7 @@
 #include "shardtrain/models/family.h"
 #include "shardtrain/models/lora.h"
 #include "shardtrain/models/quantize.h"
+#include "shardtrain/parallel/tensor_parallel.h"
 #include "shardtrain/strategy/estimate.h"
 #include "shardtrain/strategy/strategy.h"
 #include "shardtrain/strategy/wrap.h"
@@ -36,6 +38,30 @@ bool half_params(const config::Config& config) {
   return d == strategy::DType::Bf16 || d == strategy::DType::Fp16;
 }
 
+// "1.50 GiB" up to a PiB, "4.8e+25 bytes" beyond.
+std::string bytes_text(double b) {
+  char buf[64];
+  if (b < 1024.0 * 1024.0 * 1024.0) {
+    std::snprintf(buf, sizeof(buf), "%.1f MiB", b / (1024.0 * 1024.0));
+  } else if (b < std::pow(1024.0, 5)) {
+    std::snprintf(buf, sizeof(buf), "%.2f GiB", b / (1024.0 * 1024.0 * 1024.0));
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.3g bytes", b);
+  }
+  return buf;
+}
+
+// A decoder layer's activations on one tensor-parallel rank, as a share of
+// the whole (Korthikanti et al. 2022, per layer sbh(34 + 5as/h) without tp):
+// with sequence parallelism everything divides by tp; without it the 10sbh
+// of the norms, dropout and residual stream stay whole and the rest
+// divides. Applied to the whole estimate (the logits too: vocabulary-sharded
+// under loss parallelism).
+double tensor_parallel_activation_share(const config::Config& config) {
+  const auto tp = static_cast<double>(std::max<int64_t>(1, config.distributed.tensor_parallel()));
+  return config.distributed.sequence_parallel() ? 1.0 / tp : (10.0 + 24.0 / tp) / 34.0;
+}
+
 }  // namespace
 
 int activation_element_bytes(const config::Config& config) {
@@ -48,6 +74,9 @@ int64_t estimate_micro_batch(const config::Config& config, int world_size) {
 
 strategy::EstimateInput estimate_input(const config::Config& config, torch::nn::Module& model,
                                        int world_size, int local_world_size) {
+  const int tp = static_cast<int>(std::max<int64_t>(1, config.distributed.tensor_parallel()));
+  ST_CHECK(world_size % tp == 0 && local_world_size % tp == 0, ConfigError, "distributed.tensor_parallel=", tp,
+           " does not divide the ", local_world_size, " ranks per host of a world of ", world_size);
   strategy::EstimateInput in;
   std::unordered_set<const void*> seen;  // tied parameters once
   for (const auto& p : model.parameters()) {
@@ -66,47 +95,113 @@ strategy::EstimateInput estimate_input(const config::Config& config, torch::nn::
   std::sort(sizes.rbegin(), sizes.rend());
   in.largest_unit_params = sizes.size() > 0 ? sizes[0] : 0;
   in.second_unit_params = sizes.size() > 1 ? sizes[1] : 0;
-  in.world_size = world_size;
-  in.local_world_size = local_world_size;
+  in.world_size = world_size / tp;  // the data-parallel ranks
+  in.local_world_size = local_world_size / tp;
   in.mixed_precision = half_params(config) || config.precision == precision::PrecisionKind::Fp16Mixed;
   const int act_bytes = activation_element_bytes(config);
   const int64_t micro = estimate_micro_batch(config, world_size);
-  in.activation_bytes = static_cast<int64_t>(std::min(
-      9.0e18, models::family_of(config.model.type).activation_bytes(config.model, micro, act_bytes)));
+  in.activation_bytes = static_cast<int64_t>(
+      std::min(9.0e18, models::family_of(config.model.type).activation_bytes(config.model, micro, act_bytes) *
+                           tensor_parallel_activation_share(config)));
   return in;
+}
+
+std::vector<int> tensor_parallel_degrees(const config::Config& config, int local_world_size) {
+  const models::ModelFamily& family = models::family_of(config.model.type);
+  std::vector<int> out = {1};
+  // A base quantized per block needs its file to come back from (schema.cpp).
+  const bool unsplittable_base = config.lora.r() > 0 && config.lora.quantize() != models::LoraQuantize::None &&
+                                 (config.model.init_from.empty() || config.checkpoint.save_frozen_base);
+  if (config.distributed.strategy() == strategy::StrategyKind::Single || family.tensor_parallel_plan().regions.empty() ||
+      unsplittable_base) {
+    return out;
+  }
+  const auto divisors = family.tensor_parallel_divisors(config.model);
+  for (int tp = 2; tp <= local_world_size; ++tp) {
+    bool ok = local_world_size % tp == 0 && (!config.distributed.sequence_parallel() || config.model.block_size % tp == 0);
+    for (const auto& [key, value] : divisors) ok = ok && value % tp == 0;
+    if (ok) out.push_back(tp);
+  }
+  return out;
+}
+
+std::shared_ptr<torch::nn::Module> planning_model(const config::Config& config) {
+  const models::ModelFamily& family = models::family_of(config.model.type);
+  family.validate(config.model);
+  const auto model = family.build(config.model, /*deferred=*/true);
+  const auto tp = static_cast<int>(std::max<int64_t>(1, config.distributed.tensor_parallel()));
+  const bool lora = config.lora.r() > 0;
+  const models::LoraOptions options = detail::lora_options(config);
+  if (lora) models::apply_lora(*model, models::LoraOptions(options).quantize(tp > 1 ? models::LoraQuantize::None : options.quantize()));
+  if (tp > 1) {
+    parallel::split_for_tensor_parallel(*model, family.tensor_parallel_plan(), tp, 0);
+    if (lora) models::quantize_lora_bases(*model, options);
+  }
+  return model;
+}
+
+std::optional<strategy::StrategyEstimate> estimate_strategy(const config::Config& config, int world_size,
+                                                            int local_world_size, double budget_bytes) {
+  const auto model = planning_model(config);
+  const strategy::EstimateInput in = estimate_input(config, *model, world_size, local_world_size);
+  const auto& d = config.distributed;
+  if (d.strategy() == strategy::StrategyKind::Auto) {
+    try {
+      return strategy::choose_strategy(in, budget_bytes);
+    } catch (const ConfigError&) {
+      return std::nullopt;
+    }
+  }
+  const std::string name = d.display_name();
+  for (const auto& e : strategy::estimate_all(in)) {
+    if (e.strategy == name || (d.strategy() == strategy::StrategyKind::Single && e.kind == strategy::StrategyKind::Ddp)) {
+      if (e.total_bytes <= budget_bytes) return e;
+      return std::nullopt;
+    }
+  }
+  return std::nullopt;
+}
+
+double memory_budget_bytes(const config::Config& config, int local_world_size) {
+  const double mb = config.distributed.memory_budget_mb();
+  return mb > 0.0 ? mb * 1024.0 * 1024.0 : strategy::default_memory_budget_bytes(local_world_size);
+}
+
+void resolve_tensor_parallel(config::Config& config, int world_size, int local_world_size) {
+  if (config.distributed.tensor_parallel() != 0) return;
+  const double budget = memory_budget_bytes(config, local_world_size);
+  const std::vector<int> degrees = tensor_parallel_degrees(config, local_world_size);
+  for (const int tp : degrees) {
+    config::Config c = config;
+    c.distributed.tensor_parallel(tp);
+    if (estimate_strategy(c, world_size, local_world_size, budget)) {
+      config.distributed.tensor_parallel(tp);
+      return;
+    }
+  }
+  std::string tried;
+  for (const int tp : degrees) tried += (tried.empty() ? "" : ", ") + std::to_string(tp);
+  ST_CHECK(false, ConfigError, "distributed.tensor_parallel: auto found no degree (", tried, ") at which ",
+           config.distributed.strategy() == strategy::StrategyKind::Auto ? std::string("any strategy")
+                                                                         : config.distributed.display_name(),
+           " fits the memory budget of ", bytes_text(budget),
+           " per rank; `shardtrain estimate` shows each; raise distributed.memory_budget_mb, add ranks per host, "
+           "lower batch.micro or turn on model.activation_checkpointing");
 }
 
 comm::MeshShape mesh_shape(const config::Config& config, int world_size, int local_world_size) {
   const auto& d = config.distributed;
+  ST_CHECK(d.tensor_parallel() >= 1, ConfigError,
+           "distributed.tensor_parallel: auto is decided before the run is built: call "
+           "train::resolve_tensor_parallel(config, world, local) before make_task (shardtrain train does)");
   const bool hybrid =
       d.strategy() == strategy::StrategyKind::Fsdp && d.sharding() == strategy::Sharding::HybridShard;
   return comm::mesh_shape_for(world_size, local_world_size, static_cast<int>(d.tensor_parallel()), 1, hybrid);
 }
 
-void attach_lora(torch::nn::Module& model, const config::Config& config) {
-  if (config.lora.r() > 0) models::apply_lora(model, detail::lora_options(config));
-}
-
 double model_parameter_count(const config::ModelConfig& m) {
   return models::family_of(m.type).num_parameters(m);
 }
-
-namespace {
-
-// "1.50 GiB" up to a PiB, "4.8e+25 bytes" beyond.
-std::string bytes_text(double b) {
-  char buf[64];
-  if (b < 1024.0 * 1024.0 * 1024.0) {
-    std::snprintf(buf, sizeof(buf), "%.1f MiB", b / (1024.0 * 1024.0));
-  } else if (b < std::pow(1024.0, 5)) {
-    std::snprintf(buf, sizeof(buf), "%.2f GiB", b / (1024.0 * 1024.0 * 1024.0));
-  } else {
-    std::snprintf(buf, sizeof(buf), "%.3g bytes", b);
-  }
-  return buf;
-}
-
-}  // namespace
 
 namespace {
 
@@ -186,11 +281,8 @@ strategy::StrategyOptions strategy_options(const config::Config& config, torch::
                                            int world_size, int local_world_size) {
   const auto& d = config.distributed;
   if (d.strategy() != strategy::StrategyKind::Auto) return d;
-  const double budget = d.memory_budget_mb() > 0.0
-                            ? d.memory_budget_mb() * 1024.0 * 1024.0
-                            : strategy::default_memory_budget_bytes(local_world_size);
-  const auto chosen = strategy::choose_strategy(
-      estimate_input(config, model, world_size, local_world_size), budget);
+  const auto chosen = strategy::choose_strategy(estimate_input(config, model, world_size, local_world_size),
+                                                memory_budget_bytes(config, local_world_size));
   return options_from(config, chosen.kind,
                       chosen.kind == strategy::StrategyKind::Fsdp ? chosen.sharding : d.sharding());
 }

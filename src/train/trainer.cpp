@@ -213,7 +213,7 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
   precision_->prepare_model(*task_.model);
 
   const strategy::StrategyOptions so =
-      strategy_options(config_, *task_.model, dp_->size(), env.local_world_size);
+      strategy_options(config_, *task_.model, comm_->size(), env.local_world_size);
   strategy_ = strategy::make_strategy(so);
   if (tp_layout) {
     strategy_ = parallel::tensor_parallel_strategy(std::move(strategy_), std::move(*tp_layout), mesh_->tp());

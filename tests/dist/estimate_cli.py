@@ -141,6 +141,69 @@ check(out, psi, units, 4, 2, True, gpt_act, 0.5 * 2**20, "auto")
 if "no strategy fits the memory budget of 0.50 MiB per rank" not in out:
     fail("no 'nothing fits' message")
 
+# 4. Tensor parallelism: the same GPT on one node of 4 ranks at
+#    tensor_parallel 2. A rank holds 1/tp of every split tensor (the token
+#    embedding, which is also the tied head, each layer's c_attn, c_fc and
+#    both c_proj weights, and the column-parallel biases of c_attn and c_fc)
+#    and the rest whole (wpe, the norms, the row-parallel biases); 1/tp of
+#    the activations under sequence parallelism; the strategies run on the
+#    data-parallel ranks, world / tp. The second table gives every degree.
+def psi_at(t):
+    split_per_layer = 12 * C * C + 7 * C
+    return V * C // t + T * C + L * (split_per_layer // t + 6 * C) + 2 * C
+
+
+def units_at(t):
+    return sorted([(12 * C * C + 7 * C) // t + 6 * C] * L + [V * C // t + T * C + 2 * C])
+
+
+def tp_table(out):
+    lines = out.splitlines()
+    try:
+        start = next(i for i, l in enumerate(lines) if l.startswith("tensor parallelism: total per rank"))
+    except StopIteration:
+        fail("no tensor parallelism table")
+        return {}
+    table = {}
+    for line in lines[start + 2:]:
+        cells = re.split(r"\s{2,}", line.strip())
+        if not cells or not cells[0].isdigit():
+            break
+        table[int(cells[0])] = cells
+    return table
+
+
+def check_tp_table(out, world, mixed, budget, degrees, marked, mark):
+    table = tp_table(out)
+    if sorted(table) != degrees:
+        fail("tensor parallelism rows %s, expected %s" % (sorted(table), degrees))
+    for t in degrees:
+        rows = expected_rows(psi_at(t), units_at(t), world // t, world // t, mixed, gpt_act // t)
+        want = [str(t), str(world // t)] + [size(r[3]) + ("" if r[3] <= budget else "*") for r in rows.values()]
+        want += [mark] if t == marked else []
+        got = [c.rstrip() for c in table.get(t, [])]
+        if got != want:
+            fail("tp %d row:\n  got      %s\n  expected %s" % (t, got, want))
+
+
+tp_args = args[:-6] + ["--nproc-per-node", "4", "--set", "distributed.memory_budget_mb=4096"]
+out = run(tp_args + ["--set", "distributed.strategy=auto", "--set", "distributed.tensor_parallel=2"])
+if sorted(printed_units(out)) != units_at(2):
+    fail("tp2 units %s, expected %s" % (sorted(printed_units(out)), units_at(2)))
+check(out, psi_at(2), units_at(2), 2, 2, True, gpt_act // 2, 4096 * 2**20, "auto")
+check_tp_table(out, 4, True, 4096 * 2**20, [1, 2, 4], 2, "<- config")
+
+# 5. tensor_parallel auto: the least degree at which the strategy fits. A
+#    budget between zero1's totals at tp 1 and tp 2 makes it 2.
+zero1 = {t: expected_rows(psi_at(t), units_at(t), 4 // t, 4 // t, True, gpt_act // t)["zero1"][3] for t in (1, 2)}
+budget_mb = (zero1[1] + zero1[2]) / 2 / 2**20
+out = run(args[:-6] + ["--nproc-per-node", "4", "--set", "distributed.strategy=zero1",
+                       "--set", "distributed.tensor_parallel=auto", "--set", "distributed.memory_budget_mb=%r" % budget_mb])
+if not re.search(r"^tensor_parallel auto picks: 2 ", out, re.M) or "tensor_parallel 2 (auto)" not in out:
+    fail("tensor_parallel auto did not pick 2 under a budget of %.3f MiB" % budget_mb)
+check(out, psi_at(2), units_at(2), 2, 2, True, gpt_act // 2, budget_mb * 2**20, "zero1")
+check_tp_table(out, 4, True, budget_mb * 2**20, [1, 2, 4], 2, "<- auto")
+
 # 3. Bad input is a configuration error with exit code 2.
 proc = subprocess.run([CLI, "estimate", "--set", "distributed.sharding=zero2"], cwd=SRC,
                       capture_output=True, text=True)

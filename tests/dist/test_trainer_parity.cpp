@@ -300,6 +300,18 @@ TEST(TrainerParity, TensorParallelGptMatchesSingleProcess) {
     EXPECT_EQ(run.trainer->batch().accumulate, 2);
     expect_same_run(run, ref, run.trainer->strategy().name() + (split_tokens ? " +sp +loss parallel" : ""));
   }
+  // strategy auto plans on the data-parallel ranks (world / tp) with a
+  // rank's blocks of the model: the trainer picks what the estimate of that
+  // layout picks (the pick among data-parallel ranks is checked above; a
+  // trainer that planned over the whole world, or the whole model, would
+  // pick otherwise or refuse the layout).
+  auto c = parity_config(data, 12 / (2 * dp), "auto");
+  c.distributed.tensor_parallel(2).memory_budget_mb(1024.0);
+  const auto want = strategy::choose_strategy(train::estimate_input(c, *train::planning_model(c), n, n),
+                                              1024.0 * 1024.0 * 1024.0);
+  const TrainedRun run = train_run(c, g_world);
+  EXPECT_EQ(run.trainer->strategy().name(), want.strategy + "+tp2");
+  expect_same_run(run, ref, "auto as " + run.trainer->strategy().name());
   fs::remove(data);
   remove_runs();
 }

@@ -40,7 +40,9 @@ set(LLAMA_TRAIN_CASES
   "tp2_full_shard_x2_clip_fires gqa_llama3 full_shardx4 distributed.tensor_parallel=2 clip=0.05"
   "tp2_hybrid_shard_x4 gqa_llama3 hybrid_shardx8 distributed.tensor_parallel=2"
   "tp2_tied_qwen2_zero1 tied_qwen2 zero1x2 distributed.tensor_parallel=2 +--num_key_value_heads=2"
-  "bf16_tp2 gqa_llama3 ddpx2 bf16 distributed.tensor_parallel=2")
+  "bf16_tp2 gqa_llama3 ddpx2 bf16 distributed.tensor_parallel=2"
+  # tensor_parallel auto under a budget only tp 2 fits.
+  "tp_auto gqa_llama3 ddpx2 distributed.tensor_parallel=auto")
 foreach(case ${LLAMA_TRAIN_CASES})
   string(REPLACE " " ";" args ${case})
   list(POP_FRONT args name)

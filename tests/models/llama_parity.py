@@ -14,7 +14,8 @@ Hugging Face directories that the reference writes:
         strategy, exporter) against the reference's loop on the same batches:
         the per-step losses and gradient norms, and the exported weights.
         KEY=VALUE are config overrides (distributed.tensor_parallel=2: the
-        tensor-parallel layouts); +ARG=VALUE goes to the reference's `make`
+        tensor-parallel layouts; distributed.tensor_parallel=auto with a
+        budget between the estimates at tp 1 and 2, which must take 2); +ARG=VALUE goes to the reference's `make`
         of the variant (+--num_key_value_heads=2); clip=X sets the clipping
         norm of both (small enough that it fires every step)
     llama_parity.py export CLI SRC
@@ -33,6 +34,7 @@ Run with the system Python (Debian's python3-torch).
 """
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -97,8 +99,8 @@ def fail(msg):
     sys.exit(1)
 
 
-def run(cmd, what, env=None):
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+def run(cmd, what, env=None, cwd=None):
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd)
     if p.returncode != 0:
         print(p.stdout[-4000:])
         print(p.stderr[-4000:])
@@ -168,15 +170,20 @@ def strategy_args(spec):
     return world, sets
 
 
-def shardtrain_train(cli, src, hf_dir, run_dir, spec, extra_sets=(), port=None, steps=STEPS, with_norms=False):
+def train_sets(hf_dir, run_dir, spec, extra_sets=(), steps=STEPS):
+    """(world, the --set values of a run of `spec`)."""
     world, sets = strategy_args(spec)
-    sets = sets + [
+    return world, sets + [
         "model.type=auto", f"model.init_from={hf_dir}", f"model.block_size={BLOCK}",
         f"batch.global={GLOBAL}", f"batch.micro={MICRO}", "batch.accumulate=null",
         f"trainer.max_steps={steps}", "trainer.eval_every=0", "trainer.sample_tokens=0",
         "trainer.progress=none", "distributed.threads_per_rank=1", "schedule.warmup_steps=2",
         f"run.dir={run_dir}", "data.train=data/corpus.txt",
     ] + list(extra_sets)
+
+
+def shardtrain_train(cli, src, hf_dir, run_dir, spec, extra_sets=(), port=None, steps=STEPS, with_norms=False):
+    world, sets = train_sets(hf_dir, run_dir, spec, extra_sets, steps)
     args = [a for s in sets for a in ("--set", s)]
     env = dict(os.environ, OMP_NUM_THREADS="1", SHARDTRAIN_TIMEOUT_S="120")
     if spec.startswith("hybrid_shard"):
@@ -252,6 +259,27 @@ def compare_weights(ours_dir, theirs, initial_dir, tol, what):
                  f"(atol {tol['param_atol']}, rtol {tol['param_rtol']})")
 
 
+def tp_auto_budget(cli, src, hf_dir, spec, sets):
+    """A memory budget (MiB) between the totals `shardtrain estimate` gives
+    the run's strategy at tensor_parallel 1 and 2: auto must pick 2."""
+    world, all_sets = train_sets(hf_dir, "unused", spec, sets)
+    args = [a for s in all_sets for a in ("--set", s)]
+    out = run([cli, "estimate", "configs/default.yaml", *args, "--nproc-per-node", str(world)], "estimate", cwd=src)
+    lines = out.splitlines()
+    start = next((i for i, l in enumerate(lines) if l.startswith("tensor parallelism: total per rank")), None)
+    if start is None:
+        fail(f"estimate printed no tensor parallelism table:\n{out}")
+    head = lines[start + 1].split()
+    column = head.index(all_sets[0].split("=")[1])  # distributed.strategy=ddp
+    totals = {}
+    for line in lines[start + 2:]:
+        cells = [c.rstrip("*") for c in line.split("  ") if c.strip()]
+        if not cells or not cells[0].strip().isdigit():
+            break
+        totals[int(cells[0])] = float(cells[column].split()[0])  # every total here is in MiB
+    return (totals[1] + totals[2]) / 2
+
+
 def cmd_train(cli, src, variant, spec, *options):
     precision = "bf16" if "bf16" in options else "fp32"
     sets = [o for o in options if "=" in o and not o.startswith(("+", "clip="))]
@@ -265,9 +293,15 @@ def cmd_train(cli, src, variant, spec, *options):
         if clip:
             extra.append(f"trainer.max_grad_norm={clip[0]}")
             ref_extra += ["--max-grad-norm", clip[0]]
+        if "distributed.tensor_parallel=auto" in sets:
+            sets.append(f"distributed.memory_budget_mb={tp_auto_budget(cli, src, hf, spec, extra + sets)}")
         world, ours, our_norms = shardtrain_train(cli, src, hf, os.path.join(work, "run"), spec, extra + sets,
                                                   with_norms=True)
-        tp = int(next((s.split("=")[1] for s in sets if s.startswith("distributed.tensor_parallel=")), 1))
+        # The degree the run took (auto decides it), as its config.yaml records it.
+        with open(os.path.join(work, "run", "config.yaml")) as f:
+            tp = int(re.search(r"^\s*tensor_parallel: (\d+)$", f.read(), re.M).group(1))
+        if "distributed.tensor_parallel=auto" in sets and tp != 2:
+            fail(f"tensor_parallel auto took {tp} under a budget only tensor_parallel 2 fits")
         theirs, their_norms, weights = ref_train(src, hf, work, world // tp, ref_extra, with_norms=True)
         what = " ".join([variant, spec] + list(options or ["fp32"]))
         if len(ours) != STEPS:

@@ -258,7 +258,7 @@ Config every_key_set() {
   c.distributed.limit_all_gathers(5);
   c.distributed.accumulation(Accumulation::Unsharded);
   c.distributed.memory_budget_mb(1536.5);
-  c.distributed.tensor_parallel(3).sequence_parallel(false).loss_parallel(false);
+  c.distributed.tensor_parallel(0).sequence_parallel(false).loss_parallel(false);  // auto
   c.precision = PrecisionKind::Bf16Mixed;
   c.loss_scaler.initial_scale_power(12)
       .loss_scale_window(50)
@@ -673,7 +673,9 @@ TEST(ConfigErrors, TensorParallelLayoutsThatCannotSplit) {
   EXPECT_HAS(parse_error("distributed: {tensor_parallel: 4, nproc_per_node: 6}"),
              "a divisor of distributed.nproc_per_node=6");
   EXPECT_HAS(parse_error("distributed: {tensor_parallel: 2, strategy: single}"), "distributed.strategy");
-  EXPECT_HAS(parse_error("distributed: {tensor_parallel: 0}"), "distributed.tensor_parallel");
+  EXPECT_HAS(parse_error("distributed: {tensor_parallel: 1025}"), "auto or an integer in 1..1024");
+  EXPECT_HAS(parse_error("distributed: {tensor_parallel: -1}"), "distributed.tensor_parallel");
+  EXPECT_EQ(Config::parse("distributed: {tensor_parallel: auto}").distributed.tensor_parallel(), 0);
   // A base quantized per block is read again from its file, never saved.
   const std::string qlora = "distributed: {tensor_parallel: 2}\nlora: {r: 4, quantize: nf4}\n";
   EXPECT_HAS(parse_error(qlora), "1 with lora.quantize=nf4 unless model.init_from names the base");

@@ -296,9 +296,8 @@ TEST(LlamaFamily, LoraEstimateCountsTheAdaptersAndTheFrozenBase) {
   st::config::Config config = st::config::Config::parse("model: {type: llama}\n");
   config.model = tiny();
   config.lora.r(4).quantize(m::LoraQuantize::Int8);
-  auto model = build(config.model);
+  const auto model = st::train::planning_model(config);
   const double base = m::family_of(config.model.type).num_parameters(config.model);
-  st::train::attach_lora(*model, config);
   const auto in = st::train::estimate_input(config, *model, 2, 2);
   // Per layer: q (32->32), k and v (32->16 each: 2 kv heads of 8), o (32->32),
   // gate and up (32->48), down (48->32); an adapter has r (in + out).

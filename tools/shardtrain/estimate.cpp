@@ -38,7 +38,8 @@ const char kUsage[] =
     "distributed.memory_budget_mb (0: MemAvailable / local ranks). N defaults to\n"
     "distributed.nproc_per_node (auto = this machine's cores); the world size is\n"
     "M x N. Figures are estimates (ZeRO's formulas for Adam, Korthikanti et al.'s\n"
-    "for activations); see docs/config.md.\n";
+    "for activations); see docs/config.md. With ranks per node to split the model\n"
+    "over, a second table gives each distributed.tensor_parallel degree's totals.\n";
 
 struct EstimateArgs {
   std::string config = "configs/default.yaml";
@@ -99,32 +100,58 @@ std::string pad_right(const std::string& s, size_t w) {
   return s + std::string(w > width(s) ? w - width(s) : 0, ' ');
 }
 
-// ---- the model -----------------------------------------------------------------------
-
-// The model make_task builds for this config, with the same seed (the
-// estimate needs only its structure).
-std::shared_ptr<torch::nn::Module> build_model(const config::Config& config) {
-  torch::manual_seed(config.run.seed);
-  const models::ModelFamily& family = models::family_of(config.model.type);
-  family.validate(config.model);
-  // Building allocates the weights; refuse before that would exhaust memory.
-  // Counted in doubles: absurd sizes must not overflow.
-  const double params = train::model_parameter_count(config.model);
-  const double need = params * 4.0;
-  const double have = strategy::default_memory_budget_bytes(1);
-  char count[32];
-  std::snprintf(count, sizeof(count), "%.3g", params);
-  ST_CHECK(need <= have / 2, ConfigError, "the model has about ", count,
-           " parameters (", bytes(need), " in fp32), more than half this machine's available ",
-           bytes(have), "; estimate builds the model to plan its units, so run it on a machine "
-           "with more memory");
-  return family.build(config.model);
-}
-
 std::string join(const std::vector<std::string>& items, const char* sep) {
   std::string out;
   for (size_t i = 0; i < items.size(); ++i) out += (i ? sep : "") + items[i];
   return out;
+}
+
+// Each tensor-parallel degree the model can take on this host: the total
+// per rank of every strategy on the data-parallel ranks left.
+void print_tensor_parallel(const config::Config& config, int world, int nproc, double budget, int tp,
+                           bool tp_auto, const std::string& tp_failure) {
+  const std::vector<int> degrees = train::tensor_parallel_degrees(config, nproc);
+  if (degrees.size() < 2 && !tp_auto) return;
+  std::vector<std::string> head = {"tp", "dp"};
+  std::vector<std::vector<std::string>> cells;
+  for (const int t : degrees) {
+    config::Config c = config;
+    c.distributed.tensor_parallel(t);
+    const auto model = train::planning_model(c);
+    const auto rows = strategy::estimate_all(train::estimate_input(c, *model, world, nproc));
+    std::vector<std::string> line = {std::to_string(t), std::to_string(world / t)};
+    for (const auto& r : rows) {
+      if (t == degrees.front()) head.push_back(r.strategy);
+      line.push_back(bytes(r.total_bytes) + (r.total_bytes <= budget ? " " : "*"));
+    }
+    if (t == tp) line.push_back(tp_auto ? "<- auto" : "<- config");
+    cells.push_back(std::move(line));
+  }
+  std::vector<size_t> w(head.size());
+  for (size_t c = 0; c < head.size(); ++c) {
+    w[c] = width(head[c]);
+    for (const auto& row : cells) w[c] = std::max(w[c], width(row[c]));
+  }
+  std::printf("\ntensor parallelism: total per rank at each degree of %d ranks per node (* over the budget)\n",
+              nproc);
+  const auto print_row = [&](const std::vector<std::string>& row) {
+    std::string line;
+    for (size_t c = 0; c < head.size(); ++c) line += (c ? "  " : "") + pad_left(row[c], w[c]);
+    if (row.size() > head.size()) line += "  " + row.back();
+    std::printf("%s\n", line.c_str());
+  };
+  print_row(head);
+  for (const auto& row : cells) print_row(row);
+  if (tp_auto) {
+    if (tp_failure.empty()) {
+      std::printf("tensor_parallel auto picks: %d (the least degree at which %s fits)\n", tp,
+                  config.distributed.strategy() == strategy::StrategyKind::Auto
+                      ? "a strategy"
+                      : config.distributed.display_name().c_str());
+    } else {
+      std::printf("tensor_parallel auto picks: none; %s\n", tp_failure.c_str());
+    }
+  }
 }
 
 }  // namespace
@@ -153,9 +180,29 @@ int estimate_main(int argc, char** argv) {
   if (single) nproc = nnodes = 1;
   const int world = nproc * nnodes;
 
-  // ---- model, units and the estimator's input (the same as strategy auto uses) ----
-  auto model = build_model(config);
-  train::attach_lora(*model, config);
+  // ---- tensor parallelism: auto decided as shardtrain train decides it ----
+  const bool tp_auto = dc.tensor_parallel() == 0;
+  std::string tp_failure;
+  if (tp_auto) try {
+      train::resolve_tensor_parallel(config, world, nproc);
+    } catch (const ConfigError& e) {
+      tp_failure = e.what();
+      config.distributed.tensor_parallel(1);  // the tables below as without it
+    }
+  const int tp = static_cast<int>(dc.tensor_parallel());
+  ST_CHECK(nproc % tp == 0, ConfigError, "distributed.tensor_parallel=", tp, " does not divide the ", nproc,
+           " ranks per node; a tensor-parallel group shares one host");
+
+  // ---- model, units and the estimator's input (the same as strategy auto
+  // uses): the model one rank holds, built deferred (no weights drawn, so a
+  // model far larger than this machine is estimated too); its element
+  // counts must stay exact in 64 bits ----
+  const double params = train::model_parameter_count(config.model);
+  char count[32];
+  std::snprintf(count, sizeof(count), "%.3g", params);
+  ST_CHECK(params < 1e15, ConfigError, "the model has about ", count,
+           " parameters; estimate counts models of up to 1e15; lower the model's sizes");
+  const auto model = train::planning_model(config);
   const std::vector<strategy::UnitPlan> units =
       strategy::plan_units(*model, strategy::policy_from_options(dc));
   strategy::EstimateInput in = train::estimate_input(config, *model, world, nproc);
@@ -169,8 +216,7 @@ int estimate_main(int argc, char** argv) {
   in.mixed_precision = mixed;
 
   const bool budget_auto = dc.memory_budget_mb() <= 0.0;
-  const double budget = budget_auto ? strategy::default_memory_budget_bytes(nproc)
-                                    : dc.memory_budget_mb() * 1024.0 * 1024.0;
+  const double budget = train::memory_budget_bytes(config, nproc);
 
   // ---- header ----
   std::printf("model: %s, %s\n", enum_name(config.model.type),
@@ -209,6 +255,12 @@ int estimate_main(int argc, char** argv) {
               single                   ? " (strategy single)"
               : nproc_auto             ? " (nproc_per_node auto: online CPUs)"
                                        : "");
+  if (!tp_failure.empty()) {
+    std::printf("tensor_parallel auto: no degree fits (see below); the first table is without tensor parallelism\n");
+  } else if (tp > 1 || tp_auto) {
+    std::printf("tensor_parallel %d%s: %d data-parallel rank(s)%s\n", tp, tp_auto ? " (auto)" : "", world / tp,
+                tp > 1 ? "; a rank holds its blocks of the split layers" : "");
+  }
   std::printf("precision %s, param_dtype %s: %s formulas; activations for micro-batch %lld "
               "in %d-byte elements%s\n",
               enum_name(config.precision), enum_name(dc.param_dtype()),
@@ -289,6 +341,7 @@ int estimate_main(int argc, char** argv) {
     std::printf("auto would pick: %s (least communication that fits: %.2f Ψ per step, %s of %s)\n",
                 chosen.c_str(), r.comm_volume, bytes(r.total_bytes).c_str(), bytes(budget).c_str());
   }
+  print_tensor_parallel(config, world, nproc, budget, tp, tp_auto, tp_failure);
   return 0;
 }
 

@@ -153,7 +153,7 @@ int train_main(int argc, char** argv) {
   check_launch_flags(args.launch);
   const dist::ClusterEnv env = dist::ClusterEnv::detect();
   // Said once, by the process the user started (its ranks load the same).
-  const config::Config config = load_config(args, /*say=*/env.source == dist::EnvSource::Standalone);
+  config::Config config = load_config(args, /*say=*/env.source == dist::EnvSource::Standalone);
   // The process the user started lives as long as the job, through the
   // launcher's restarts: it holds the run directory (train/run_dir.h) and
   // its ranks see that it does. Node 0's, on a multi-node job.
@@ -185,6 +185,23 @@ int train_main(int argc, char** argv) {
   ST_CHECK(config.distributed.strategy() != strategy::StrategyKind::Single || comm->size() == 1, ConfigError,
            "distributed.strategy 'single' runs one process, but WORLD_SIZE is ", comm->size(),
            "; use ddp or start one rank");
+  // tensor_parallel auto: rank 0 decides (budgets are per host) and every
+  // rank runs what it decided.
+  if (config.distributed.tensor_parallel() == 0) {
+    std::string error;
+    int64_t tp = 0;
+    if (comm->rank() == 0) try {
+        train::resolve_tensor_parallel(config, comm->size(), env.local_world_size);
+        tp = config.distributed.tensor_parallel();
+      } catch (const ConfigError& e) {
+        error = e.what();
+      }
+    auto decided = torch::tensor({tp}, torch::kLong);
+    comm->broadcast(decided);
+    ST_CHECK(decided.item<int64_t>() > 0, ConfigError,
+             comm->rank() == 0 ? error : std::string("distributed.tensor_parallel: auto failed on rank 0 (see its error)"));
+    config.distributed.tensor_parallel(decided.item<int64_t>());
+  }
   // A layout the mesh cannot hold (a tensor-parallel group across hosts)
   // is refused before the model is built.
   train::mesh_shape(config, comm->size(), env.local_world_size);
