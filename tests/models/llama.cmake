@@ -32,7 +32,7 @@ set(LLAMA_TRAIN_CASES
   # collectives inside backward), full_shard (with clipping that fires every
   # step: the norm counts each replicated parameter once), hybrid_shard and
   # zero1 on the data-parallel ranks; a tied Qwen2 head with q/k/v biases;
-  # bf16-mixed.
+  # bf16-mixed and bf16-true.
   "tp2 gqa_llama3 ddpx2 distributed.tensor_parallel=2"
   "tp2_no_sequence_no_loss_parallel gqa_llama3 ddpx2 distributed.tensor_parallel=2 distributed.sequence_parallel=false distributed.loss_parallel=false"
   "tp4_biases biases ddpx4 distributed.tensor_parallel=4 +--num_key_value_heads=4"
@@ -41,12 +41,23 @@ set(LLAMA_TRAIN_CASES
   "tp2_hybrid_shard_x4 gqa_llama3 hybrid_shardx8 distributed.tensor_parallel=2"
   "tp2_tied_qwen2_zero1 tied_qwen2 zero1x2 distributed.tensor_parallel=2 +--num_key_value_heads=2"
   "bf16_tp2 gqa_llama3 ddpx2 bf16 distributed.tensor_parallel=2"
+  "bf16_true_tp2 gqa_llama3 ddpx2 bf16-true distributed.tensor_parallel=2"
   # tensor_parallel auto under a budget only tp 2 fits.
   "tp_auto gqa_llama3 ddpx2 distributed.tensor_parallel=auto")
 foreach(case ${LLAMA_TRAIN_CASES})
   string(REPLACE " " ";" args ${case})
   list(POP_FRONT args name)
   add_test(NAME models.llama.train.${name} COMMAND ${LLAMA_PARITY} train ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR} ${args})
+endforeach()
+
+# Masked prompt/completion records packed several to a row (positions
+# restarting, attention within each record): the micro-batches the task
+# serves train the reference; shardtrain trains them in one process and
+# under tensor parallelism (sequence and loss parallel).
+foreach(spec single ddpx2:tp2)
+  string(REPLACE "ddpx2:" "" name ${spec})
+  add_test(NAME models.llama.packed.${name}
+           COMMAND ${LLAMA_PARITY} packed ${SHARDTRAIN_CLI} $<TARGET_FILE:llama_logits> ${PROJECT_SOURCE_DIR} ${spec})
 endforeach()
 
 # A checkpoint saved under tp2 x full_shard 2 resumes under one process,

@@ -8,6 +8,13 @@
 // OUT.json: {"logits": [B][T][V] of one forward with the given positions and
 // segments, "cached": [T][V] of row 0 fed one token at a time through the
 // key/value cache (positions 0..T-1)}.
+//
+//   llama_logits batches CONFIG STEPS OUT.json [KEY=VALUE ...]
+//
+// The micro-batches of steps 0..STEPS-1 as the trainer's task serves them to
+// one process for CONFIG with the overrides (packed rows with their
+// positions and segments, masked targets), as the reference's `train
+// --batches` reads them: [[{"input", "target", "position", "segment"}, ...]].
 #include <torch/torch.h>
 
 #include <cstdio>
@@ -18,6 +25,7 @@
 #include "shardtrain/models/causal_lm.h"
 #include "shardtrain/models/family.h"
 #include "shardtrain/models/hf_dir.h"
+#include "shardtrain/train/task.h"
 
 namespace st = shardtrain;
 
@@ -39,11 +47,48 @@ nlohmann::json to_json(const at::Tensor& t) {
   return out;
 }
 
+nlohmann::json int_rows(const at::Tensor& t) {
+  if (!t.defined()) return nullptr;
+  nlohmann::json out = nlohmann::json::array();
+  const at::Tensor c = t.contiguous().to(torch::kInt64);
+  for (int64_t i = 0; i < c.size(0); ++i) {
+    out.push_back(std::vector<int64_t>(c[i].data_ptr<int64_t>(), c[i].data_ptr<int64_t>() + c.size(1)));
+  }
+  return out;
+}
+
+int dump_batches(int argc, char** argv) {
+  std::vector<std::string> overrides(argv + 5, argv + argc);
+  const st::config::Config config = st::config::Config::load(argv[2], overrides);
+  const st::train::TrainTask task = st::train::make_task(config, 1);
+  const st::config::BatchPlan plan = config.resolve_batch(1);
+  nlohmann::json steps = nlohmann::json::array();
+  for (int64_t step = 0; step < std::stoll(argv[3]); ++step) {
+    nlohmann::json micro = nlohmann::json::array();
+    for (int64_t m = 0; m < plan.accumulate; ++m) {
+      const st::data::Batch b = task.train_batch(step, m, plan.micro, 0, 1);
+      micro.push_back({{"input", int_rows(b.input)}, {"target", int_rows(b.target)},
+                       {"position", int_rows(b.position)}, {"segment", int_rows(b.segment)}});
+    }
+    steps.push_back(micro);
+  }
+  std::ofstream(argv[4]) << steps.dump();
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc >= 5 && std::string(argv[1]) == "batches") {
+    try {
+      return dump_batches(argc, argv);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "llama_logits batches: %s\n", e.what());
+      return 1;
+    }
+  }
   if (argc != 4) {
-    std::fprintf(stderr, "usage: llama_logits DIR IN.json OUT.json\n");
+    std::fprintf(stderr, "usage: llama_logits DIR IN.json OUT.json | batches CONFIG STEPS OUT.json [KEY=VALUE ...]\n");
     return 2;
   }
   try {

@@ -9,7 +9,7 @@ Hugging Face directories that the reference writes:
     llama_parity.py logits LLAMA_LOGITS SRC
         logits of every variant (full forward, packed rows, and the KV-cached
         forward one token at a time) within 1e-5 of the reference's
-    llama_parity.py train CLI SRC VARIANT STRATEGY[xN] [bf16] [KEY=VALUE ...] [+MAKE_ARG=VALUE ...] [clip=X]
+    llama_parity.py train CLI SRC VARIANT STRATEGY[xN] [bf16|bf16-true] [KEY=VALUE ...] [+MAKE_ARG=VALUE ...] [clip=X]
         10 training steps through `shardtrain train` (launcher, data sampler,
         strategy, exporter) against the reference's loop on the same batches:
         the per-step losses and gradient norms, and the exported weights.
@@ -25,6 +25,10 @@ Hugging Face directories that the reference writes:
         a checkpoint written at step 5 under SAVE_SPEC (STRATEGY[xN][:tpK])
         resumes under each LOAD_SPEC; steps 6..10 and the exported weights
         match the reference's
+    llama_parity.py packed CLI LLAMA_LOGITS SRC STRATEGY[xN][:tpK] [KEY=VALUE ...]
+        masked prompt/completion records packed several to a row: the
+        micro-batches shardtrain's task serves train the reference, and
+        shardtrain the same data under the layout (one data-parallel rank)
     llama_parity.py lora CLI SRC STRATEGY[xN][:tpK] [KEY=VALUE ...]
         a PEFT adapter written by the reference trains 10 steps in both; the
         saved adapters match, in the PEFT names and config
@@ -92,6 +96,15 @@ FP32 = {"loss": 2e-5, "param_atol": 5e-5, "param_rtol": 1e-4, "norm_atol": 1e-5,
 # same for every key of a query) but for the rotation; in bf16 it is mostly
 # rounding noise, which AdamW scales to full steps (measured 0.68).
 BF16 = {"loss_rtol": 2e-3, "update_rtol": 0.08}
+# bf16-true against the same autocast reference: the weights themselves are
+# bf16, rounded after every update (2^-8 of the weight, against updates of
+# about lr), so the run drifts further from the fp32-weight reference:
+# measured 2.1e-3 relative in the loss at step 10, the same under ddp and
+# tensor parallelism. A norm weight starts at 1.0, where a bf16 step is 2^-7
+# and the reference's ten updates add up to about 0.02: most of them round
+# away (its update differs by 0.68 of the reference's), so norm weights are
+# not compared; every matrix and embedding is (measured <= 0.056).
+BF16_TRUE = {"loss_rtol": 5e-3, "update_rtol": 0.08, "skip_norm_weights": True}
 
 
 def fail(msg):
@@ -250,6 +263,8 @@ def compare_weights(ours_dir, theirs, initial_dir, tol, what):
         if "update_rtol" in tol:
             if name.endswith("k_proj.bias"):
                 continue
+            if tol.get("skip_norm_weights") and name.endswith("norm.weight"):
+                continue
             rel = float((x - y).norm() / (y - initial[name].double()).norm())
             if rel > tol["update_rtol"]:
                 fail(f"{what}: {name}'s update differs from the reference's by {rel:.3f} of its norm "
@@ -281,14 +296,15 @@ def tp_auto_budget(cli, src, hf_dir, spec, sets):
 
 
 def cmd_train(cli, src, variant, spec, *options):
-    precision = "bf16" if "bf16" in options else "fp32"
+    precision = "bf16" if "bf16" in options or "bf16-true" in options else "fp32"
     sets = [o for o in options if "=" in o and not o.startswith(("+", "clip="))]
     make_args = [a for o in options if o.startswith("+") for a in o[1:].split("=", 1)]
     clip = [o.split("=", 1)[1] for o in options if o.startswith("clip=")]
     work = tempfile.mkdtemp(prefix="llama_parity_")
     try:
         hf = make_variant(work, variant, make_args)
-        extra = ["precision=bf16-mixed"] if precision == "bf16" else ["precision=fp32"]
+        extra = ["precision=" + ("bf16-true" if "bf16-true" in options else "bf16-mixed" if precision == "bf16"
+                                 else "fp32")]
         ref_extra = ["--autocast", "bf16"] if precision == "bf16" else []
         if clip:
             extra.append(f"trainer.max_grad_norm={clip[0]}")
@@ -304,10 +320,11 @@ def cmd_train(cli, src, variant, spec, *options):
             fail(f"tensor_parallel auto took {tp} under a budget only tensor_parallel 2 fits")
         theirs, their_norms, weights = ref_train(src, hf, work, world // tp, ref_extra, with_norms=True)
         what = " ".join([variant, spec] + list(options or ["fp32"]))
+        tol = BF16_TRUE if "bf16-true" in options else BF16 if precision == "bf16" else FP32
         if len(ours) != STEPS:
             fail(f"{what}: {len(ours)} step losses in metrics.jsonl, expected {STEPS}")
         for i, (o, r) in enumerate(zip(ours, theirs)):
-            bad = abs(o - r) > (BF16["loss_rtol"] * abs(r) if precision == "bf16" else FP32["loss"])
+            bad = abs(o - r) > (tol["loss_rtol"] * abs(r) if precision == "bf16" else FP32["loss"])
             if bad:
                 fail(f"{what}: step {i + 1} loss {o:.7f}, reference {r:.7f}")
         if precision == "fp32":
@@ -318,7 +335,6 @@ def cmd_train(cli, src, variant, spec, *options):
                     fail(f"{what}: step {i + 1} gradient norm {o:.7f}, reference {r:.7f}")
             if clip and not min(their_norms) > float(clip[0]):
                 fail(f"{what}: clipping at {clip[0]} did not fire on every step (norms {their_norms})")
-        tol = BF16 if precision == "bf16" else FP32
         compare_weights(os.path.join(work, "run", "model"), weights, hf, tol, what)
         print(f"{what}: {STEPS} losses, gradient norms and the exported weights match the reference "
               f"(last loss {ours[-1]:.6f} vs {theirs[-1]:.6f})")
@@ -367,6 +383,60 @@ def cmd_reshard(cli, src, save_spec, *load_specs):
                             f"reshard {save_spec} -> {spec}")
             print(f"reshard: saved under {save_spec}, resumed under {spec}: steps 6..10 and the exported "
                   f"weights match the reference")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# ---- masked instruction data, packed -------------------------------------------------------
+
+def cmd_packed(cli, logits_bin, src, spec, *sets):
+    """Prompt/completion records of very different lengths (prompt masked),
+    packed several to a row: the micro-batches the task serves one process
+    (rows, restarting positions, segments, masked targets) train the
+    reference; shardtrain trains the same data under SPEC (STRATEGY[xN][:tpK]:
+    one data-parallel rank, so the same batches) and SETS. Losses, gradient
+    norms and the exported weights must match."""
+    strategy, _, tp = spec.partition(":tp")
+    work = tempfile.mkdtemp(prefix="llama_parity_")
+    try:
+        hf = make_variant(work, "gqa_llama3")
+        data = os.path.join(work, "instructions.jsonl")
+        with open(data, "w") as f:
+            for i in range(120):
+                answer = 26 if i % 9 == 0 else 1 + (i * 5) % 7
+                f.write(json.dumps({"prompt": f"q{i % 37}? ", "completion": chr(97 + i % 11) * answer}) + "\n")
+        data_sets = [f"data.train={data}", "data.packing=true", "data.val_fraction=0"]
+        tp_sets = [f"distributed.tensor_parallel={tp}"] if tp else []
+        world, all_sets = train_sets(hf, os.path.join(work, "unused"), "single", data_sets + list(sets))
+        batches = os.path.join(work, "batches.json")
+        run([logits_bin, "batches", "configs/default.yaml", str(STEPS), batches, *all_sets], "batches", cwd=src)
+        with open(batches) as f:
+            served = json.load(f)
+        packed_rows = sum(1 for step in served for m in step for row in m["segment"] if len(set(row)) > 2)
+        masked = sum(1 for step in served for m in step for row in m["target"] for t in row if t == -100)
+        if packed_rows == 0 or masked == 0:
+            fail(f"packed: the batches hold {packed_rows} rows of several records and {masked} masked targets")
+        world, ours, our_norms = shardtrain_train(cli, src, hf, os.path.join(work, "run"), strategy,
+                                                  data_sets + tp_sets + list(sets), with_norms=True)
+        if world // int(tp or 1) != 1:
+            fail(f"packed: {spec} has {world // int(tp or 1)} data-parallel ranks; the batches are one rank's")
+        out = os.path.join(work, "ref.json")
+        weights = os.path.join(work, "ref.safetensors")
+        ref("train", hf, "--steps", str(STEPS), "--batches", batches, "--warmup", "2", "--out", out,
+            "--out-weights", weights)
+        with open(out) as f:
+            result = json.load(f)
+        theirs, their_norms = result["losses"], [r["grad_norm"] for r in result["steps"]]
+        what = " ".join(["packed", spec] + list(sets))
+        for i, (o, r) in enumerate(zip(ours, theirs)):
+            if abs(o - r) > FP32["loss"]:
+                fail(f"{what}: step {i + 1} loss {o:.7f}, reference {r:.7f}")
+        for i, (o, r) in enumerate(zip(our_norms, their_norms)):
+            if abs(o - r) > FP32["norm_atol"] + FP32["norm_rtol"] * abs(r):
+                fail(f"{what}: step {i + 1} gradient norm {o:.7f}, reference {r:.7f}")
+        compare_weights(os.path.join(work, "run", "model"), weights, hf, FP32, what)
+        print(f"{what}: {STEPS} steps of packed masked rows ({packed_rows} rows of several records, "
+              f"{masked} masked targets): losses, gradient norms and the exported weights match the reference")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -488,6 +558,8 @@ def main(argv):
     cmd = argv[0]
     if cmd == "logits":
         cmd_logits(argv[1], argv[2])
+    elif cmd == "packed":
+        cmd_packed(argv[1], argv[2], argv[3], argv[4], *argv[5:])
     elif cmd == "lora":
         cmd_lora(argv[1], argv[2], argv[3], *argv[4:])
     elif cmd == "export":
