@@ -26,7 +26,7 @@ set(LLAMA_TRAIN_CASES
   "bf16_ddp_x2 gqa_llama3 ddpx2 bf16"
   "bf16_full_shard_x2 tied_qwen2 full_shardx2 bf16"
   # Tensor parallelism (distributed.tensor_parallel): sequence and loss
-  # parallel on by default, both off once; GQA with kv heads = tp; every
+  # parallel on by default, both off once, loss parallel alone off once; GQA with kv heads = tp; every
   # projection's bias (row-parallel ones added once) at tp 4; composed with
   # ddp (and activation checkpointing, whose recompute repeats the forward's
   # collectives inside backward), full_shard (with clipping that fires every
@@ -35,6 +35,7 @@ set(LLAMA_TRAIN_CASES
   # bf16-mixed and bf16-true.
   "tp2 gqa_llama3 ddpx2 distributed.tensor_parallel=2"
   "tp2_no_sequence_no_loss_parallel gqa_llama3 ddpx2 distributed.tensor_parallel=2 distributed.sequence_parallel=false distributed.loss_parallel=false"
+  "tp2_no_loss_parallel gqa_llama3 ddpx2 distributed.tensor_parallel=2 distributed.loss_parallel=false"
   "tp4_biases biases ddpx4 distributed.tensor_parallel=4 +--num_key_value_heads=4"
   "tp2_ddp_x2_checkpointing gqa_llama3 ddpx4 distributed.tensor_parallel=2 model.activation_checkpointing=true"
   "tp2_full_shard_x2_clip_fires gqa_llama3 full_shardx4 distributed.tensor_parallel=2 clip=0.05"
