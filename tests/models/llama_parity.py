@@ -274,6 +274,21 @@ def compare_weights(ours_dir, theirs, initial_dir, tol, what):
                  f"(atol {tol['param_atol']}, rtol {tol['param_rtol']})")
 
 
+def check_losses(what, ours, theirs, first_step=1):
+    """Each step's loss within the fp32 tolerance of the reference's."""
+    for i, (o, r) in enumerate(zip(ours, theirs)):
+        if abs(o - r) > FP32["loss"]:
+            fail(f"{what}: step {i + first_step} loss {o:.7f}, reference {r:.7f}")
+
+
+def check_norms(what, ours, theirs):
+    """Each step's gradient norm before clipping: a parameter counted twice
+    or missed (a replicated norm weight once per tensor-parallel rank) shows here."""
+    for i, (o, r) in enumerate(zip(ours, theirs)):
+        if abs(o - r) > FP32["norm_atol"] + FP32["norm_rtol"] * abs(r):
+            fail(f"{what}: step {i + 1} gradient norm {o:.7f}, reference {r:.7f}")
+
+
 def tp_auto_budget(cli, src, hf_dir, spec, sets):
     """A memory budget (MiB) between the totals `shardtrain estimate` gives
     the run's strategy at tensor_parallel 1 and 2: auto must pick 2."""
@@ -328,11 +343,7 @@ def cmd_train(cli, src, variant, spec, *options):
             if bad:
                 fail(f"{what}: step {i + 1} loss {o:.7f}, reference {r:.7f}")
         if precision == "fp32":
-            # The norm before clipping: a parameter counted twice or missed
-            # (a replicated norm weight once per tensor-parallel rank) shows here.
-            for i, (o, r) in enumerate(zip(our_norms, their_norms)):
-                if abs(o - r) > FP32["norm_atol"] + FP32["norm_rtol"] * abs(r):
-                    fail(f"{what}: step {i + 1} gradient norm {o:.7f}, reference {r:.7f}")
+            check_norms(what, our_norms, their_norms)
             if clip and not min(their_norms) > float(clip[0]):
                 fail(f"{what}: clipping at {clip[0]} did not fire on every step (norms {their_norms})")
         compare_weights(os.path.join(work, "run", "model"), weights, hf, tol, what)
@@ -362,9 +373,7 @@ def cmd_reshard(cli, src, save_spec, *load_specs):
         world, ours = shardtrain_train(cli, src, hf, saved, strategy,
                                        sets + ["precision=fp32", "data.val_fraction=0", "checkpoint.every_n_steps=5",
                                                "checkpoint.keep=0"])
-        for i, (o, r) in enumerate(zip(ours, theirs)):
-            if abs(o - r) > FP32["loss"]:
-                fail(f"reshard: saving run {save_spec}: step {i + 1} loss {o:.7f}, reference {r:.7f}")
+        check_losses(f"reshard: saving run {save_spec}", ours, theirs)
         checkpoint = os.path.join(saved, "checkpoints", "step-000005")
         if not os.path.exists(os.path.join(checkpoint, "COMMITTED")):
             fail(f"reshard: {save_spec} wrote no committed checkpoint at {checkpoint}")
@@ -376,9 +385,7 @@ def cmd_reshard(cli, src, save_spec, *load_specs):
                                                 f"checkpoint.resume={checkpoint}"])
             if len(after) != STEPS - 5:
                 fail(f"reshard: {save_spec} -> {spec}: {len(after)} steps after resuming, expected {STEPS - 5}")
-            for i, (o, r) in enumerate(zip(after, theirs[5:])):
-                if abs(o - r) > FP32["loss"]:
-                    fail(f"reshard: {save_spec} -> {spec}: step {i + 6} loss {o:.7f}, reference {r:.7f}")
+            check_losses(f"reshard: {save_spec} -> {spec}", after, theirs[5:], first_step=6)
             compare_weights(os.path.join(resumed, "model"), os.path.join(work, "ref.safetensors"), hf, FP32,
                             f"reshard {save_spec} -> {spec}")
             print(f"reshard: saved under {save_spec}, resumed under {spec}: steps 6..10 and the exported "
@@ -428,12 +435,8 @@ def cmd_packed(cli, logits_bin, src, spec, *sets):
             result = json.load(f)
         theirs, their_norms = result["losses"], [r["grad_norm"] for r in result["steps"]]
         what = " ".join(["packed", spec] + list(sets))
-        for i, (o, r) in enumerate(zip(ours, theirs)):
-            if abs(o - r) > FP32["loss"]:
-                fail(f"{what}: step {i + 1} loss {o:.7f}, reference {r:.7f}")
-        for i, (o, r) in enumerate(zip(our_norms, their_norms)):
-            if abs(o - r) > FP32["norm_atol"] + FP32["norm_rtol"] * abs(r):
-                fail(f"{what}: step {i + 1} gradient norm {o:.7f}, reference {r:.7f}")
+        check_losses(what, ours, theirs)
+        check_norms(what, our_norms, their_norms)
         compare_weights(os.path.join(work, "run", "model"), weights, hf, FP32, what)
         print(f"{what}: {STEPS} steps of packed masked rows ({packed_rows} rows of several records, "
               f"{masked} masked targets): losses, gradient norms and the exported weights match the reference")
@@ -465,9 +468,7 @@ def cmd_lora(cli, src, spec, *sets):
         trained = os.path.join(work, "ref_adapter")
         theirs, _ = ref_train(src, hf, work, world // int(tp or 1), ["--adapter", start, "--out-adapter", trained])
         what = " ".join(["lora", spec] + list(sets))
-        for i, (o, r) in enumerate(zip(ours, theirs)):
-            if abs(o - r) > FP32["loss"]:
-                fail(f"{what}: step {i + 1} loss {o:.7f}, reference {r:.7f}")
+        check_losses(what, ours, theirs)
         adapter = os.path.join(run_dir, "adapter")
         with open(os.path.join(adapter, "adapter_config.json")) as f:
             config = json.load(f)
