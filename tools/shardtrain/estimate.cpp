@@ -122,7 +122,7 @@ void print_tensor_parallel(const config::Config& config, int world, int nproc, d
     std::vector<std::string> line = {std::to_string(t), std::to_string(world / t)};
     for (const auto& r : rows) {
       if (t == degrees.front()) head.push_back(r.strategy);
-      line.push_back(bytes(r.total_bytes) + (r.total_bytes <= budget ? " " : "*"));
+      line.push_back(bytes(r.total_bytes) + (r.total_bytes <= budget ? "" : "*"));
     }
     if (t == tp) line.push_back(tp_auto ? "<- auto" : "<- config");
     cells.push_back(std::move(line));
