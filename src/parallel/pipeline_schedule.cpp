@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <limits>
 #include <map>
+#include <optional>
 #include <tuple>
 
 #include "shardtrain/core/error.h"
@@ -18,7 +19,7 @@ using detail::str_cat;
 PipeAction forward(int stage, int micro) { return {PipeOp::Forward, stage, micro}; }
 PipeAction backward(int stage, int micro) { return {PipeOp::Backward, stage, micro}; }
 
-std::vector<PipeAction> gpipe(int p, int m, int r) {
+std::vector<PipeAction> gpipe(int m, int r) {
   std::vector<PipeAction> out;
   for (int i = 0; i < m; ++i) out.push_back(forward(r, i));
   for (int i = 0; i < m; ++i) out.push_back(backward(r, i));
@@ -39,27 +40,24 @@ std::vector<PipeAction> one_f_one_b(int p, int m, int r) {
   return out;
 }
 
-// ZB-H1: 1f1b's forwards and input-gradient halves in 1f1b's slots; rank r
-// runs a weight-gradient half (the oldest pending) after each of its input
+// ZB-H1: 1f1b's order with each backward split: rank r runs a
+// weight-gradient half (the oldest pending) after each of its input
 // gradients but the first r, and the r it skipped at the end, where they
 // fill the drain that 1f1b leaves idle. The bubble is a third of 1f1b's
 // (forward, input and weight halves of equal cost) and no rank holds more
 // than p micro-batches, 1f1b's peak. (As PyTorch's zero-bubble schedule
 // and the paper authors' own schedule model order it.)
 std::vector<PipeAction> zero_bubble(int p, int m, int r) {
-  const int warmup = std::min(p - r - 1, m);
   std::vector<PipeAction> out;
   int inputs = 0, weights = 0;
-  const auto input = [&](int i) {
-    out.push_back({PipeOp::BackwardInput, r, i});
+  for (const PipeAction& a : one_f_one_b(p, m, r)) {
+    if (a.op == PipeOp::Forward) {
+      out.push_back(a);
+      continue;
+    }
+    out.push_back({PipeOp::BackwardInput, a.stage, a.micro});
     if (inputs++ >= r) out.push_back({PipeOp::BackwardWeight, r, weights++});
-  };
-  for (int i = 0; i < warmup; ++i) out.push_back(forward(r, i));
-  for (int i = 0; i < m - warmup; ++i) {
-    out.push_back(forward(r, warmup + i));
-    input(i);
   }
-  for (int i = m - warmup; i < m; ++i) input(i);
   while (weights < m) out.push_back({PipeOp::BackwardWeight, r, weights++});
   return out;
 }
@@ -116,7 +114,7 @@ std::vector<std::vector<PipeAction>> pipeline_schedule(PipelineSchedule schedule
   for (int r = 0; r < p; ++r) {
     switch (schedule) {
       case PipelineSchedule::GPipe:
-        out.push_back(gpipe(p, m, r));
+        out.push_back(gpipe(m, r));
         break;
       case PipelineSchedule::OneFOneB:
         out.push_back(one_f_one_b(p, m, r));
@@ -177,17 +175,18 @@ PipeSimulation simulate(const std::vector<std::vector<PipeAction>>& schedule, in
       const auto& order = schedule[static_cast<size_t>(r)];
       for (size_t& i = next[static_cast<size_t>(r)]; i < order.size(); ++i) {
         const PipeAction& a = order[i];
-        std::tuple<int, int, int> needs;
+        // What the action takes in; stage 0's forward takes the batch.
+        std::optional<std::tuple<int, int, int>> needs;
         if (a.op == PipeOp::Forward) {
-          needs = a.stage == 0 ? key(kActivation, -1, a.micro) : key(kActivation, a.stage - 1, a.micro);
+          if (a.stage > 0) needs = key(kActivation, a.stage - 1, a.micro);
         } else if (a.op == PipeOp::BackwardWeight) {
           needs = key(kInputGrad, a.stage, a.micro);
         } else {
           needs = a.stage == stages - 1 ? key(kActivation, a.stage, a.micro) : key(kInputGrad, a.stage + 1, a.micro);
         }
         double ready = 0.0;
-        if (std::get<1>(needs) >= 0) {
-          const auto it = done.find(needs);
+        if (needs) {
+          const auto it = done.find(*needs);
           if (it == done.end()) break;  // waits (on another rank, or on itself: a hang)
           ready = it->second;
         }

@@ -107,20 +107,21 @@ strategy::EstimateInput estimate_input(const config::Config& config, torch::nn::
 }
 
 std::vector<int> tensor_parallel_degrees(const config::Config& config, int local_world_size) {
-  const models::ModelFamily& family = models::family_of(config.model.type);
   std::vector<int> out = {1};
-  // A base quantized per block needs its file to come back from (schema.cpp).
-  const bool unsplittable_base = config.lora.r() > 0 && config.lora.quantize() != models::LoraQuantize::None &&
-                                 (config.model.init_from.empty() || config.checkpoint.save_frozen_base);
-  if (config.distributed.strategy() == strategy::StrategyKind::Single || family.tensor_parallel_plan().regions.empty() ||
-      unsplittable_base) {
-    return out;
-  }
-  const auto divisors = family.tensor_parallel_divisors(config.model);
+  if (models::family_of(config.model.type).tensor_parallel_plan().regions.empty()) return out;
+  // A degree is one the config's own checks accept when it is written (the
+  // heads, block_size under sequence parallelism, strategy single, a QLoRA
+  // base that checkpoints would hold): auto never picks what a set value
+  // would be refused for.
+  const std::string yaml = config.to_yaml();
   for (int tp = 2; tp <= local_world_size; ++tp) {
-    bool ok = local_world_size % tp == 0 && (!config.distributed.sequence_parallel() || config.model.block_size % tp == 0);
-    for (const auto& [key, value] : divisors) ok = ok && value % tp == 0;
-    if (ok) out.push_back(tp);
+    if (local_world_size % tp != 0) continue;
+    try {
+      config::Config::parse(yaml, {"distributed.tensor_parallel=" + std::to_string(tp)});
+      out.push_back(tp);
+    } catch (const ConfigError&) {
+      // refused at this degree
+    }
   }
   return out;
 }
@@ -255,13 +256,11 @@ void check_model_fits(const config::Config& config, int world_size, int local_wo
   const int act_bytes = activation_element_bytes(config);
   // Under sequence parallelism a tensor-parallel rank holds 1/tp of each
   // layer's activations (inside the regions and outside them).
-  const auto& d = config.distributed;
-  const double activations = family.activation_bytes(m, micro, act_bytes) /
-                             (d.sequence_parallel() ? static_cast<double>(d.tensor_parallel()) : 1.0);
+  const double activations = family.activation_bytes(m, micro, act_bytes) *
+                             (config.distributed.sequence_parallel() ? tensor_parallel_activation_share(config) : 1.0);
   const double need = weights + activations;
   const double budget_mb = config.distributed.memory_budget_mb();
-  const double have = budget_mb > 0.0 ? budget_mb * 1024.0 * 1024.0
-                                      : strategy::default_memory_budget_bytes(local_world_size);
+  const double have = memory_budget_bytes(config, local_world_size);
   if (need <= have) return;
   const std::string sizes = family.size_text(m);
   char count[32];

@@ -306,3 +306,29 @@ TEST(LlamaFamily, LoraEstimateCountsTheAdaptersAndTheFrozenBase) {
   EXPECT_GT(in.frozen_bytes, 0);
   EXPECT_LT(static_cast<double>(in.frozen_bytes), 0.6 * 4.0 * base);  // int8 projections, fp32 rest
 }
+
+// tensor_parallel: auto chooses among the degrees a written value would be
+// accepted at: those dividing the ranks per host, the heads and key/value
+// heads, block_size under sequence parallelism; none for strategy single
+// or a QLoRA base without its file (worked out by hand below).
+TEST(LlamaFamily, TensorParallelDegreesAreThoseTheConfigAccepts) {
+  // model: kv heads and block_size; distributed: the rest of its section.
+  const auto degrees = [](int kv, int block, const std::string& distributed, int local,
+                          const std::string& extra = "") {
+    return st::train::tensor_parallel_degrees(
+        st::config::Config::parse("model: {type: llama, n_layer: 2, n_head: 4, n_embd: 32, intermediate_size: 48, "
+                                  "vocab_size: 64, n_kv_head: " + std::to_string(kv) + ", block_size: " +
+                                  std::to_string(block) + "}\ndistributed: {tensor_parallel: auto, " + distributed +
+                                  "}\n" + extra),
+        local);
+  };
+  using V = std::vector<int>;
+  EXPECT_EQ(degrees(2, 16, "strategy: ddp", 8), (V{1, 2}));
+  EXPECT_EQ(degrees(2, 16, "strategy: ddp", 1), (V{1}));
+  EXPECT_EQ(degrees(4, 16, "strategy: fsdp", 8), (V{1, 2, 4}));
+  EXPECT_EQ(degrees(4, 16, "strategy: ddp", 6), (V{1, 2}));
+  EXPECT_EQ(degrees(4, 6, "strategy: ddp", 4), (V{1, 2}));
+  EXPECT_EQ(degrees(4, 6, "strategy: ddp, sequence_parallel: false", 4), (V{1, 2, 4}));
+  EXPECT_EQ(degrees(4, 16, "strategy: single", 4), (V{1}));
+  EXPECT_EQ(degrees(2, 16, "strategy: ddp", 8, "lora: {r: 4, quantize: nf4}\n"), (V{1}));
+}
