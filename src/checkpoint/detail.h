@@ -156,6 +156,9 @@ std::string save_ranks_locally(const std::string& dir,
 /// same on every rank.
 std::string agree_on_error(comm::Communicator& comm, const std::string& local_error);
 
+/// Collective: every rank's string, indexed by rank.
+std::vector<std::string> all_gather_strings(comm::Communicator& comm, const std::string& mine);
+
 // ---- metadata text -----------------------------------------------------------------------
 
 std::string metadata_to_json(const Metadata& metadata);

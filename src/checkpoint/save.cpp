@@ -308,8 +308,6 @@ std::string save_ranks_locally(const std::string& dir,
 
 // ---- bytes through the communicator (it moves numeric tensors only) ----------------
 
-namespace {
-
 std::vector<std::string> all_gather_strings(comm::Communicator& comm, const std::string& mine) {
   const int n = comm.size();
   auto len = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
@@ -329,6 +327,8 @@ std::vector<std::string> all_gather_strings(comm::Communicator& comm, const std:
   }
   return out;
 }
+
+namespace {
 
 std::string broadcast_string(comm::Communicator& comm, const std::string& s, int root) {
   auto len = at::full({1}, static_cast<int64_t>(s.size()), at::kLong);

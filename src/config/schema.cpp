@@ -260,7 +260,35 @@ void declare_distributed(std::vector<Key>& keys) {
            "`tensor_parallel`).")
       .key(ST_OPTION(loss_parallel),
            "With `tensor_parallel` > 1: the loss is computed on vocabulary-sharded logits (no rank "
-           "holds the whole vocabulary); `false` gathers the logits first.");
+           "holds the whole vocabulary); `false` gathers the logits first.")
+      .key(ST_OPTION(pipeline_parallel), in_range(1, 1024, "an integer in 1..1024; 1: no pipeline"),
+           "Ranks the model's layers are cut over (pipeline parallelism): the mesh's outermost "
+           "dimension, so stages are split across hosts first and only activations cross between "
+           "them. The data-parallel size is the world divided by `tensor_parallel` x "
+           "`pipeline_parallel`. The micro-batches of a step (`batch.accumulate`) flow through the "
+           "stages. See docs/strategies.md.")
+      .key(ST_OPTION(pipeline_schedule),
+           "With `pipeline_parallel` > 1: the order of each stage's work: `gpipe` (every forward, "
+           "then every backward), `1f1b` (one forward, one backward: at most `pipeline_parallel` "
+           "micro-batches' activations per rank), `interleaved_1f1b` (`stages_per_rank` stages per "
+           "rank, a smaller bubble), `zero_bubble` (1f1b with each backward split into its "
+           "input-gradient and weight-gradient halves, the latter filling idle time).")
+      .key(ST_OPTION(stages_per_rank), in_range(1, 64, "an integer in 1..64"),
+           "`interleaved_1f1b`: stages each rank holds, rank r holding stages r, r + "
+           "pipeline_parallel, ...; the micro-batches must make whole rounds of `pipeline_parallel`.")
+      .key(ST_OPTION(pipeline_split),
+           rule([](const std::vector<int64_t>& v) {
+                  for (size_t i = 0; i < v.size(); ++i) {
+                    if (v[i] < 1 || (i > 0 && v[i] <= v[i - 1])) return false;
+                  }
+                  return true;
+                },
+                "increasing decoder-layer indices >= 1 (the first layer of each stage after the first)",
+                "increasing, each ≥ 1"),
+           "With `pipeline_parallel` > 1: the first decoder layer of each stage after the first "
+           "(one entry fewer than the stages); the embedding goes with the first stage, the final "
+           "norm and head with the last. Empty: the cut whose largest stage holds the fewest "
+           "parameters, the embedding and the head each counted as a layer.");
 }
 
 void declare_checkpoint_precision(std::vector<Key>& keys) {
@@ -433,6 +461,22 @@ void check_relations(const Source& s, const Config& c) {
                     " under sequence parallelism (each rank holds block_size / tensor_parallel tokens); or "
                     "set distributed.sequence_parallel: false"),
             {"model.block_size", "distributed.sequence_parallel"});
+  const int64_t pp = d.pipeline_parallel();
+  s.require(pp <= 1 || d.strategy() != StrategyKind::Single, "distributed.pipeline_parallel",
+            std::to_string(pp), "1 with distributed.strategy=single (one process); use ddp, zero1 or fsdp",
+            {"distributed.strategy"});
+  const int64_t stages = d.pipeline_stages();
+  s.require(pp <= 1 || c.model.n_layer + 2 >= stages, "distributed.pipeline_parallel", std::to_string(pp),
+            str_cat("at most model.n_layer + 2 = ", c.model.n_layer + 2,
+                    " stages (the embedding, each layer and the head), here ", stages),
+            {"model.n_layer", "distributed.stages_per_rank"});
+  s.require(pp <= 1 || d.pipeline_split().empty() || static_cast<int64_t>(d.pipeline_split().size()) == stages - 1,
+            "distributed.pipeline_split", str_cat(d.pipeline_split().size(), " entries"),
+            str_cat(stages - 1, " entries (the first layer of each of the ", stages, " stages after the first)"),
+            {"distributed.pipeline_parallel", "distributed.stages_per_rank"});
+  s.require(pp <= 1 || d.pipeline_split().empty() || d.pipeline_split().back() < c.model.n_layer,
+            "distributed.pipeline_split", std::to_string(d.pipeline_split().empty() ? 0 : d.pipeline_split().back()),
+            str_cat("layer indices below model.n_layer=", c.model.n_layer), {"model.n_layer"});
   // A base each rank quantizes on its own block has no whole quantized form
   // to write: it is left out of checkpoints and read again from its file.
   const bool quantized = c.lora.r() > 0 && c.lora.quantize() != models::LoraQuantize::None;

@@ -36,6 +36,18 @@ int64_t sample(at::Tensor logits, const GenerateOptions& o, at::Generator& gen) 
 
 }  // namespace
 
+std::vector<int64_t> CausalLMImpl::pipeline_unit_parameters() const {
+  throw ConfigError(detail::str_cat("the ", name(), " model cannot be cut into pipeline stages; set "
+                                    "distributed.pipeline_parallel: 1"));
+}
+
+at::Tensor CausalLMImpl::forward_units(int, int, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  pipeline_unit_parameters();  // throws
+  return {};
+}
+
+void CausalLMImpl::keep_units(const std::vector<std::pair<int, int>>&) { pipeline_unit_parameters(); }
+
 at::Tensor generate(CausalLMImpl& model, at::Tensor prompt, const GenerateOptions& o) {
   ST_CHECK(prompt.dim() == 2 && prompt.size(0) == 1 && prompt.size(1) >= 1, InvalidArgument,
            "generate expects a non-empty prompt of shape [1, T], got ", prompt.sizes(),

@@ -201,17 +201,74 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx, const torch::Tensor& po
            " tokens but model.block_size=", config_.block_size,
            "; hint: crop the context to the last block_size tokens");
 
-  const auto pos = position.defined() ? position : torch::arange(t, idx.options().dtype(torch::kLong));
-  // [B, T, C] + [(B,) T, C]; under sequence parallelism this rank's tokens of both.
-  const torch::Tensor positions = wpe(pos).expand({idx.size(0), t, config_.n_embd});
-  auto x = maybe_dropout(detail::vocab_embedding(*this, *wte, idx) + detail::sequence_shard(*this, positions),
-                         config_.dropout, *this);
+  return run(0, static_cast<int>(config_.n_layer) + 2, idx, position, segment);
+}
+
+torch::Tensor GPTImpl::forward_units(int first, int end, const torch::Tensor& input,
+                                     const torch::Tensor& position, const torch::Tensor& segment) {
+  ST_CHECK(first > 0 || (input.dim() == 2 && input.size(1) <= config_.block_size), InvalidArgument,
+           "GPT::forward_units expects token ids [B, T] with T <= ", config_.block_size, " at unit 0, got ",
+           input.sizes());
+  return run(first, end, input, position, segment);
+}
+
+std::vector<int64_t> GPTImpl::pipeline_unit_parameters() const {
+  const int64_t c = config_.n_embd, wte = config_.vocab_size * c;
+  const int64_t block = (config_.num_parameters() - wte - config_.block_size * c - 2 * c) / config_.n_layer;
+  std::vector<int64_t> units{wte + config_.block_size * c};
+  for (int64_t i = 0; i < config_.n_layer; ++i) units.push_back(block);
+  units.push_back(wte + 2 * c);  // ln_f and the tied output projection
+  return units;
+}
+
+void GPTImpl::keep_units(const std::vector<std::pair<int, int>>& ranges) {
+  const int units = static_cast<int>(config_.n_layer) + 2;
+  kept_ = detail::kept_units(ranges, units, "GPT");
+  // Dropped blocks leave the registered list; those kept keep their index
+  // in their names (h.5...).
+  auto blocks = std::make_shared<torch::nn::Module>("ModuleList");
+  for (int i = 0; i < config_.n_layer; ++i) {
+    auto block = h->ptr(static_cast<size_t>(i));
+    if (kept_[static_cast<size_t>(i + 1)]) {
+      blocks->register_module(std::to_string(i), block);
+    } else {
+      defer_parameters(*block);
+    }
+  }
+  replace_module("h", blocks);
+  if (!kept_.back()) {
+    defer_parameters(*ln_f);
+    unregister_module("ln_f");
+  }
+  if (!kept_.front()) {
+    defer_parameters(*wpe);
+    unregister_module("wpe");
+    if (!kept_.back()) {  // the head computes with wte's weight
+      defer_parameters(*wte);
+      unregister_module("wte");
+    }
+  }
+}
+
+torch::Tensor GPTImpl::run(int first, int end, const torch::Tensor& input, const torch::Tensor& position,
+                           const torch::Tensor& segment) {
+  const int layers = static_cast<int>(config_.n_layer);
+  detail::check_units(kept_, first, end, layers + 2, "GPT");
+  torch::Tensor x = input;
+  if (first == 0) {
+    const int64_t t = input.size(1);
+    const auto pos = position.defined() ? position : torch::arange(t, input.options().dtype(torch::kLong));
+    // [B, T, C] + [(B,) T, C]; under sequence parallelism this rank's tokens of both.
+    const torch::Tensor positions = wpe(pos).expand({input.size(0), t, config_.n_embd});
+    x = maybe_dropout(detail::vocab_embedding(*this, *wte, input) + detail::sequence_shard(*this, positions),
+                      config_.dropout, *this);
+  }
   // Activation checkpointing keeps only each block's input and recomputes the
   // block during backward; pointless without a backward to come.
   const bool recompute =
       config_.activation_checkpointing && is_training() && torch::GradMode::is_enabled();
-  for (const auto& module : *h) {
-    auto block = std::dynamic_pointer_cast<BlockImpl>(module);
+  for (int i = std::max(first, 1) - 1; i < std::min(end, layers + 1) - 1; ++i) {
+    auto block = h->ptr<BlockImpl>(static_cast<size_t>(i));
     // The checkpoint goes inside the unit, so its recomputation during
     // backward finds the unit's parameters gathered.
     x = strategy::unit_forward(block, [&] {
@@ -220,6 +277,7 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& idx, const torch::Tensor& po
                        : block->forward(x, segment);
     });
   }
+  if (end < layers + 2) return x;
   x = detail::column_input(*this, ln_f(x));
   // Tied output projection: logits = x @ wte.weight^T.
   return detail::vocab_logits(*this, torch::nn::functional::linear(x, wte->weight));
@@ -230,6 +288,7 @@ torch::Tensor GPTImpl::forward_cached(const torch::Tensor& idx, KVCache& cache) 
   ST_CHECK(cache.length + t <= config_.block_size, InvalidArgument, "GPT::forward_cached: ",
            cache.length, " cached + ", t, " new tokens exceed model.block_size=", config_.block_size,
            "; hint: start a new cache");
+  detail::check_units(kept_, 0, static_cast<int>(config_.n_layer) + 2, static_cast<int>(config_.n_layer) + 2, "GPT");
   if (cache.keys.empty()) {
     cache.keys.resize(h->size());
     cache.values.resize(h->size());

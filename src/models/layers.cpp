@@ -1,6 +1,7 @@
 #include "models/layers.h"
 
 #include "shardtrain/core/deferred.h"
+#include "shardtrain/core/error.h"
 
 namespace shardtrain::models::detail {
 
@@ -19,6 +20,27 @@ torch::nn::Embedding make_embedding(int64_t count, int64_t dim, bool deferred) {
   layer->options.num_embeddings(count).embedding_dim(dim);
   layer->weight.set_data(deferred_tensor({count, dim}, at::kFloat, nullptr));
   return layer;
+}
+
+std::vector<bool> kept_units(const std::vector<std::pair<int, int>>& ranges, int units, const char* model) {
+  std::vector<bool> kept(static_cast<size_t>(units), false);
+  for (const auto& [first, end] : ranges) {
+    ST_CHECK(0 <= first && first < end && end <= units, InvalidArgument, model, "::keep_units: units [", first,
+             ", ", end, ") are not a non-empty range of the model's ", units);
+    for (int u = first; u < end; ++u) kept[static_cast<size_t>(u)] = true;
+  }
+  ST_CHECK(!ranges.empty(), InvalidArgument, model, "::keep_units: no unit to keep");
+  return kept;
+}
+
+void check_units(const std::vector<bool>& kept, int first, int end, int units, const char* model) {
+  ST_CHECK(0 <= first && first < end && end <= units, InvalidArgument, model, ": units [", first, ", ", end,
+           ") are not a non-empty range of the model's ", units);
+  if (kept.empty()) return;
+  for (int u = first; u < end; ++u) {
+    ST_CHECK(kept[static_cast<size_t>(u)], InvalidArgument, model, ": unit ", u,
+             " is not held here (this rank keeps other pipeline stages); forward() runs whole models only");
+  }
 }
 
 }  // namespace shardtrain::models::detail

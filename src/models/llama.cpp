@@ -242,7 +242,7 @@ at::Tensor LlamaImpl::forward(const at::Tensor& idx, const at::Tensor& position,
   ST_CHECK(idx.dim() == 2 && idx.size(1) >= 1 && idx.size(1) <= config_.max_positions, InvalidArgument,
            "Llama::forward expects idx [B, T] with 1 <= T <= ", config_.max_positions, ", got ",
            idx.sizes(), "; hint: crop the context to model.block_size tokens");
-  return run(idx, position, segment, nullptr);
+  return run(0, static_cast<int>(config_.num_layers) + 2, idx, position, segment, nullptr);
 }
 
 at::Tensor LlamaImpl::forward_cached(const at::Tensor& idx, KVCache& cache) {
@@ -252,18 +252,73 @@ at::Tensor LlamaImpl::forward_cached(const at::Tensor& idx, KVCache& cache) {
   const auto position = at::arange(cache.length, cache.length + idx.size(1), idx.options().dtype(at::kLong))
                             .unsqueeze(0)
                             .expand({idx.size(0), idx.size(1)});
-  auto logits = run(idx, position, {}, &cache);
+  auto logits = run(0, static_cast<int>(config_.num_layers) + 2, idx, position, {}, &cache);
   cache.length += idx.size(1);
   return logits;
 }
 
-at::Tensor LlamaImpl::run(const at::Tensor& idx, const at::Tensor& position, const at::Tensor& segment,
-                          KVCache* cache) {
-  const int64_t b = idx.size(0), t = idx.size(1);
-  auto h = detail::vocab_embedding(*this, *model->embed_tokens, idx);
-  const auto pos = position.defined()
-                       ? position.to(at::kLong)
-                       : at::arange(t, idx.options().dtype(at::kLong)).unsqueeze(0).expand({b, t});
+at::Tensor LlamaImpl::forward_units(int first, int end, const at::Tensor& input, const at::Tensor& position,
+                                    const at::Tensor& segment) {
+  ST_CHECK(first > 0 || (input.dim() == 2 && input.size(1) <= config_.max_positions), InvalidArgument,
+           "Llama::forward_units expects token ids [B, T] with T <= ", config_.max_positions, " at unit 0, got ",
+           input.sizes());
+  ST_CHECK(first == 0 || (position.defined() && position.dim() == 2), InvalidArgument,
+           "Llama::forward_units needs the positions [B, T] past unit 0");
+  return run(first, end, input, position, segment, nullptr);
+}
+
+std::vector<int64_t> LlamaImpl::pipeline_unit_parameters() const {
+  const LlamaConfig& c = config_;
+  const int64_t embedding = c.vocab_size * c.hidden_size;
+  std::vector<int64_t> units{embedding};
+  LlamaConfig one = c;
+  one.num_layers = 1;
+  one.tie_word_embeddings = true;  // one layer, one embedding, the final norm
+  const int64_t layer = one.num_parameters() - embedding - c.hidden_size;
+  for (int64_t i = 0; i < c.num_layers; ++i) units.push_back(layer);
+  units.push_back(embedding + c.hidden_size);  // the head (a tied one computes with the embedding's weight)
+  return units;
+}
+
+void LlamaImpl::keep_units(const std::vector<std::pair<int, int>>& ranges) {
+  const int units = static_cast<int>(config_.num_layers) + 2;
+  kept_ = detail::kept_units(ranges, units, "Llama");
+  // Dropped layers leave the registered list; those kept keep their index
+  // in their names (model.layers.5...).
+  auto layers = std::make_shared<torch::nn::Module>("ModuleList");
+  for (int i = 0; i < config_.num_layers; ++i) {
+    auto block = model->layers->ptr(static_cast<size_t>(i));
+    if (kept_[static_cast<size_t>(i + 1)]) {
+      layers->register_module(std::to_string(i), block);
+    } else {
+      defer_parameters(*block);
+    }
+  }
+  model->replace_module("layers", layers);
+  const bool head = kept_.back();
+  if (!head) {
+    defer_parameters(*model->norm);
+    model->unregister_module("norm");
+    if (lm_head) {
+      defer_parameters(*lm_head);
+      unregister_module("lm_head");
+    }
+  }
+  if (!kept_.front() && (lm_head || !head)) {  // a tied head keeps the embedding's weight
+    defer_parameters(*model->embed_tokens);
+    model->unregister_module("embed_tokens");
+  }
+}
+
+at::Tensor LlamaImpl::run(int first, int end, const at::Tensor& input, const at::Tensor& position,
+                          const at::Tensor& segment, KVCache* cache) {
+  const int layers = static_cast<int>(config_.num_layers);
+  detail::check_units(kept_, first, end, layers + 2, "Llama");
+  at::Tensor h = first == 0 ? detail::vocab_embedding(*this, *model->embed_tokens, input) : input;
+  const int64_t b = first == 0 ? input.size(0) : position.size(0);
+  const int64_t t = first == 0 ? input.size(1) : position.size(1);
+  const auto pos = position.defined() ? position.to(at::kLong)
+                                      : at::arange(t, input.options().dtype(at::kLong)).unsqueeze(0).expand({b, t});
   // cos and sin [B, T, d], in the hidden states' dtype (as HF casts them).
   const auto flat = pos.reshape({-1});
   const auto cos = rotary_.cos.index_select(0, flat).view({b, t, -1}).to(h.scalar_type());
@@ -274,10 +329,10 @@ at::Tensor LlamaImpl::run(const at::Tensor& idx, const at::Tensor& position, con
   }
   const bool recompute =
       cache == nullptr && config_.activation_checkpointing && is_training() && torch::GradMode::is_enabled();
-  for (size_t i = 0; i < model->layers->size(); ++i) {
-    auto block = model->layers->ptr<llama::BlockImpl>(i);
+  for (int i = std::max(first, 1) - 1; i < std::min(end, layers + 1) - 1; ++i) {
+    auto block = model->layers->ptr<llama::BlockImpl>(static_cast<size_t>(i));
     if (cache != nullptr) {
-      h = block->forward(h, cos, sin, {}, &cache->keys[i], &cache->values[i]);
+      h = block->forward(h, cos, sin, {}, &cache->keys[static_cast<size_t>(i)], &cache->values[static_cast<size_t>(i)]);
       continue;
     }
     // The checkpoint goes inside the unit, so its recomputation during
@@ -288,6 +343,7 @@ at::Tensor LlamaImpl::run(const at::Tensor& idx, const at::Tensor& position, con
                        : block->forward(h, cos, sin, segment);
     });
   }
+  if (end < layers + 2) return h;
   h = detail::column_input(*this, model->norm(h));
   return detail::vocab_logits(*this, lm_head ? lora_forward(*lm_head, h) : at::linear(h, model->embed_tokens->weight));
 }

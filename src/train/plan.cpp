@@ -197,7 +197,8 @@ comm::MeshShape mesh_shape(const config::Config& config, int world_size, int loc
            "train::resolve_tensor_parallel(config, world, local) before make_task (shardtrain train does)");
   const bool hybrid =
       d.strategy() == strategy::StrategyKind::Fsdp && d.sharding() == strategy::Sharding::HybridShard;
-  return comm::mesh_shape_for(world_size, local_world_size, static_cast<int>(d.tensor_parallel()), 1, hybrid);
+  return comm::mesh_shape_for(world_size, local_world_size, static_cast<int>(d.tensor_parallel()),
+                              static_cast<int>(d.pipeline_parallel()), hybrid);
 }
 
 double model_parameter_count(const config::ModelConfig& m) {

@@ -54,9 +54,11 @@ TrainTask lm_task(const config::Config& config, std::shared_ptr<models::CausalLM
   task.tokens_per_sample = block_size;
   // Under tensor parallelism with a vocabulary-parallel loss the logits
   // are this rank's columns; lm_cross_entropy_sum knows from the model.
-  task.loss_sum = [model](const data::Batch& b) {
-    const auto logits = model->forward(b.input, b.position, b.segment);
+  task.logits_loss_sum = [model](const at::Tensor& logits, const data::Batch& b) {
     return models::detail::lm_cross_entropy_sum(*model, logits, b.target, kIgnoreIndex);
+  };
+  task.loss_sum = [model, loss = task.logits_loss_sum](const data::Batch& b) {
+    return loss(model->forward(b.input, b.position, b.segment), b);
   };
   task.count_targets = count_non_ignored;
   task.train_batch = data.train_batch;

@@ -22,6 +22,8 @@
 #include "shardtrain/core/error.h"
 #include "shardtrain/launch/env.h"
 #include "shardtrain/models/family.h"
+#include "shardtrain/models/causal_lm.h"
+#include "shardtrain/parallel/pipeline.h"
 #include "shardtrain/parallel/tensor_parallel.h"
 #include "shardtrain/precision/precision.h"
 #include "shardtrain/strategy/estimate.h"
@@ -184,6 +186,21 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
   // model deferred, so the strategy reads each tensor, or only the slices a
   // rank keeps, from the files in its setup (every rank reads them).
   detail::load_init_weights(*task_.model, config_);
+  // Pipeline parallelism: each rank keeps its stages' modules (a deferred
+  // model's other weights are never read).
+  if (mesh_->shape().pp() > 1) {
+    auto lm = std::dynamic_pointer_cast<models::CausalLMImpl>(task_.model);
+    ST_CHECK(lm != nullptr && task_.logits_loss_sum, ConfigError, "distributed.pipeline_parallel=",
+             mesh_->shape().pp(), ": the ", enum_name(config_.model.type),
+             " model is not a language model a pipeline can cut; set distributed.pipeline_parallel: 1");
+    const auto& d = config_.distributed;
+    pipeline_ = std::make_unique<parallel::Pipeline>(
+        *lm, *mesh_,
+        parallel::PipelineOptions()
+            .schedule(d.pipeline_schedule())
+            .stages_per_rank(static_cast<int>(d.pipeline_stages() / d.pipeline_parallel()))
+            .split(d.pipeline_split()));
+  }
   // LoRA: freeze the (loaded) base and attach the adapters before anything
   // plans over the parameters. Under tensor parallelism the adapters split
   // with their layers, and a quantized base is quantized per block after.
@@ -212,15 +229,34 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
   }
   precision_->prepare_model(*task_.model);
 
-  const strategy::StrategyOptions so =
-      strategy_options(config_, *task_.model, comm_->size(), env.local_world_size);
+  strategy::StrategyOptions so = strategy_options(config_, *task_.model, comm_->size(), env.local_world_size);
+  // Interleaved: a rank's other stages finish their backward before the
+  // step's last one, so their gradients are reduced with the last, as
+  // parameters that took no part in it.
+  if (pipeline_ && pipeline_->local_stages().size() > 1) so.find_unused_parameters(true);
   strategy_ = strategy::make_strategy(so);
   if (tp_layout) {
     strategy_ = parallel::tensor_parallel_strategy(std::move(strategy_), std::move(*tp_layout), mesh_->tp());
   }
+  if (pipeline_) strategy_ = pipeline_->wrap(std::move(strategy_));
   strategy_->setup(*task_.model, *mesh_);
   // After setup: the optimizer must see the parameters as the strategy left them.
   optimizer_ = make_optimizer(strategy_->optimizer_parameters(), config_.optimizer);
+
+  if (pipeline_) {
+    // The schedule of a step, checked now (interleaved needs whole rounds);
+    // fewer micro-batches than pipeline ranks run, with a larger bubble.
+    const int p = mesh_->shape().pp(), m = static_cast<int>(batch_.accumulate);
+    const int v = static_cast<int>(pipeline_->local_stages().size());
+    const auto schedule = config_.distributed.pipeline_schedule();
+    const double bubble = parallel::simulate(parallel::pipeline_schedule(schedule, p, m, v), v, m).bubble;
+    if (m < p && comm_->rank() == 0) {
+      std::fprintf(stderr,
+                   "warning: batch.accumulate=%d micro-batches for distributed.pipeline_parallel=%d: the %s "
+                   "pipeline idles %.0f%% as long as it computes (the bubble); raise batch.accumulate to %d or more\n",
+                   m, p, enum_name(schedule), 100.0 * bubble, p);
+    }
+  }
 
   state_.max_steps = config_.trainer.max_steps;
   state_.accumulate = batch_.accumulate;
@@ -262,6 +298,17 @@ void Trainer::set_learning_rate(double lr) {
     group.options().set_lr(lr);
     state_.group_lrs.push_back(lr);
   }
+}
+
+parallel::PipelineStepFns Trainer::pipeline_fns() {
+  parallel::PipelineStepFns fns;
+  fns.loss_sum = task_.logits_loss_sum;
+  fns.in_precision = [this](const std::function<at::Tensor()>& forward) {
+    const auto autocast = precision_->autocast();
+    return forward();
+  };
+  fns.set_gradient_sync = [this](bool enabled) { strategy_->set_gradient_sync(enabled); };
+  return fns;
 }
 
 void Trainer::agree_on_control() {
@@ -321,12 +368,21 @@ void Trainer::run_step() {
   // Forward and backward over the window; only the last micro-step's
   // backward communicates.
   double loss_sum = 0.0;
+  parallel::PipelineStepStats pipe_stats;
   {
     using precision::PrecisionKind;
     const bool mixed = config_.precision == PrecisionKind::Bf16Mixed ||
                        config_.precision == PrecisionKind::Fp16Mixed;
     const WindowCastCache cast_cache(mixed && accumulate > 1);
-    for (int64_t j = 0; j < accumulate; ++j) {
+    if (pipeline_) {
+      // The micro-batches flow through the stages in the schedule's order.
+      ST_PROFILE_PHASE("pipeline");
+      parallel::PipelineStepFns fns = pipeline_fns();
+      fns.backward_root = [&](const at::Tensor& loss) { return precision_->scale_loss(loss * normaliser); };
+      pipe_stats = pipeline_->run_step(window, fns);
+      loss_sum = pipe_stats.loss_sum;
+    }
+    for (int64_t j = 0; j < (pipeline_ ? 0 : accumulate); ++j) {
       state_.micro_step = j;
       strategy_->set_gradient_sync(j == accumulate - 1);
       at::Tensor loss;
@@ -376,11 +432,13 @@ void Trainer::run_step() {
 
   // One all-gather gives every rank the loss, memory and time of all ranks
   // (a tensor-parallel group's loss counted once, its first rank's).
+  // (Under a pipeline, the last stage's ranks hold the loss.)
   const double counted_loss = mesh_->tp()->rank() == 0 ? loss_sum : 0.0;
-  auto local = torch::tensor({counted_loss, peak_rss_mb(), step_time}, torch::kDouble);
-  auto all = torch::empty({3 * comm_->size()}, torch::kDouble);
+  auto local = torch::tensor({counted_loss, peak_rss_mb(), step_time, pipe_stats.busy_s, pipe_stats.span_s},
+                             torch::kDouble);
+  auto all = torch::empty({5 * comm_->size()}, torch::kDouble);
   comm_->all_gather(local, all);
-  auto per_rank = all.view({comm_->size(), 3});
+  auto per_rank = all.view({comm_->size(), 5});
   state_.loss = per_rank.select(1, 0).sum().item<double>() / static_cast<double>(total_targets);
   const at::Tensor rss_ranks = per_rank.select(1, 1).contiguous();
   const double rss = rss_ranks.max().item<double>();
@@ -401,6 +459,22 @@ void Trainer::run_step() {
                                                  rss_ranks.data_ptr<double>() + comm_->size()));
   m.set("world_size", static_cast<int64_t>(comm_->size()));
   m.set("tensor_parallel", static_cast<int64_t>(mesh_->shape().tp()));
+  m.set("pipeline_parallel", static_cast<int64_t>(mesh_->shape().pp()));
+  if (pipeline_) {
+    // Each pipeline rank's compute and idle time in this step (the first
+    // data-parallel and tensor-parallel rank's), and the bubble they make.
+    const int per_stage = comm_->size() / mesh_->shape().pp();
+    std::vector<double> busy, idle;
+    double span = 0.0;
+    for (int r = 0; r < mesh_->shape().pp(); ++r) span = std::max(span, per_rank[r * per_stage][4].item<double>());
+    for (int r = 0; r < mesh_->shape().pp(); ++r) {
+      busy.push_back(per_rank[r * per_stage][3].item<double>());
+      idle.push_back(std::max(0.0, span - busy.back()));
+    }
+    m.set("pipeline_busy_s", busy);
+    m.set("pipeline_idle_s", idle);
+    m.set("pipeline_bubble", parallel::measured_bubble(busy, span));
+  }
   // The tensor-parallel collectives of the step (forward, backward and the
   // loss): the training thread waits for each, so this is time not computing.
   m.set("tp_comm_s", mesh_->tp()->busy_seconds() - tp_busy_before);
@@ -448,15 +522,22 @@ double Trainer::evaluate() {
   task_.model->eval();
   double sum = 0.0;
   int64_t count = 0;
+  // Under a pipeline the last stage's ranks hold the loss, and count the targets.
+  const bool counts = !pipeline_ || mesh_->pp()->rank() == mesh_->shape().pp() - 1;
   for (int64_t i = 0; i < config_.trainer.eval_batches; ++i) {
     const data::Batch batch = task_.eval_batch(i, batch_.micro, dp_->rank(), dp_->size());
-    const auto autocast = precision_->autocast();
-    sum += task_.loss_sum(batch).item<double>();
-    count += task_.count_targets(batch);
+    if (pipeline_) {
+      sum += pipeline_->evaluate(batch, pipeline_fns());
+    } else {
+      const auto autocast = precision_->autocast();
+      sum += task_.loss_sum(batch).item<double>();
+    }
+    if (counts) count += task_.count_targets(batch);
   }
   task_.model->train();
   auto totals = torch::tensor({sum, static_cast<double>(count)}, torch::kDouble);
   dp_->all_reduce(totals);
+  if (pipeline_) mesh_->pp()->all_reduce(totals);
   const double eval_loss = totals[0].item<double>() / totals[1].item<double>();
   Metrics m;
   m.set("step", state_.step);

@@ -44,7 +44,21 @@ set(LLAMA_TRAIN_CASES
   "bf16_tp2 gqa_llama3 ddpx2 bf16 distributed.tensor_parallel=2"
   "bf16_true_tp2 gqa_llama3 ddpx2 bf16-true distributed.tensor_parallel=2"
   # tensor_parallel auto under a budget only tp 2 fits.
-  "tp_auto gqa_llama3 ddpx2 distributed.tensor_parallel=auto")
+  "tp_auto gqa_llama3 ddpx2 distributed.tensor_parallel=auto"
+  # Pipeline parallelism (distributed.pipeline_parallel): two stages under
+  # every schedule (4 micro-batches; interleaved cuts the 4 units into 4
+  # stages, 2 per rank); 4 stages of a 4-layer model, and with 2
+  # micro-batches (fewer than the stages); a tied Qwen2 head split across
+  # the ends, under full_shard with clipping that fires (the norm counts the
+  # tied weight once); ddp on the data-parallel ranks.
+  "pp2_1f1b gqa_llama3 ddpx2 distributed.pipeline_parallel=2"
+  "pp2_gpipe gqa_llama3 ddpx2 distributed.pipeline_parallel=2 distributed.pipeline_schedule=gpipe"
+  "pp2_interleaved gqa_llama3 ddpx2 distributed.pipeline_parallel=2 distributed.pipeline_schedule=interleaved_1f1b"
+  "pp2_zero_bubble gqa_llama3 ddpx2 distributed.pipeline_parallel=2 distributed.pipeline_schedule=zero_bubble"
+  "pp4_four_layers gqa_llama3 ddpx4 distributed.pipeline_parallel=4 +--num_hidden_layers=4"
+  "pp4_two_micro_batches gqa_llama3 ddpx4 distributed.pipeline_parallel=4 batch.micro=4 +--num_hidden_layers=4"
+  "pp2_tied_qwen2_full_shard_x2_clip_fires tied_qwen2 full_shardx4 distributed.pipeline_parallel=2 clip=0.05"
+  "pp2_ddp_x2_zero_bubble gqa_llama3 ddpx4 distributed.pipeline_parallel=2 distributed.pipeline_schedule=zero_bubble")
 foreach(case ${LLAMA_TRAIN_CASES})
   string(REPLACE " " ";" args ${case})
   list(POP_FRONT args name)

@@ -233,14 +233,14 @@ def shardtrain_train(cli, src, hf_dir, run_dir, spec, extra_sets=(), port=None, 
     return world, [r["loss"] for r in records]
 
 
-def ref_train(src, hf_dir, out_dir, world, extra=(), with_norms=False):
-    """`world`: the data-parallel ranks of the run compared with (their
-    micro-batches make the held-out rows)."""
+def ref_train(src, hf_dir, out_dir, world, extra=(), with_norms=False, micro=MICRO):
+    """`world`: the data-parallel ranks of the run compared with, and `micro`
+    its micro-batch (they make the held-out rows)."""
     out = os.path.join(out_dir, "ref.json")
     weights = os.path.join(out_dir, "ref.safetensors")
     ref("train", hf_dir, "--steps", str(STEPS), "--data", os.path.join(src, "data/corpus.txt"),
-        "--block-size", str(BLOCK), "--global-batch", str(GLOBAL), "--micro", str(MICRO),
-        "--eval-rows", str(MICRO * world), "--warmup", "2", "--out", out, "--out-weights", weights,
+        "--block-size", str(BLOCK), "--global-batch", str(GLOBAL), "--micro", str(micro),
+        "--eval-rows", str(micro * world), "--warmup", "2", "--out", out, "--out-weights", weights,
         *extra)
     with open(out) as f:
         result = json.load(f)
@@ -328,12 +328,16 @@ def cmd_train(cli, src, variant, spec, *options):
             sets.append(f"distributed.memory_budget_mb={tp_auto_budget(cli, src, hf, spec, extra + sets)}")
         world, ours, our_norms = shardtrain_train(cli, src, hf, os.path.join(work, "run"), spec, extra + sets,
                                                   with_norms=True)
-        # The degree the run took (auto decides it), as its config.yaml records it.
+        # The degrees the run took (auto decides tp), as its config.yaml records them.
         with open(os.path.join(work, "run", "config.yaml")) as f:
-            tp = int(re.search(r"^\s*tensor_parallel: (\d+)$", f.read(), re.M).group(1))
+            text = f.read()
+        tp = int(re.search(r"^\s*tensor_parallel: (\d+)$", text, re.M).group(1))
+        pp = int(re.search(r"^\s*pipeline_parallel: (\d+)$", text, re.M).group(1))
         if "distributed.tensor_parallel=auto" in sets and tp != 2:
             fail(f"tensor_parallel auto took {tp} under a budget only tensor_parallel 2 fits")
-        theirs, their_norms, weights = ref_train(src, hf, work, world // tp, ref_extra, with_norms=True)
+        micro = int(re.search(r"^\s*micro: (\d+)$", text, re.M).group(1))
+        theirs, their_norms, weights = ref_train(src, hf, work, world // (tp * pp), ref_extra, with_norms=True,
+                                                 micro=micro)
         what = " ".join([variant, spec] + list(options or ["fp32"]))
         tol = BF16_TRUE if "bf16-true" in options else BF16 if precision == "bf16" else FP32
         if len(ours) != STEPS:

@@ -259,6 +259,10 @@ Config every_key_set() {
   c.distributed.accumulation(Accumulation::Unsharded);
   c.distributed.memory_budget_mb(1536.5);
   c.distributed.tensor_parallel(0).sequence_parallel(false).loss_parallel(false);  // auto
+  c.distributed.pipeline_parallel(2)
+      .pipeline_schedule(shardtrain::parallel::PipelineSchedule::Interleaved1F1B)
+      .stages_per_rank(3)
+      .pipeline_split({1, 2, 4, 5, 6});
   c.precision = PrecisionKind::Bf16Mixed;
   c.loss_scaler.initial_scale_power(12)
       .loss_scale_window(50)
@@ -649,6 +653,30 @@ TEST(ConfigErrors, OutOfRange) {
   }
   // A cross-key check on a key left at its default names the key that was set.
   EXPECT_HAS(parse_error("\n\nmodel:\n  n_head: 3\n"), "test.yaml:4");
+}
+
+// Pipeline layouts the model cannot hold are refused when the config is read.
+TEST(ConfigErrors, PipelineLayoutsThatCannotCut) {
+  const std::string llama = "model: {type: llama, n_layer: 2, n_head: 4, n_embd: 64}\n";
+  // Two layers make 4 units (embedding, layers, head): at most 4 stages.
+  EXPECT_HAS(parse_error(llama + "distributed: {pipeline_parallel: 5}"),
+             "at most model.n_layer + 2 = 4 stages (the embedding, each layer and the head), here 5");
+  EXPECT_HAS(parse_error(llama + "distributed: {pipeline_parallel: 2, pipeline_schedule: interleaved_1f1b, "
+                                 "stages_per_rank: 3}"),
+             "here 6");
+  EXPECT_NO_THROW(Config::parse(llama + "distributed: {pipeline_parallel: 2, pipeline_schedule: "
+                                        "interleaved_1f1b, stages_per_rank: 2}"));
+  // The split names the first layer of each stage after the first.
+  EXPECT_HAS(parse_error(llama + "distributed: {pipeline_parallel: 2, pipeline_split: [1, 2]}"),
+             "1 entries (the first layer of each of the 2 stages after the first)");
+  EXPECT_HAS(parse_error(llama + "distributed: {pipeline_parallel: 2, pipeline_split: [2]}"),
+             "layer indices below model.n_layer=2");
+  EXPECT_HAS(parse_error(llama + "distributed: {pipeline_parallel: 3, pipeline_split: [1, 1]}"),
+             "increasing decoder-layer indices >= 1");
+  EXPECT_NO_THROW(Config::parse(llama + "distributed: {pipeline_parallel: 2, pipeline_split: [1]}"));
+  EXPECT_HAS(parse_error("distributed: {pipeline_parallel: 2, strategy: single}"), "distributed.strategy");
+  EXPECT_HAS(parse_error("distributed: {pipeline_parallel: 0}"), "an integer in 1..1024");
+  EXPECT_HAS(parse_error("distributed: {pipeline_schedule: 2f2b}"), "interleaved_1f1b");
 }
 
 // Tensor parallelism's impossible layouts are refused when the config is

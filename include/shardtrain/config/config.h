@@ -28,6 +28,7 @@
 #include "shardtrain/core/options.h"
 #include "shardtrain/data/choices.h"
 #include "shardtrain/models/lora.h"
+#include "shardtrain/parallel/pipeline_schedule.h"
 #include "shardtrain/precision/precision.h"
 #include "shardtrain/strategy/options.h"
 #include "shardtrain/train/choices.h"
@@ -196,11 +197,28 @@ struct DistributedConfig : strategy::StrategyOptions {
   ST_ARG(bool, sequence_parallel) = true;
   /// Under tensor parallelism: the loss on vocabulary-sharded logits.
   ST_ARG(bool, loss_parallel) = true;
+  /// Pipeline stages over ranks (the mesh's pp dimension, outermost: stages
+  /// split across hosts first); 1: none.
+  ST_ARG(int64_t, pipeline_parallel) = 1;
+  /// The order of the micro-batches' forward and backward work on each stage.
+  ST_ARG(parallel::PipelineSchedule, pipeline_schedule) = parallel::PipelineSchedule::OneFOneB;
+  /// interleaved_1f1b: stages each rank holds (the model is cut into
+  /// pipeline_parallel x stages_per_rank stages).
+  ST_ARG(int64_t, stages_per_rank) = 2;
+  /// The first decoder layer of each stage after the first; empty: the cut
+  /// that balances the stages' parameters.
+  ST_ARG(std::vector<int64_t>, pipeline_split) = {};
 
  public:
-  /// The ranks that see different data among `world`: world / tensor_parallel.
+  /// The ranks that see different data among `world`: world / (tensor_parallel x pipeline_parallel).
   int data_parallel_size(int world) const {
-    return world / static_cast<int>(std::max<int64_t>(1, tensor_parallel()));
+    return world / static_cast<int>(std::max<int64_t>(1, tensor_parallel()) * std::max<int64_t>(1, pipeline_parallel()));
+  }
+  /// Pipeline stages of the model: pipeline_parallel, times stages_per_rank
+  /// under interleaved_1f1b.
+  int64_t pipeline_stages() const {
+    return pipeline_parallel() *
+           (pipeline_schedule() == parallel::PipelineSchedule::Interleaved1F1B ? stages_per_rank() : 1);
   }
 };
 

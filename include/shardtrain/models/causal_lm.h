@@ -9,6 +9,7 @@
 #include <torch/nn/module.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "shardtrain/core/options.h"
@@ -38,6 +39,27 @@ class CausalLMImpl : public torch::nn::Module {
   virtual int64_t vocab_size() const = 0;
   /// The most tokens one forward may see (positions the model has).
   virtual int64_t context_size() const = 0;
+
+  // ---- pipeline parallelism (parallel/pipeline.h) ----------------------------------------
+  // The model as a chain of units: the token embedding (unit 0), decoder
+  // layer i (unit 1 + i) and the final norm with the head (the last unit).
+  // A family that cannot be cut keeps these defaults, which refuse.
+
+  /// Parameters of each unit, in order; a tied head counts its weight again.
+  virtual std::vector<int64_t> pipeline_unit_parameters() const;
+  /// Runs units [first, end): `input` is token ids [B, T] when first is 0,
+  /// else the hidden states unit first - 1 returned; returns hidden states,
+  /// or the logits when end is past the last unit. `position` [B, T] is
+  /// required past unit 0 (the hidden states may hold a sequence shard);
+  /// `segment` as forward().
+  virtual at::Tensor forward_units(int first, int end, const at::Tensor& input, const at::Tensor& position,
+                                   const at::Tensor& segment);
+  /// Keeps the units of `ranges` ({first, end} each) and drops the others:
+  /// their modules leave the model (so do their parameters, whose storage is
+  /// released) and the kept ones keep the whole model's names. A tied head
+  /// keeps the embedding's weight. forward() then refuses; forward_units()
+  /// runs kept units only. Before any strategy sees the model.
+  virtual void keep_units(const std::vector<std::pair<int, int>>& ranges);
 };
 
 struct GenerateOptions {

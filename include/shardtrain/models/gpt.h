@@ -113,6 +113,10 @@ class GPTImpl : public CausalLMImpl {
   int64_t context_size() const override { return config_.block_size; }
 
   const GPTConfig& config() const { return config_; }
+  std::vector<int64_t> pipeline_unit_parameters() const override;
+  torch::Tensor forward_units(int first, int end, const torch::Tensor& input, const torch::Tensor& position,
+                              const torch::Tensor& segment) override;
+  void keep_units(const std::vector<std::pair<int, int>>& ranges) override;
 
   torch::nn::Embedding wte{nullptr};
   torch::nn::Embedding wpe{nullptr};
@@ -120,7 +124,12 @@ class GPTImpl : public CausalLMImpl {
   torch::nn::LayerNorm ln_f{nullptr};
 
  private:
+  // Units [first, end) (see CausalLMImpl::forward_units).
+  torch::Tensor run(int first, int end, const torch::Tensor& input, const torch::Tensor& position,
+                    const torch::Tensor& segment);
   GPTConfig config_;
+  // Per unit, whether this model still holds it (keep_units); empty: all.
+  std::vector<bool> kept_;
 };
 TORCH_MODULE(GPT);
 

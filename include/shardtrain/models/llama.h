@@ -151,16 +151,23 @@ class LlamaImpl : public CausalLMImpl {
   int64_t vocab_size() const override { return config_.vocab_size; }
   int64_t context_size() const override { return config_.max_positions; }
   const LlamaConfig& config() const { return config_; }
+  std::vector<int64_t> pipeline_unit_parameters() const override;
+  at::Tensor forward_units(int first, int end, const at::Tensor& input, const at::Tensor& position,
+                           const at::Tensor& segment) override;
+  void keep_units(const std::vector<std::pair<int, int>>& ranges) override;
 
   llama::Model model{nullptr};
   /// Undefined when tie_word_embeddings (the head is model.embed_tokens).
   torch::nn::Linear lm_head{nullptr};
 
  private:
-  at::Tensor run(const at::Tensor& idx, const at::Tensor& position, const at::Tensor& segment,
-                 KVCache* cache);
+  // Units [first, end) (see CausalLMImpl::forward_units).
+  at::Tensor run(int first, int end, const at::Tensor& input, const at::Tensor& position,
+                 const at::Tensor& segment, KVCache* cache);
   LlamaConfig config_;
   RotaryTables rotary_;
+  // Per unit, whether this model still holds it (keep_units); empty: all.
+  std::vector<bool> kept_;
 };
 TORCH_MODULE(Llama);
 

@@ -29,6 +29,10 @@ struct TrainTask {
   /// Summed loss over the targets of one micro-batch (a scalar with a
   /// graph), e.g. cross entropy with reduction sum and an ignore index.
   std::function<at::Tensor(const data::Batch&)> loss_sum;
+  /// The same from the model's logits (a language model's last pipeline
+  /// stage computes them; the loss is taken there). Empty: the task cannot
+  /// be pipelined.
+  std::function<at::Tensor(const at::Tensor& logits, const data::Batch&)> logits_loss_sum;
   /// Targets that loss_sum sums over (tokens not equal to the ignore index).
   /// The trainer divides by the count over the whole accumulation window on
   /// all ranks, so uneven or padded micro-batches give the big-batch gradient.

@@ -30,6 +30,10 @@ class Strategy;
 namespace shardtrain::precision {
 class Precision;
 }
+namespace shardtrain::parallel {
+class Pipeline;
+struct PipelineStepFns;
+}
 
 namespace shardtrain::checkpoint {
 struct LoadResult;
@@ -100,6 +104,8 @@ class Trainer {
 
  private:
   void run_step();
+  // What the pipeline's stages need from this trainer (backward_root is the step's).
+  parallel::PipelineStepFns pipeline_fns();
   void set_learning_rate(double lr);
   void for_each_callback(const std::function<void(Callback&)>& f);
   // OR-s the control flags over ranks so every rank acts alike.
@@ -118,6 +124,8 @@ class Trainer {
   // its data-parallel group: the ranks that see different data.
   std::unique_ptr<comm::DeviceMesh> mesh_;
   std::shared_ptr<comm::Communicator> dp_;
+  // distributed.pipeline_parallel > 1: this rank's stages and their executor.
+  std::unique_ptr<parallel::Pipeline> pipeline_;
   std::unique_ptr<precision::Precision> precision_;
   std::unique_ptr<strategy::Strategy> strategy_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
