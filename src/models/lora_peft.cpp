@@ -160,7 +160,7 @@ void save_peft_adapter(const std::string& dir,
 }
 
 void load_peft_adapter(torch::nn::Module& model, const std::string& dir, const std::string& prefix,
-                       const LoraOptions* options) {
+                       const LoraOptions* options, bool stage_part) {
   if (options != nullptr) {
     const AdapterConfig cfg = read_config(dir);
     const double scale = cfg.scale;
@@ -178,6 +178,10 @@ void load_peft_adapter(torch::nn::Module& model, const std::string& dir, const s
   for (const auto& e : file.entries()) {
     const std::string name = starts_with(e.name, prefix) ? e.name.substr(prefix.size()) : e.name;
     const at::Tensor* p = params.find(name);
+    if (p == nullptr && stage_part && starts_with(e.name, prefix) && is_adapter(name) &&
+        params.find(name.substr(0, name.rfind(".lora_")) + ".weight") == nullptr) {
+      continue;  // the adapter of a layer another pipeline stage holds
+    }
     if (p == nullptr || !starts_with(e.name, prefix)) {
       unexpected.push_back(e.name);
     } else if (p->sizes().vec() != e.shape) {

@@ -72,7 +72,7 @@ torch::nn::LinearImpl* adapter(torch::nn::LinearImpl& layer, const char* name) {
 }  // namespace
 
 TensorParallelLayout split_for_tensor_parallel(torch::nn::Module& model, const models::TensorParallelPlan& plan,
-                                              int tp, int rank) {
+                                              int tp, int rank, bool whole_model) {
   ST_CHECK(tp >= 1 && rank >= 0 && rank < tp, InvalidArgument, "split_for_tensor_parallel: rank ", rank,
            " of ", tp);
   ST_CHECK(!plan.regions.empty(), ConfigError, "distributed.tensor_parallel=", tp,
@@ -123,7 +123,7 @@ TensorParallelLayout split_for_tensor_parallel(torch::nn::Module& model, const m
       embedding_found = true;
     }
   }
-  ST_CHECK(embedding_found, ConfigError, "the tensor-parallel plan's embedding '", plan.embedding,
+  ST_CHECK(embedding_found || !whole_model, ConfigError, "the tensor-parallel plan's embedding '", plan.embedding,
            "' is no Embedding of this model");
   return layout;
 }
@@ -132,16 +132,22 @@ TensorParallelLayout apply_tensor_parallel(torch::nn::Module& model, const model
                                            std::shared_ptr<comm::Communicator> tp,
                                            const TensorParallelOptions& options) {
   ST_CHECK(tp != nullptr, InvalidArgument, "apply_tensor_parallel needs the mesh's tp group");
-  TensorParallelLayout layout = split_for_tensor_parallel(model, plan, tp->size(), tp->rank());
+  TensorParallelLayout layout = split_for_tensor_parallel(model, plan, tp->size(), tp->rank(), options.whole_model());
   layout.sequence_parallel = options.sequence_parallel();
   auto group = std::make_shared<models::detail::TensorParallelGroup>();
   group->comm = tp;
   group->sequence_parallel = options.sequence_parallel();
   group->loss_parallel = options.loss_parallel();
-  const TensorParallelLayout::Split& vocab = layout.splits.at(plan.embedding + ".weight");
-  group->vocab_size = vocab.global_shape[0];
-  group->vocab_start = vocab.chunks[static_cast<size_t>(tp->rank())].ranges[0].first;
-  group->vocab_local = vocab.chunks[static_cast<size_t>(tp->rank())].ranges[0].second;
+  // The vocabulary's split, from the embedding or the head (split alike); a
+  // pipeline stage that holds neither never uses it.
+  auto vocab = layout.splits.find(plan.embedding + ".weight");
+  if (vocab == layout.splits.end()) vocab = layout.splits.find(plan.head + ".weight");
+  if (vocab != layout.splits.end()) {
+    const strategy::TensorChunk& mine = vocab->second.chunks[static_cast<size_t>(tp->rank())];
+    group->vocab_size = vocab->second.global_shape[0];
+    group->vocab_start = mine.ranges[0].first;
+    group->vocab_local = mine.ranges[0].second;
+  }
   for (const auto& item : model.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
     for (const auto& region : plan.regions) {
       if (matches(item.key(), region)) models::detail::set_tensor_parallel(*item.value(), group);

@@ -145,7 +145,7 @@ void returning_freed_base(bool quantized, F&& f) {
 
 }  // namespace
 
-bool prepare_lora(torch::nn::Module& model, const config::Config& config, bool quantize) {
+bool prepare_lora(torch::nn::Module& model, const config::Config& config, bool quantize, bool stage_part) {
   if (config.lora.r() == 0) {
     ST_CHECK(config.lora.init_from().empty(), ConfigError, "lora.init_from='",
              config.lora.init_from(), "' needs lora.r > 0; hint: set lora.r (and the other lora keys) "
@@ -156,7 +156,7 @@ bool prepare_lora(torch::nn::Module& model, const config::Config& config, bool q
   if (!quantize) options.quantize(models::LoraQuantize::None);
   returning_freed_base(options.quantize() != models::LoraQuantize::None, [&] { models::apply_lora(model, options); });
   if (!config.lora.init_from().empty()) {
-    models::load_peft_adapter(model, config.lora.init_from(), peft_prefix(config), &options);
+    models::load_peft_adapter(model, config.lora.init_from(), peft_prefix(config), &options, stage_part);
   }
   return true;
 }

@@ -64,8 +64,10 @@ std::string write_exported_model(const std::string& run_dir, const config::Confi
 /// lora.init_from if set; a no-op otherwise. Every rank calls it alike.
 /// Returns whether the model was adapted. `quantize` false leaves a
 /// quantized base (lora.quantize) to quantize_lora, after tensor
-/// parallelism has split the layers.
-bool prepare_lora(torch::nn::Module& model, const config::Config& config, bool quantize = true);
+/// parallelism has split the layers. `stage_part`: the model is a pipeline
+/// stage's part, and lora.init_from holds other stages' adapters too.
+bool prepare_lora(torch::nn::Module& model, const config::Config& config, bool quantize = true,
+                  bool stage_part = false);
 
 /// With lora.r > 0 and lora.quantize set: quantizes the bases that
 /// prepare_lora(..., false) left whole, each rank its own blocks.

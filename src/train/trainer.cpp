@@ -205,7 +205,7 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
   // plans over the parameters. Under tensor parallelism the adapters split
   // with their layers, and a quantized base is quantized per block after.
   const bool tensor_parallel = mesh_->shape().tp() > 1;
-  detail::prepare_lora(*task_.model, config_, /*quantize=*/!tensor_parallel);
+  detail::prepare_lora(*task_.model, config_, /*quantize=*/!tensor_parallel, /*stage_part=*/pipeline_ != nullptr);
   // Tensor parallelism before the data-parallel strategy plans over the
   // parameters: each rank keeps its blocks of the split layers.
   std::optional<parallel::TensorParallelLayout> tp_layout;
@@ -214,7 +214,8 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
         *task_.model, models::family_of(config_.model.type).tensor_parallel_plan(), mesh_->tp(),
         parallel::TensorParallelOptions()
             .sequence_parallel(config_.distributed.sequence_parallel())
-            .loss_parallel(config_.distributed.loss_parallel()));
+            .loss_parallel(config_.distributed.loss_parallel())
+            .whole_model(pipeline_ == nullptr));
     detail::quantize_lora(*task_.model, config_);
   }
   // After QLoRA's quantization of a base built whole, which returns the

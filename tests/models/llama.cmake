@@ -58,7 +58,10 @@ set(LLAMA_TRAIN_CASES
   "pp4_four_layers gqa_llama3 ddpx4 distributed.pipeline_parallel=4 +--num_hidden_layers=4"
   "pp4_two_micro_batches gqa_llama3 ddpx4 distributed.pipeline_parallel=4 batch.micro=4 +--num_hidden_layers=4"
   "pp2_tied_qwen2_full_shard_x2_clip_fires tied_qwen2 full_shardx4 distributed.pipeline_parallel=2 clip=0.05"
-  "pp2_ddp_x2_zero_bubble gqa_llama3 ddpx4 distributed.pipeline_parallel=2 distributed.pipeline_schedule=zero_bubble")
+  "pp2_ddp_x2_zero_bubble gqa_llama3 ddpx4 distributed.pipeline_parallel=2 distributed.pipeline_schedule=zero_bubble"
+  # 3-D: pipeline x tensor parallel (sequence and loss parallel), and x data parallel (8 ranks).
+  "pp2_tp2 gqa_llama3 ddpx4 distributed.pipeline_parallel=2 distributed.tensor_parallel=2"
+  "pp2_tp2_full_shard_x2 gqa_llama3 full_shardx8 distributed.pipeline_parallel=2 distributed.tensor_parallel=2")
 foreach(case ${LLAMA_TRAIN_CASES})
   string(REPLACE " " ";" args ${case})
   list(POP_FRONT args name)
@@ -68,8 +71,8 @@ endforeach()
 # Masked prompt/completion records packed several to a row (positions
 # restarting, attention within each record): the micro-batches the task
 # serves train the reference; shardtrain trains them in one process and
-# under tensor parallelism (sequence and loss parallel).
-foreach(spec single ddpx2:tp2)
+# under tensor parallelism (sequence and loss parallel) and a pipeline.
+foreach(spec single ddpx2:tp2 ddpx2:pp2)
   string(REPLACE "ddpx2:" "" name ${spec})
   add_test(NAME models.llama.packed.${name}
            COMMAND ${LLAMA_PARITY} packed ${SHARDTRAIN_CLI} $<TARGET_FILE:llama_logits> ${PROJECT_SOURCE_DIR} ${spec})
@@ -79,6 +82,10 @@ endforeach()
 # ddp x4 and tp4 (each piece records its place in the whole tensor).
 add_test(NAME models.llama.reshard_tensor_parallel
          COMMAND ${LLAMA_PARITY} reshard ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR} full_shardx4:tp2 single ddpx4 ddpx4:tp4)
+# A checkpoint saved under pp2 x tp2 resumes under one process, ddp x4 and
+# pp4 (each stage saves its layers under the whole model's names).
+add_test(NAME models.llama.reshard_pipeline
+         COMMAND ${LLAMA_PARITY} reshard ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR} ddpx4:tp2:pp2 single ddpx4 ddpx4:pp4)
 
 # LoRA from a PEFT adapter the reference wrote; under tensor parallelism the
 # adapters split with their layers (with and without sequence parallelism:
@@ -89,6 +96,7 @@ foreach(spec single ddpx2 zero1x2 full_shardx2)
   add_test(NAME models.llama.lora.${name} COMMAND ${LLAMA_PARITY} lora ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR} ${spec})
 endforeach()
 add_test(NAME models.llama.lora.tp2 COMMAND ${LLAMA_PARITY} lora ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR} ddpx2:tp2)
+add_test(NAME models.llama.lora.pp2 COMMAND ${LLAMA_PARITY} lora ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR} ddpx2:pp2)
 add_test(NAME models.llama.lora.tp2_full_shard_x2_no_sequence_parallel
          COMMAND ${LLAMA_PARITY} lora ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR} full_shardx4:tp2
                  distributed.sequence_parallel=false)

@@ -22,10 +22,10 @@ Hugging Face directories that the reference writes:
         an exported directory reloads bit for bit (whole and in shards), and
         the reference reads it
     llama_parity.py reshard CLI SRC SAVE_SPEC LOAD_SPEC...
-        a checkpoint written at step 5 under SAVE_SPEC (STRATEGY[xN][:tpK])
+        a checkpoint written at step 5 under SAVE_SPEC (STRATEGY[xN][:tpK][:ppJ])
         resumes under each LOAD_SPEC; steps 6..10 and the exported weights
         match the reference's
-    llama_parity.py packed CLI LLAMA_LOGITS SRC STRATEGY[xN][:tpK] [KEY=VALUE ...]
+    llama_parity.py packed CLI LLAMA_LOGITS SRC STRATEGY[xN][:tpK][:ppJ] [KEY=VALUE ...]
         masked prompt/completion records packed several to a row: the
         micro-batches shardtrain's task serves train the reference, and
         shardtrain the same data under the layout (one data-parallel rank)
@@ -357,13 +357,24 @@ def cmd_train(cli, src, variant, spec, *options):
         shutil.rmtree(work, ignore_errors=True)
 
 
+def layout(spec):
+    """'full_shardx4:tp2:pp2' -> ('full_shardx4', its --set values, model-parallel ranks (tp x pp))."""
+    strategy, *dims = spec.split(":")
+    sets, model_parallel = [], 1
+    for d in dims:
+        key = {"tp": "tensor_parallel", "pp": "pipeline_parallel"}[d[:2]]
+        sets.append(f"distributed.{key}={d[2:]}")
+        model_parallel *= int(d[2:])
+    return strategy, sets, model_parallel
+
+
 def cmd_reshard(cli, src, save_spec, *load_specs):
-    """A checkpoint saved at step 5 under one (tp, dp, strategy) layout
+    """A checkpoint saved at step 5 under one (pp, tp, dp, strategy) layout
     resumes under others; every resumed run's steps 6..10 match the
-    reference's 10 steps. Specs are STRATEGY[xN][:tpK]."""
+    reference's 10 steps. Specs are STRATEGY[xN][:tpK][:ppJ]."""
     def parse(spec):
-        strategy, _, tp = spec.partition(":tp")
-        return strategy, ([f"distributed.tensor_parallel={tp}"] if tp else [])
+        strategy, sets, _ = layout(spec)
+        return strategy, sets
 
     work = tempfile.mkdtemp(prefix="llama_parity_")
     try:
@@ -404,10 +415,10 @@ def cmd_packed(cli, logits_bin, src, spec, *sets):
     """Prompt/completion records of very different lengths (prompt masked),
     packed several to a row: the micro-batches the task serves one process
     (rows, restarting positions, segments, masked targets) train the
-    reference; shardtrain trains the same data under SPEC (STRATEGY[xN][:tpK]:
+    reference; shardtrain trains the same data under SPEC (STRATEGY[xN][:tpK][:ppJ]:
     one data-parallel rank, so the same batches) and SETS. Losses, gradient
     norms and the exported weights must match."""
-    strategy, _, tp = spec.partition(":tp")
+    strategy, model_sets, model_parallel = layout(spec)
     work = tempfile.mkdtemp(prefix="llama_parity_")
     try:
         hf = make_variant(work, "gqa_llama3")
@@ -417,7 +428,6 @@ def cmd_packed(cli, logits_bin, src, spec, *sets):
                 answer = 26 if i % 9 == 0 else 1 + (i * 5) % 7
                 f.write(json.dumps({"prompt": f"q{i % 37}? ", "completion": chr(97 + i % 11) * answer}) + "\n")
         data_sets = [f"data.train={data}", "data.packing=true", "data.val_fraction=0"]
-        tp_sets = [f"distributed.tensor_parallel={tp}"] if tp else []
         world, all_sets = train_sets(hf, os.path.join(work, "unused"), "single", data_sets + list(sets))
         batches = os.path.join(work, "batches.json")
         run([logits_bin, "batches", "configs/default.yaml", str(STEPS), batches, *all_sets], "batches", cwd=src)
@@ -428,9 +438,9 @@ def cmd_packed(cli, logits_bin, src, spec, *sets):
         if packed_rows == 0 or masked == 0:
             fail(f"packed: the batches hold {packed_rows} rows of several records and {masked} masked targets")
         world, ours, our_norms = shardtrain_train(cli, src, hf, os.path.join(work, "run"), strategy,
-                                                  data_sets + tp_sets + list(sets), with_norms=True)
-        if world // int(tp or 1) != 1:
-            fail(f"packed: {spec} has {world // int(tp or 1)} data-parallel ranks; the batches are one rank's")
+                                                  data_sets + model_sets + list(sets), with_norms=True)
+        if world // model_parallel != 1:
+            fail(f"packed: {spec} has {world // model_parallel} data-parallel ranks; the batches are one rank's")
         out = os.path.join(work, "ref.json")
         weights = os.path.join(work, "ref.safetensors")
         ref("train", hf, "--steps", str(STEPS), "--batches", batches, "--warmup", "2", "--out", out,
@@ -457,10 +467,9 @@ def cmd_lora(cli, src, spec, *sets):
     """An adapter the reference writes (B non-zero, so its scale shows in the
     first step) trains 10 steps in both; shardtrain reads and writes the PEFT
     names, and its default targets are Llama's seven projections. SPEC is
-    STRATEGY[xN][:tpK] (tensor parallelism splits the adapters with their
-    layers); SETS are more config overrides."""
-    strategy, _, tp = spec.partition(":tp")
-    tp_sets = [f"distributed.tensor_parallel={tp}"] if tp else []
+    STRATEGY[xN][:tpK][:ppJ] (tensor parallelism splits the adapters with their
+    layers; a pipeline's stages each hold their layers'); SETS are more config overrides."""
+    strategy, model_sets, model_parallel = layout(spec)
     work = tempfile.mkdtemp(prefix="llama_parity_")
     try:
         hf = make_variant(work, "gqa_llama3")
@@ -468,9 +477,9 @@ def cmd_lora(cli, src, spec, *sets):
         ref("make-adapter", hf, start, "--r", "4", "--alpha", "8", "--seed", "5")
         run_dir = os.path.join(work, "run")
         world, ours = shardtrain_train(cli, src, hf, run_dir, strategy,
-                                       ["lora.r=4", "lora.alpha=8", f"lora.init_from={start}"] + tp_sets + list(sets))
+                                       ["lora.r=4", "lora.alpha=8", f"lora.init_from={start}"] + model_sets + list(sets))
         trained = os.path.join(work, "ref_adapter")
-        theirs, _ = ref_train(src, hf, work, world // int(tp or 1), ["--adapter", start, "--out-adapter", trained])
+        theirs, _ = ref_train(src, hf, work, world // model_parallel, ["--adapter", start, "--out-adapter", trained])
         what = " ".join(["lora", spec] + list(sets))
         check_losses(what, ours, theirs)
         adapter = os.path.join(run_dir, "adapter")

@@ -46,9 +46,11 @@ void save_peft_adapter(const std::string& dir,
 /// has a tensor the model lacks, a shape differs (another r, another base
 /// width), or an adapter of the model is missing from the file.
 /// With `options`, the adapter_config.json's r and scale (lora_alpha / r, or
-/// / sqrt(r) with use_rslora) must be those of the options.
+/// / sqrt(r) with use_rslora) must be those of the options. With
+/// `stage_part`, the model is a pipeline stage's part: the file's adapters of
+/// layers the model does not hold (other stages') are skipped.
 void load_peft_adapter(torch::nn::Module& model, const std::string& dir, const std::string& prefix,
-                       const LoraOptions* options = nullptr);
+                       const LoraOptions* options = nullptr, bool stage_part = false);
 
 /// The state of an adapted model with every quantized base (qweight,
 /// qscale, ...) replaced by its dequantized `.weight` in the adapter's dtype, shaped by the

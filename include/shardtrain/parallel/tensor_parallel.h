@@ -48,6 +48,8 @@ struct TensorParallelOptions {
   ST_ARG(bool, sequence_parallel) = true;
   /// The loss takes vocabulary-sharded logits; no rank holds the whole vocabulary.
   ST_ARG(bool, loss_parallel) = true;
+  /// false: the model is a pipeline stage's part, which may lack the embedding.
+  ST_ARG(bool, whole_model) = true;
 };
 
 /// What apply_tensor_parallel split: per parameter name, the block each
@@ -71,9 +73,9 @@ struct TensorParallelLayout {
 /// still compute alone (apply_tensor_parallel does both; a planner sizes a
 /// rank's share with this alone). LoRA adapters must be attached unquantized
 /// (models::quantize_lora_bases after the split quantizes each block).
-
+/// ConfigError when a `whole_model` lacks the plan's embedding.
 TensorParallelLayout split_for_tensor_parallel(torch::nn::Module& model, const models::TensorParallelPlan& plan,
-                                              int tp, int rank);
+                                              int tp, int rank, bool whole_model = true);
 
 /// Splits `model` over `tp` as `plan` says (every rank of `tp` calls it on
 /// the same model) and makes the plan's regions compute over the group.
