@@ -1,8 +1,8 @@
 # The GPT family against the independent PyTorch reference
 # (tests/reference/gpt_ref.py), driven by tests/models/gpt_parity.py:
 # 10 training steps from weights the reference wrote (the Conv1D file
-# layout in, the same layout exported) under one process and tensor
-# parallelism (data parallelism alone is checked against the single process
+# layout in, the same layout exported) under one process, tensor
+# parallelism and a pipeline (data parallelism alone is checked against the single process
 # in tests/dist/test_trainer_parity.cpp).
 set(GPT_PARITY /usr/bin/python3 ${CMAKE_CURRENT_LIST_DIR}/gpt_parity.py)
 
@@ -18,7 +18,11 @@ set(GPT_TRAIN_CASES
   # data-parallel ranks.
   "tp2 ddpx2 distributed.tensor_parallel=2"
   "tp2_no_sequence_no_loss_parallel ddpx2 distributed.tensor_parallel=2 distributed.sequence_parallel=false distributed.loss_parallel=false"
-  "tp2_full_shard_x2 full_shardx4 distributed.tensor_parallel=2")
+  "tp2_full_shard_x2 full_shardx4 distributed.tensor_parallel=2"
+  # A pipeline: wte and wpe on the first stage, the tied head (wte again) on
+  # the last; the interleaved schedule over 4 stages.
+  "pp2 ddpx2 distributed.pipeline_parallel=2"
+  "pp2_interleaved ddpx2 distributed.pipeline_parallel=2 distributed.pipeline_schedule=interleaved_1f1b")
 foreach(case ${GPT_TRAIN_CASES})
   string(REPLACE " " ";" args ${case})
   list(POP_FRONT args name)

@@ -12,7 +12,8 @@ weights that the reference writes:
         the per-step losses and gradient norms, and the exported weights.
         STRATEGY[xN] as llama_parity.py's (single, ddpx2, zero1x2,
         full_shardx4, ...; not hybrid_shard); KEY=VALUE are config overrides
-        (distributed.tensor_parallel=2: the tensor-parallel layouts)
+        (distributed.tensor_parallel=2: the tensor-parallel layouts;
+        distributed.pipeline_parallel=2: stages, the tied head across them)
 
 Exits 0 when all checks pass, 1 naming the first that failed.
 Run with the system Python (Debian's python3-torch).
@@ -82,12 +83,14 @@ def cmd_train(cli, src, spec, *sets):
         run_dir = os.path.join(work, "run")
         world, ours, our_norms = shardtrain_train(cli, src, weights, run_dir, spec, sets)
         # The held-out split is micro x data-parallel ranks rows; the ranks
-        # of one tensor-parallel group read the same rows.
-        tp = int(next((s.split("=")[1] for s in sets if s.startswith("distributed.tensor_parallel=")), 1))
+        # of one tensor-parallel group and of one pipeline read the same rows.
+        model_parallel = 1
+        for key in ("distributed.tensor_parallel=", "distributed.pipeline_parallel="):
+            model_parallel *= int(next((s.split("=")[1] for s in sets if s.startswith(key)), 1))
         out, theirs_file = os.path.join(work, "ref.json"), os.path.join(work, "ref.safetensors")
         ref("train", weights, "--steps", str(STEPS), "--data", os.path.join(src, "data/corpus.txt"),
             "--block-size", str(MODEL["block_size"]), "--global-batch", str(GLOBAL), "--micro", str(MICRO),
-            "--eval-rows", str(MICRO * (world // tp)), "--warmup", "2", "--out", out, "--out-weights", theirs_file)
+            "--eval-rows", str(MICRO * (world // model_parallel)), "--warmup", "2", "--out", out, "--out-weights", theirs_file)
         with open(out) as f:
             result = json.load(f)
         theirs, their_norms = result["losses"], [r["grad_norm"] for r in result["steps"]]
