@@ -59,6 +59,7 @@ set(LLAMA_TRAIN_CASES
   "pp4_two_micro_batches gqa_llama3 ddpx4 distributed.pipeline_parallel=4 batch.micro=4 +--num_hidden_layers=4"
   "pp2_tied_qwen2_full_shard_x2_clip_fires tied_qwen2 full_shardx4 distributed.pipeline_parallel=2 clip=0.05"
   "pp2_ddp_x2_zero_bubble gqa_llama3 ddpx4 distributed.pipeline_parallel=2 distributed.pipeline_schedule=zero_bubble"
+  "bf16_pp2 gqa_llama3 ddpx2 bf16 distributed.pipeline_parallel=2"
   # 3-D: pipeline x tensor parallel (sequence and loss parallel), and x data parallel (8 ranks).
   "pp2_tp2 gqa_llama3 ddpx4 distributed.pipeline_parallel=2 distributed.tensor_parallel=2"
   "pp2_tp2_full_shard_x2 gqa_llama3 full_shardx8 distributed.pipeline_parallel=2 distributed.tensor_parallel=2")
@@ -82,6 +83,11 @@ endforeach()
 # ddp x4 and tp4 (each piece records its place in the whole tensor).
 add_test(NAME models.llama.reshard_tensor_parallel
          COMMAND ${LLAMA_PARITY} reshard ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR} full_shardx4:tp2 single ddpx4 ddpx4:tp4)
+# Evaluation through the stages (pp2, and pp4 where the loss leaves from the
+# fourth rank) against one process; pipeline times and bubble in metrics.
+add_test(NAME models.llama.eval_pipeline
+         COMMAND ${LLAMA_PARITY} eval ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR} ddpx2:pp2 ddpx4:pp4)
+
 # A checkpoint saved under pp2 x tp2 resumes under one process, ddp x4 and
 # pp4 (each stage saves its layers under the whole model's names).
 add_test(NAME models.llama.reshard_pipeline

@@ -25,6 +25,9 @@ Hugging Face directories that the reference writes:
         a checkpoint written at step 5 under SAVE_SPEC (STRATEGY[xN][:tpK][:ppJ])
         resumes under each LOAD_SPEC; steps 6..10 and the exported weights
         match the reference's
+    llama_parity.py eval CLI SRC SPEC...
+        the held-out loss through a pipeline equals one process's, and each
+        step's metrics carry the pipeline's busy and idle times and bubble
     llama_parity.py packed CLI LLAMA_LOGITS SRC STRATEGY[xN][:tpK][:ppJ] [KEY=VALUE ...]
         masked prompt/completion records packed several to a row: the
         micro-batches shardtrain's task serves train the reference, and
@@ -409,6 +412,49 @@ def cmd_reshard(cli, src, save_spec, *load_specs):
         shutil.rmtree(work, ignore_errors=True)
 
 
+def cmd_eval(cli, src, *specs):
+    """Evaluation through a pipeline: the held-out loss every 5 steps under
+    each SPEC (STRATEGY[xN][:tpK][:ppJ], one data-parallel rank) equals the
+    one-process run's (its losses match the reference's in `train`), and
+    metrics.jsonl carries each pipeline rank's busy and idle time and the
+    bubble they make."""
+    work = tempfile.mkdtemp(prefix="llama_parity_")
+    try:
+        hf = make_variant(work, "gqa_llama3")
+        sets = ["trainer.eval_every=5", "trainer.eval_batches=2", "data.val_fraction=0.1"]
+
+        def evals(spec):
+            strategy, model_sets, _ = layout(spec)
+            run_dir = os.path.join(work, "run-" + spec.replace(":", "-"))
+            shardtrain_train(cli, src, hf, run_dir, strategy, sets + model_sets, steps=STEPS)
+            with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+                records = [json.loads(l) for l in f]
+            return [r["eval_loss"] for r in records if "eval_loss" in r], [r for r in records if "loss" in r]
+
+        want, _ = evals("single")
+        if len(want) != 2:
+            fail(f"eval: the one-process run logged {len(want)} evaluations, expected 2")
+        for spec in specs:
+            got, steps = evals(spec)
+            if len(got) != len(want) or any(abs(a - b) > 1e-6 * abs(b) for a, b in zip(got, want)):
+                fail(f"eval {spec}: held-out losses {got}, one process {want}")
+            pp = int(spec.split(":pp")[1])
+            for r in steps:
+                busy, idle, bubble = r.get("pipeline_busy_s"), r.get("pipeline_idle_s"), r.get("pipeline_bubble")
+                if busy is None or len(busy) != pp or len(idle) != pp or min(busy) <= 0 or min(idle) < 0:
+                    fail(f"eval {spec}: step {r['step']} pipeline times {busy} / {idle}, expected {pp} ranks' each")
+                # Idle time over busy time, as the schedules' simulator defines
+                # it (the benchmark compares it with (p - 1) / m on a real model;
+                # a model this small mostly waits on messages).
+                if bubble is None or abs(bubble - sum(idle) / sum(busy)) > 1e-5 * max(1.0, bubble):
+                    fail(f"eval {spec}: step {r['step']} bubble {bubble}, but the idle over busy times is "
+                         f"{sum(idle) / sum(busy)}")
+            print(f"eval {spec}: held-out losses {got} equal the one-process run's; pipeline times and bubble "
+                  f"in every step's metrics (last bubble {steps[-1]['pipeline_bubble']:.3f})")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 # ---- masked instruction data, packed -------------------------------------------------------
 
 def cmd_packed(cli, logits_bin, src, spec, *sets):
@@ -578,6 +624,8 @@ def main(argv):
         cmd_lora(argv[1], argv[2], argv[3], *argv[4:])
     elif cmd == "export":
         cmd_export(argv[1], argv[2])
+    elif cmd == "eval":
+        cmd_eval(argv[1], argv[2], *argv[3:])
     elif cmd == "reshard":
         cmd_reshard(argv[1], argv[2], argv[3], *argv[4:])
     elif cmd == "train":
