@@ -7,6 +7,8 @@
 # a damaged newest checkpoint makes resume fall back to the previous one.
 set -euo pipefail
 cli=$1 src=$2
+shift 2
+extra=("$@")  # more --set options: the same test under another layout (a pipeline)
 cd "$src"
 work=$(mktemp -d)
 trap 'pkill -9 -P $$ 2>/dev/null || true; rm -rf "$work"' EXIT
@@ -14,7 +16,8 @@ fail() { echo "FAIL: $*"; exit 1; }
 common=(--set trainer.max_steps=30 --set trainer.eval_every=0 --set trainer.sample_tokens=0
         --set batch.global=8 --set batch.micro=2 --set batch.accumulate=null
         --set model.n_layer=2 --set model.n_embd=64 --set model.block_size=64
-        --set checkpoint.every_n_steps=2 --set distributed.strategy=ddp)
+        --set checkpoint.every_n_steps=2 --set distributed.strategy=ddp
+        ${extra[@]+"${extra[@]}"})
 
 "$cli" train "${common[@]}" --nproc-per-node 2 --set run.dir="$work/clean" >"$work/clean.log" 2>&1 ||
   { cat "$work/clean.log"; fail "the uninterrupted run failed"; }

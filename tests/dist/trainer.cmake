@@ -51,6 +51,11 @@ set_tests_properties(cli.train_two_hosts PROPERTIES TIMEOUT 600 SKIP_RETURN_CODE
 add_test(NAME cli.train_two_hosts_chaos
          COMMAND ${CMAKE_CURRENT_LIST_DIR}/two_hosts_chaos.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
 set_tests_properties(cli.train_two_hosts_chaos PROPERTIES TIMEOUT 600 SKIP_RETURN_CODE 77 RUN_SERIAL TRUE)
+# Two stages split across the two hosts: only activations cross the link.
+add_test(NAME cli.train_two_hosts_chaos.pipeline
+         COMMAND ${CMAKE_CURRENT_LIST_DIR}/two_hosts_chaos.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR}
+                 --set distributed.pipeline_parallel=2)
+set_tests_properties(cli.train_two_hosts_chaos.pipeline PROPERTIES TIMEOUT 600 SKIP_RETURN_CODE 77 RUN_SERIAL TRUE)
 # Four namespace hosts on one bridge x 2 ranks (the slim `make bench-scale`):
 # hybrid_shard matches the single process, and a lost host comes back.
 add_test(NAME cli.train_many_hosts
@@ -62,6 +67,12 @@ set_tests_properties(cli.train_many_hosts PROPERTIES TIMEOUT 300 SKIP_RETURN_COD
 add_test(NAME cli.train_chaos_restarts
          COMMAND ${CMAKE_CURRENT_LIST_DIR}/train_chaos.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
 set_tests_properties(cli.train_chaos_restarts PROPERTIES TIMEOUT 600 ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=60")
+# The same under a pipeline (two stages, one per rank; zero_bubble): a stage
+# killed mid-step ends the step for both, and the restart resumes exactly.
+add_test(NAME cli.train_chaos_restarts.pipeline
+         COMMAND ${CMAKE_CURRENT_LIST_DIR}/train_chaos.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR}
+                 --set distributed.pipeline_parallel=2 --set distributed.pipeline_schedule=zero_bubble)
+set_tests_properties(cli.train_chaos_restarts.pipeline PROPERTIES TIMEOUT 600 ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=60")
 
 add_test(NAME cli.silent_waits
          COMMAND ${CMAKE_CURRENT_LIST_DIR}/silent_waits.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})

@@ -13,6 +13,8 @@
 # Needs root (it creates and removes the namespaces); exits 77 (skipped) without.
 set -euo pipefail
 cli=$(readlink -f "$1") src=$2
+shift 2
+extra=("$@")  # more --set options: the same test under another layout (a pipeline)
 cd "$src"
 [ "$(id -u)" = 0 ] && command -v ip >/dev/null || { echo "SKIP: needs root and iproute2 (CI runs as root; make deps installs iproute2)"; exit 77; }
 unset SHARDTRAIN_SOCKET_IFNAME GLOO_SOCKET_IFNAME
@@ -32,7 +34,8 @@ common=(--set trainer.max_steps=30 --set trainer.eval_every=0 --set trainer.samp
         --set batch.global=8 --set batch.micro=2 --set batch.accumulate=null
         --set model.n_layer=2 --set model.n_embd=64 --set model.block_size=64
         --set checkpoint.every_n_steps=2 --set distributed.strategy=ddp
-        --set distributed.threads_per_rank=1)
+        --set distributed.threads_per_rank=1
+        ${extra[@]+"${extra[@]}"})
 
 "$cli" train "${common[@]}" --nproc-per-node 2 --set run.dir="$work/clean" >"$work/clean.log" 2>&1 ||
   { cat "$work/clean.log"; fail "the uninterrupted run failed"; }
