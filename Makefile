@@ -27,7 +27,7 @@ NODE_PACKAGES := nodejs npm
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all deps bench-deps configure build test mutants train bench-comm bench-train bench-sharding bench-tp bench-multinode bench-scale bench-precision bench-checkpoint bench-lora bench-tokenize bench-llama bench-finetune bench-loading bench-first-step install clean
+.PHONY: all deps bench-deps configure build test mutants train bench-comm bench-train bench-sharding bench-tp bench-pipeline bench-multinode bench-scale bench-precision bench-checkpoint bench-lora bench-tokenize bench-llama bench-finetune bench-loading bench-first-step install clean
 
 all: build
 
@@ -102,6 +102,11 @@ bench-sharding: build bench-deps
 # x2 and FULL_SHARD x2 on one host: tokens/s, peak RSS, TP collective time.
 bench-tp: build bench-deps
 	BUILD_DIR=$(BUILD_DIR) /usr/bin/python3 bench/tp.py
+
+# Pipeline parallelism: the bubble on one host, and pp across two
+# network-namespace hosts over a shaped link (needs root).
+bench-pipeline: build
+	bash bench/pipeline.sh
 
 # Two network-namespace hosts over a shaped link (needs root).
 bench-multinode: build

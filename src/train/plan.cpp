@@ -13,6 +13,8 @@
 #include "shardtrain/models/family.h"
 #include "shardtrain/models/lora.h"
 #include "shardtrain/models/quantize.h"
+#include "shardtrain/models/causal_lm.h"
+#include "shardtrain/parallel/pipeline_schedule.h"
 #include "shardtrain/parallel/tensor_parallel.h"
 #include "shardtrain/strategy/estimate.h"
 #include "shardtrain/strategy/strategy.h"
@@ -72,11 +74,24 @@ int64_t estimate_micro_batch(const config::Config& config, int world_size) {
   return config.batch.micro ? *config.batch.micro : config.resolve_batch(world_size).micro;
 }
 
+// A pipeline rank's activations as a share of one micro-batch through the
+// whole model: it holds 1/p of the layers for every micro-batch in flight,
+// at most p under 1f1b and its variants (about one whole micro-batch on the
+// first rank), all m under gpipe.
+double pipeline_activation_share(const config::Config& config, int data_parallel) {
+  const auto& d = config.distributed;
+  const auto pp = static_cast<double>(d.pipeline_parallel());
+  if (pp <= 1.0 || d.pipeline_schedule() != parallel::PipelineSchedule::GPipe) return 1.0;
+  return static_cast<double>(config.resolve_batch(data_parallel).accumulate) / pp;
+}
+
 strategy::EstimateInput estimate_input(const config::Config& config, torch::nn::Module& model,
                                        int world_size, int local_world_size) {
   const int tp = static_cast<int>(std::max<int64_t>(1, config.distributed.tensor_parallel()));
-  ST_CHECK(world_size % tp == 0 && local_world_size % tp == 0, ConfigError, "distributed.tensor_parallel=", tp,
-           " does not divide the ", local_world_size, " ranks per host of a world of ", world_size);
+  const int pp = static_cast<int>(config.distributed.pipeline_parallel());
+  ST_CHECK(world_size % (tp * pp) == 0 && local_world_size % tp == 0, ConfigError, "distributed.tensor_parallel=",
+           tp, " x pipeline_parallel=", pp, " does not divide the world of ", world_size, " ranks (", local_world_size,
+           " per host, which tensor_parallel must divide)");
   strategy::EstimateInput in;
   std::unordered_set<const void*> seen;  // tied parameters once
   for (const auto& p : model.parameters()) {
@@ -95,14 +110,17 @@ strategy::EstimateInput estimate_input(const config::Config& config, torch::nn::
   std::sort(sizes.rbegin(), sizes.rend());
   in.largest_unit_params = sizes.size() > 0 ? sizes[0] : 0;
   in.second_unit_params = sizes.size() > 1 ? sizes[1] : 0;
-  in.world_size = world_size / tp;  // the data-parallel ranks
-  in.local_world_size = local_world_size / tp;
+  in.world_size = world_size / (tp * pp);  // the data-parallel ranks
+  // A stage's data-parallel ranks on one host (a pipeline on one host puts
+  // its stages' groups side by side).
+  in.local_world_size = std::min(local_world_size / tp, in.world_size);
   in.mixed_precision = half_params(config) || config.precision == precision::PrecisionKind::Fp16Mixed;
   const int act_bytes = activation_element_bytes(config);
   const int64_t micro = estimate_micro_batch(config, world_size);
   in.activation_bytes = static_cast<int64_t>(
       std::min(9.0e18, models::family_of(config.model.type).activation_bytes(config.model, micro, act_bytes) *
-                           tensor_parallel_activation_share(config)));
+                           tensor_parallel_activation_share(config) *
+                           pipeline_activation_share(config, world_size / (tp * pp))));
   return in;
 }
 
@@ -130,12 +148,34 @@ std::shared_ptr<torch::nn::Module> planning_model(const config::Config& config) 
   const models::ModelFamily& family = models::family_of(config.model.type);
   family.validate(config.model);
   const auto model = family.build(config.model, /*deferred=*/true);
+  const int pp = static_cast<int>(config.distributed.pipeline_parallel());
+  if (pp > 1) {
+    // The pipeline rank whose stages hold the most parameters.
+    auto* lm = dynamic_cast<models::CausalLMImpl*>(model.get());
+    ST_CHECK(lm != nullptr, ConfigError, "distributed.pipeline_parallel=", pp, ": the ",
+             enum_name(config.model.type), " model cannot be cut into pipeline stages; set it to 1");
+    const std::vector<int64_t> units = lm->pipeline_unit_parameters();
+    const auto stages = parallel::split_stages(units, static_cast<int>(config.distributed.pipeline_stages()),
+                                               config.distributed.pipeline_split());
+    std::vector<int64_t> held(static_cast<size_t>(pp), 0);
+    for (size_t s = 0; s < stages.size(); ++s) {
+      for (int u = stages[s].first; u < stages[s].end; ++u) {
+        held[static_cast<size_t>(parallel::stage_rank(static_cast<int>(s), pp))] += units[static_cast<size_t>(u)];
+      }
+    }
+    const int heaviest = static_cast<int>(std::max_element(held.begin(), held.end()) - held.begin());
+    std::vector<std::pair<int, int>> keep;
+    for (size_t s = static_cast<size_t>(heaviest); s < stages.size(); s += static_cast<size_t>(pp)) {
+      keep.emplace_back(stages[s].first, stages[s].end);
+    }
+    lm->keep_units(keep);
+  }
   const auto tp = static_cast<int>(std::max<int64_t>(1, config.distributed.tensor_parallel()));
   const bool lora = config.lora.r() > 0;
   const models::LoraOptions options = detail::lora_options(config);
   if (lora) models::apply_lora(*model, models::LoraOptions(options).quantize(tp > 1 ? models::LoraQuantize::None : options.quantize()));
   if (tp > 1) {
-    parallel::split_for_tensor_parallel(*model, family.tensor_parallel_plan(), tp, 0);
+    parallel::split_for_tensor_parallel(*model, family.tensor_parallel_plan(), tp, 0, /*whole_model=*/pp == 1);
     if (lora) models::quantize_lora_bases(*model, options);
   }
   return model;
@@ -173,6 +213,7 @@ void resolve_tensor_parallel(config::Config& config, int world_size, int local_w
   const double budget = memory_budget_bytes(config, local_world_size);
   const std::vector<int> degrees = tensor_parallel_degrees(config, local_world_size);
   for (const int tp : degrees) {
+    if (world_size % (tp * config.distributed.pipeline_parallel()) != 0) continue;
     config::Config c = config;
     c.distributed.tensor_parallel(tp);
     if (estimate_strategy(c, world_size, local_world_size, budget)) {

@@ -204,6 +204,22 @@ if not re.search(r"^tensor_parallel auto picks: 2 ", out, re.M) or "tensor_paral
 check(out, psi_at(2), units_at(2), 2, 2, True, gpt_act // 2, budget_mb * 2**20, "zero1")
 check_tp_table(out, 4, True, budget_mb * 2**20, [1, 2, 4], 2, "<- auto")
 
+# 6. A pipeline: the same GPT at pipeline_parallel 2 on 4 ranks. Its units
+#    are the embeddings (wte and wpe), the two layers and the head (ln_f and
+#    the tied wte again); the cut whose larger stage is smallest puts the
+#    embeddings and layer 0 on the first rank (V C + T C + one layer, against
+#    layer 1 and the head on the second), which sets each rank's need. Two
+#    data-parallel ranks per stage; 1f1b holds about one micro-batch's
+#    activations (p micro-batches of 1/p of the layers).
+layer = 12 * C * C + 13 * C
+first, second = V * C + T * C + layer, layer + V * C + 2 * C
+assert first > second
+out = run(args[:-6] + ["--nproc-per-node", "4", "--set", "distributed.memory_budget_mb=4096",
+                       "--set", "distributed.strategy=auto", "--set", "distributed.pipeline_parallel=2"])
+if sorted(printed_units(out)) != sorted([V * C + T * C, layer]):
+    fail("pp2 units %s, expected the first stage's %s" % (sorted(printed_units(out)), [V * C + T * C, layer]))
+check(out, first, sorted([V * C + T * C, layer]), 2, 2, True, gpt_act, 4096 * 2**20, "auto")
+
 # 3. Bad input is a configuration error with exit code 2.
 proc = subprocess.run([CLI, "estimate", "--set", "distributed.sharding=zero2"], cwd=SRC,
                       capture_output=True, text=True)

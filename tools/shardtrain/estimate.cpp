@@ -114,14 +114,17 @@ void print_tensor_parallel(const config::Config& config, int world, int nproc, d
   if (degrees.size() < 2 && !tp_auto) return;
   std::vector<std::string> head = {"tp", "dp"};
   std::vector<std::vector<std::string>> cells;
+  const int pp = static_cast<int>(config.distributed.pipeline_parallel());
   for (const int t : degrees) {
+    if (world % (t * pp) != 0) continue;  // no data-parallel size left with the pipeline
     config::Config c = config;
     c.distributed.tensor_parallel(t);
     const auto model = train::planning_model(c);
     const auto rows = strategy::estimate_all(train::estimate_input(c, *model, world, nproc));
-    std::vector<std::string> line = {std::to_string(t), std::to_string(world / t)};
+    std::vector<std::string> line = {std::to_string(t), std::to_string(world / (t * pp))};
+    const bool first = head.size() == 2;
     for (const auto& r : rows) {
-      if (t == degrees.front()) head.push_back(r.strategy);
+      if (first) head.push_back(r.strategy);
       line.push_back(bytes(r.total_bytes) + (r.total_bytes <= budget ? "" : "*"));
     }
     if (t == tp) line.push_back(tp_auto ? "<- auto" : "<- config");

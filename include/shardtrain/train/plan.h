@@ -21,17 +21,20 @@ namespace shardtrain::train {
 /// built deferred (no weights are drawn or read), the config's LoRA
 /// adapters attached as the trainer does (the family's default targets when
 /// lora.target_modules is empty; the base frozen and quantized as
-/// lora.quantize says), and split to tensor-parallel rank 0's blocks under
-/// distributed.tensor_parallel > 1.
+/// lora.quantize says), cut to the stages of the pipeline rank that holds
+/// the most parameters under distributed.pipeline_parallel > 1, and split to
+/// tensor-parallel rank 0's blocks under distributed.tensor_parallel > 1.
 std::shared_ptr<torch::nn::Module> planning_model(const config::Config& config);
 
 /// The memory estimator's input (strategy/estimate.h) for `model`, as one
 /// rank holds it (planning_model, or the trainer's after its split), trained
 /// as the config says at `world_size` ranks, `local_world_size` per node:
 /// trainable parameters, the bytes of frozen ones, the data-parallel ranks
-/// (world / tensor_parallel) and one micro-batch's activations on a
-/// tensor-parallel rank (1/tp under sequence parallelism; without it the
-/// norms' and residual stream's share, 10 of Korthikanti et al.'s 34, whole).
+/// (world / (tensor_parallel x pipeline_parallel)) and one micro-batch's
+/// activations on a tensor-parallel rank (1/tp under sequence parallelism;
+/// without it the norms' and residual stream's share, 10 of Korthikanti et
+/// al.'s 34, whole); a pipeline rank holds about one micro-batch's worth
+/// (1/p of the layers for up to p in flight), under gpipe m/p of it.
 strategy::EstimateInput estimate_input(const config::Config& config, torch::nn::Module& model,
                                        int world_size, int local_world_size);
 
