@@ -7,21 +7,24 @@
 #      (pipeline_bubble: the ranks' idle time over their busy time) against
 #      (p - 1) / m for 1f1b and gpipe and (p - 1) / (v m) for interleaved.
 #   2. Slow link, one rank per host: two network-namespace hosts joined by a
-#      veth pair shaped with tbf (RATE), pp2 across the hosts against ddp x2
-#      across the same hosts: tokens/s and the bytes that crossed the link
-#      per step (the veth pair's counters).
+#      veth pair shaped with tbf (each of RATES), pp2 across the hosts against
+#      ddp x2 across the same hosts: tokens/s and the bytes that crossed the
+#      link per step (the veth pair's counters).
 #   3. Slow link, 2 hosts x 2 ranks: pp2 across the hosts x fsdp full_shard
 #      inside each host, against hybrid_shard (sharded inside each host,
 #      replicated across).
+# The same global batch of 8 everywhere, each layout at its best micro-batch:
+# data parallelism one micro-batch per rank and step (the largest GEMMs),
+# the pipeline micro-batches of 1 (the most of them, the smallest bubble).
 # The model is llama-25m (bench/train.sh's shape), fp32, one thread per rank.
 # Writes the tables into BENCHMARKS.md between <!-- pipeline:begin --> and
-# <!-- pipeline:end -->. Environment: BUILD_DIR (default build), RATE
-# (default 1gbit), STEPS (default 6), WARM (default 2), PARTS (default
-# "bubble link link4").
+# <!-- pipeline:end -->. Environment: BUILD_DIR (default build), RATES
+# (default "1gbit 100mbit"), STEPS (default 6), WARM (default 2), PARTS
+# (default "bubble link link4").
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 BUILD_DIR=${BUILD_DIR:-build}
-RATE=${RATE:-1gbit}
+RATES=${RATES:-"1gbit 100mbit"}
 STEPS=${STEPS:-6}
 WARM=${WARM:-2}
 PARTS=${PARTS:-"bubble link link4"}
@@ -79,9 +82,6 @@ if [[ " $PARTS " == *" link"* ]]; then
   source tests/dist/netns_hosts.sh
   trap 'hosts_down; rm -rf "$out"' EXIT
   hosts_up "stp$$" 10.78.0.
-  for d in 0 1; do
-    ip netns exec "${HOST_NS[d]}" tc qdisc add dev "${HOST_DEV[d]}" root tbf rate "$RATE" burst 256kb latency 50ms
-  done
   link_bytes() {
     echo $(( $(ip netns exec "${HOST_NS[0]}" cat "/sys/class/net/${HOST_DEV[0]}/statistics/tx_bytes") +
              $(ip netns exec "${HOST_NS[1]}" cat "/sys/class/net/${HOST_DEV[1]}/statistics/tx_bytes") ))
@@ -92,15 +92,15 @@ if [[ " $PARTS " == *" link"* ]]; then
   }
   export SHARDTRAIN_JOB_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
   port=29800
-  # two_hosts PART MODE PER_HOST ARGS...: one launcher per host, link bytes between steps WARM and STEPS.
+  # two_hosts PART MODE PER_HOST MICRO ARGS...: one launcher per host, link bytes between steps WARM and STEPS.
   two_hosts() {
-    local part=$1 mode=$2 per_host=$3; shift 3
-    local run="$out/$part-$mode" pids=() start_bytes="" end_bytes="" rc=0
+    local part=$1 mode=$2 per_host=$3 micro=$4; shift 4
+    local run="$out/${part// /-}-$mode" pids=() start_bytes="" end_bytes="" rc=0
     port=$((port + 1))
     for node in 0 1; do
       ip netns exec "${HOST_NS[node]}" env OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 "$cli" train --nnodes 2 \
         --node-rank "$node" --nproc-per-node "$per_host" --master-addr "${HOST_ADDR[0]}" --master-port "$port" \
-        "${model[@]}" --set batch.global=8 --set batch.micro=2 --set batch.accumulate=null "$@" \
+        "${model[@]}" --set batch.global=8 --set batch.micro="$micro" --set batch.accumulate=null "$@" \
         --set run.dir="$run" >"$run.$node.log" 2>&1 &
       pids+=($!)
     done
@@ -118,25 +118,32 @@ if [[ " $PARTS " == *" link"* ]]; then
     fi
     summarize "$part" "$mode" "$run" "$(( (end_bytes - start_bytes) / (STEPS - WARM) ))" "$WARM"
   }
-  if [[ " $PARTS " == *" link "* ]]; then
-    two_hosts link ddp 1 --set distributed.strategy=ddp
-    two_hosts link pp2 1 --set distributed.strategy=ddp --set distributed.pipeline_parallel=2
-  fi
-  if [[ " $PARTS " == *" link4 "* ]]; then
-    two_hosts link4 hybrid_shard 2 --set distributed.strategy=fsdp --set distributed.sharding=hybrid_shard
-    two_hosts link4 pp2-full_shard 2 --set distributed.strategy=fsdp --set distributed.sharding=full_shard \
-      --set distributed.pipeline_parallel=2
-  fi
+  op=add
+  for rate in $RATES; do
+    for d in 0 1; do
+      ip netns exec "${HOST_NS[d]}" tc qdisc "$op" dev "${HOST_DEV[d]}" root tbf rate "$rate" burst 256kb latency 50ms
+    done
+    op=change
+    if [[ " $PARTS " == *" link "* ]]; then
+      two_hosts "link $rate" ddp 1 4 --set distributed.strategy=ddp
+      two_hosts "link $rate" pp2 1 1 --set distributed.strategy=ddp --set distributed.pipeline_parallel=2
+    fi
+    if [[ " $PARTS " == *" link4 "* ]]; then
+      two_hosts "link4 $rate" hybrid_shard 2 2 --set distributed.strategy=fsdp --set distributed.sharding=hybrid_shard
+      two_hosts "link4 $rate" pp2-full_shard 2 1 --set distributed.strategy=fsdp \
+        --set distributed.sharding=full_shard --set distributed.pipeline_parallel=2
+    fi
+  done
 fi
 
 LOAD_AFTER=$(cut -d' ' -f1-3 /proc/loadavg)
 CPU=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n1)
 FLAGS=$(grep -o -w 'avx2\|avx512f\|avx512_bf16\|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ')
-python3 - "$results" "$CPU" "$FLAGS" "$RATE" "$STEPS" "$WARM" "$LOAD_BEFORE" "$LOAD_AFTER" <<'PY'
+python3 - "$results" "$CPU" "$FLAGS" "$RATES" "$STEPS" "$WARM" "$LOAD_BEFORE" "$LOAD_AFTER" <<'PY'
 import datetime, json, os, sys
 sys.path.insert(0, "bench")
 import benchlib
-results, cpu, flags, rate, steps, warm, load0, load1 = sys.argv[1:9]
+results, cpu, flags, rates, steps, warm, load0, load1 = sys.argv[1:9]
 rows = benchlib.load_jsonl(results, "bench/pipeline.sh")
 now = datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC")
 kernels = next((r["blas_core"] for r in rows if r.get("blas_core")), "?")
@@ -162,23 +169,29 @@ if bubble:
         theory = 1 / (2 * m) if schedule == "interleaved_1f1b" else 1 / m
         lines.append(f"| {schedule} | {m} | {r['bubble']:.3f} | {theory:.3f}"
                      f"{' (at most)' if schedule == 'zero_bubble' else ''} | {r['tokens_per_s']:.0f} |")
-for part, title, base, new in (("link", f"Two hosts over a {rate} link (tbf), one rank per host", "ddp", "pp2"),
-                               ("link4", f"Two hosts over a {rate} link (tbf), 2 ranks per host",
+for kind, title, base, new in (("link", "one rank per host (micro-batch: ddp 4, pp 1)", "ddp", "pp2"),
+                               ("link4", "2 ranks per host (micro-batch: hybrid_shard 2, pp 1)",
                                 "hybrid_shard", "pp2-full_shard")):
-    got = {r["mode"]: r for r in rows if r["part"] == part}
-    if not got:
+    parts = [p for p in dict.fromkeys(r["part"] for r in rows) if p.split()[0] == kind]
+    if not parts:
         continue
-    lines += ["", f"### {title}", "", "| mode | strategy | tokens/s | link MB per step |", "|---|---|---:|---:|"]
-    for r in got.values():
-        if r.get("failed"):
-            lines.append(f"| {r['mode']} | failed | | |")
-            continue
-        lines.append(f"| {r['mode']} | {r['strategy']} | {r['tokens_per_s']:.0f} | "
-                     f"{r['link_bytes_per_step'] / 1e6:.1f} |")
-    if base in got and new in got and not got[base].get("failed") and not got[new].get("failed"):
-        a, b = got[base], got[new]
-        lines += ["", f"- {new} against {base}: {b['tokens_per_s'] / a['tokens_per_s']:.2f}x the tokens/s, "
-                      f"{b['link_bytes_per_step'] / a['link_bytes_per_step']:.3f}x the bytes over the link."]
+    lines += ["", f"### Two hosts over a shaped link (tbf), {title}", "",
+              "| link | mode | strategy | tokens/s | link MB per step |", "|---|---|---|---:|---:|"]
+    ratios = []
+    for part in parts:
+        got = {r["mode"]: r for r in rows if r["part"] == part}
+        for r in got.values():
+            if r.get("failed"):
+                lines.append(f"| {part.split()[1]} | {r['mode']} | failed | | |")
+                continue
+            lines.append(f"| {part.split()[1]} | {r['mode']} | {r['strategy']} | {r['tokens_per_s']:.0f} | "
+                         f"{r['link_bytes_per_step'] / 1e6:.1f} |")
+        if base in got and new in got and not got[base].get("failed") and not got[new].get("failed"):
+            a, b = got[base], got[new]
+            ratios.append(f"- {part.split()[1]}: {new} against {base}: {b['tokens_per_s'] / a['tokens_per_s']:.2f}x "
+                          f"the tokens/s, {b['link_bytes_per_step'] / a['link_bytes_per_step']:.3f}x the bytes "
+                          "over the link.")
+    lines += [""] + ratios if ratios else []
 lines += ["", "<!-- pipeline:end -->"]
 benchlib.write_section("BENCHMARKS.md", "<!-- pipeline:begin -->", "<!-- pipeline:end -->",
                        "\n".join(lines), "bench/pipeline.sh")

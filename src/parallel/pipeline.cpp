@@ -22,6 +22,7 @@
 #include "shardtrain/core/error.h"
 #include "shardtrain/data/tokens.h"
 #include "shardtrain/models/causal_lm.h"
+#include "shardtrain/models/lora_peft.h"
 #include "shardtrain/parallel/pipeline_transport.h"
 #include "shardtrain/strategy/strategy.h"
 #include "strategy/detail.h"
@@ -70,8 +71,12 @@ class GraphSplit {
  public:
   GraphSplit(const std::shared_ptr<Node>& root, const Node* input) : input_(input) { reaches_input(root.get()); }
 
+  // InvalidArgument when a weight is read on the way to the input twice (a
+  // layer used twice in one stage): the weight half of the later read would
+  // run the earlier one too, with part of its gradient.
   std::vector<WeightNode> weight_nodes() {
     std::vector<WeightNode> out;
+    std::set<const Node*> claimed;
     for (Node* node : visited_) {
       if (!on_path_.at(node)) continue;
       torch::autograd::edge_list accumulators;
@@ -84,7 +89,11 @@ class GraphSplit {
       std::set<const Node*> seen;
       torch::autograd::edge_list unique;
       for (const Edge& a : accumulators) {
-        if (seen.insert(a.function.get()).second) unique.push_back(a);
+        if (!seen.insert(a.function.get()).second) continue;
+        ST_CHECK(claimed.insert(a.function.get()).second, InvalidArgument,
+                 "pipeline_schedule zero_bubble: a weight is read twice in one stage's forward (a layer "
+                 "used twice), which its split backward cannot take apart; use 1f1b or interleaved_1f1b");
+        unique.push_back(a);
       }
       out.push_back({node->shared_from_this(), std::make_shared<variable_list>(), std::move(unique)});
     }
@@ -343,8 +352,16 @@ PipelineStepStats Pipeline::run_step(const std::vector<data::Batch>& window, con
               }
             }
           }
+          // One pass for all of them: the strategy sees one backward.
+          torch::autograd::edge_list accumulators;
+          variable_list grads;
           for (const auto& [acc, g] : sums) {
-            engine.execute({acc}, {g}, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true);
+            accumulators.push_back(acc);
+            grads.push_back(g);
+          }
+          if (!accumulators.empty()) {
+            engine.execute(accumulators, grads, /*keep_graph=*/false, /*create_graph=*/false,
+                           /*accumulate_grad=*/true);
           }
         }
         live.erase({s, a.micro});
@@ -423,6 +440,7 @@ class PipelineStrategy final : public strategy::Strategy {
     inner_->setup(model, mesh);
   }
   void set_gradient_sync(bool enabled) override { inner_->set_gradient_sync(enabled); }
+  void keep_gathered_in_step(bool keep) override { inner_->keep_gathered_in_step(keep); }
 
   // A tied head's gradient: each end holds its part (the embedding's, the
   // head's); both take the sum. A sharded strategy holds a slice of it on
@@ -480,7 +498,8 @@ class PipelineStrategy final : public strategy::Strategy {
   // Each stage's whole tensors (on its first data-parallel rank) to the
   // pipeline's first rank, stage by stage; a tied copy once.
   std::vector<std::pair<std::string, at::Tensor>> full_state_dict() override {
-    std::vector<std::pair<std::string, at::Tensor>> out = inner_->full_state_dict();
+    // A quantized LoRA base travels as the weight it stands for.
+    std::vector<std::pair<std::string, at::Tensor>> out = models::dequantize_lora_bases(inner_->full_state_dict());
     comm::Communicator& pp = *pipe_->pp;
     if (pp.rank() != 0) {
       std::vector<StageSend> sends;

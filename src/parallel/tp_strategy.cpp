@@ -43,6 +43,7 @@ class TensorParallelStrategy final : public strategy::Strategy {
     }
   }
   void set_gradient_sync(bool enabled) override { inner_->set_gradient_sync(enabled); }
+  void keep_gathered_in_step(bool keep) override { inner_->keep_gathered_in_step(keep); }
 
   void finish_gradient_sync() override {
     inner_->finish_gradient_sync();

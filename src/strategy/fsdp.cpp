@@ -349,7 +349,8 @@ at::Tensor ShardedStrategy::post_forward(size_t u, const at::Tensor& output) {
   // During backward (a recomputation) the unit's own backward is next. So
   // is the backward of the unit whose forward ran last: it stays gathered.
   const bool last = backward_follows && gatherer_->last_in_order(u);
-  if (phase_ != Phase::Backward && (mode_.reshard_after_forward || !backward_follows) && !last) {
+  if (phase_ != Phase::Backward && (mode_.reshard_after_forward || !backward_follows) && !last &&
+      !(keep_gathered_ && backward_follows)) {
     gatherer_->reshard(u);
   }
   return output;
@@ -378,7 +379,7 @@ void ShardedStrategy::begin_backward() {
 
 void ShardedStrategy::end_backward() {
   for (size_t u = 0; u < units_.size(); ++u) {
-    gatherer_->reshard(u);
+    if (!keep_gathered_) gatherer_->reshard(u);
     units_[u].ready = 0;
     units_[u].reshard_deferred = false;
   }
@@ -430,6 +431,7 @@ void ShardedStrategy::param_ready(size_t f, size_t p) {
     }
   }
   // Frozen weights of the unit may still be needed for its input gradient.
+  if (keep_gathered_) return;
   if (unit.has_frozen) {
     unit.reshard_deferred = true;
   } else {
@@ -473,6 +475,9 @@ void ShardedStrategy::finish_gradient_sync() {
     }
   }
   phase_ = Phase::Closed;
+  if (keep_gathered_) {
+    for (size_t u = 0; u < units_.size(); ++u) gatherer_->reshard(u);
+  }
   // Finish to finish: this step's gathers, reductions and waits.
   const double busy = comm_busy();
   last_stats_ = {busy - busy_at_finish_, clock_.exposed_s, clock_.reduced_bytes, clock_.gathered_bytes};

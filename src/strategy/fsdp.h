@@ -61,6 +61,7 @@ class ShardedStrategy final : public Strategy {
   void setup(torch::nn::Module& model, const comm::DeviceMesh& mesh) override;
   comm::Communicator* optimizer_shard_group() const override { return shard_comm_.get(); }
   void set_gradient_sync(bool enabled) override { sync_ = enabled; }
+  void keep_gathered_in_step(bool keep) override { keep_gathered_ = keep; }
   void finish_gradient_sync() override;
   std::vector<ShardedTensor> optimizer_parameters() override;
   std::vector<at::Tensor> gradients() override;
@@ -134,6 +135,8 @@ class ShardedStrategy final : public Strategy {
   std::vector<PostHook> post_hooks_;
 
   bool sync_ = true;
+  // keep_gathered_in_step: no unit is freed before finish_gradient_sync.
+  bool keep_gathered_ = false;
   Phase phase_ = Phase::Closed;
   int64_t collectives_ = 0;
   int64_t forward_tick_ = 0;

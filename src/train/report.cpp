@@ -45,6 +45,7 @@ struct Run {
   int64_t world_size = 0;
   std::map<std::string, Points> series;  // by metric key (and derived ones)
   std::vector<Points> rss_ranks;         // peak_rss_mb per rank
+  nlohmann::json timeline;               // pipeline_timeline.json; null when absent
 };
 
 // A number of a metrics line: NaN when absent, null (non-finite) or not a number.
@@ -144,6 +145,16 @@ Run load_run(const std::string& dir) {
     if (std::isfinite(ws)) run.world_size = static_cast<int64_t>(ws);
   }
   read_config(run);
+  const std::string timeline = (fs::path(dir) / "pipeline_timeline.json").string();
+  if (fs::exists(timeline, ec)) {
+    std::string json;
+    if (::shardtrain::detail::read_regular_file(timeline, kMaxMetricsBytes, &json, &why)) {
+      run.timeline = ::shardtrain::detail::parse_json_or_discarded(json);
+      if (!run.timeline.is_object() || !run.timeline.contains("ranks") || !run.timeline["ranks"].is_array()) {
+        run.timeline = nullptr;
+      }
+    }
+  }
   return run;
 }
 
@@ -359,6 +370,66 @@ std::string charts(const std::vector<Run>& runs) {
   return os.str();
 }
 
+// One pipeline step as boxes: a row per pipeline rank, time to the right,
+// each piece of work a box coloured by kind (forward, backward, its input
+// and weight halves) and labelled with its micro-batch. Malformed entries
+// are left out.
+std::string pipeline_timeline(const Run& run) {
+  const nlohmann::json& t = run.timeline;
+  const auto& ranks = t["ranks"];
+  double end = 0.0;
+  for (const auto& spans : ranks) {
+    if (!spans.is_array()) continue;
+    for (const auto& s : spans) {
+      if (s.is_array() && s.size() == 5 && s[4].is_number()) end = std::max(end, s[4].get<double>());
+    }
+  }
+  if (end <= 0.0) return "";
+  constexpr int kLeft = 70, kRow = 28, kTop = 10, kPlot = 820;
+  const int height = kTop + static_cast<int>(ranks.size()) * kRow + 40;
+  const auto x = [&](double seconds) { return kLeft + seconds / end * kPlot; };
+  const std::map<std::string, std::pair<const char*, const char*>> kinds = {
+      {"F", {"#4e79a7", "forward"}}, {"B", {"#59a14f", "backward"}},
+      {"I", {"#8cd17d", "backward, input half"}}, {"W", {"#f28e2b", "backward, weight half"}}};
+  std::ostringstream os;
+  os << "<h3>" << escape(run.name) << ": step " << number(t, "step") << ", "
+     << escape(t.value("schedule", std::string("?"))) << ", " << ranks.size() << " ranks</h3>\n";
+  os << "<svg class=\"timeline\" viewBox=\"0 0 " << kLeft + kPlot + 20 << ' ' << height << "\" width=\""
+     << kLeft + kPlot + 20 << "\" height=\"" << height << "\">\n";
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    const int y = kTop + static_cast<int>(r) * kRow;
+    os << "<text x=\"4\" y=\"" << y + 17 << "\" font-size=\"12\">rank " << r << "</text>\n";
+    if (!ranks[r].is_array()) continue;
+    for (const auto& s : ranks[r]) {
+      if (!s.is_array() || s.size() != 5 || !s[0].is_string() || !s[2].is_number() || !s[3].is_number() ||
+          !s[4].is_number()) {
+        continue;
+      }
+      const auto kind = kinds.find(s[0].get<std::string>());
+      if (kind == kinds.end()) continue;
+      const double x0 = x(s[3].get<double>()), x1 = x(s[4].get<double>());
+      os << "<rect class=\"work\" data-kind=\"" << kind->first << "\" x=\"" << fmt("%.1f", x0) << "\" y=\"" << y
+         << "\" width=\"" << fmt("%.1f", std::max(1.0, x1 - x0)) << "\" height=\"" << kRow - 6 << "\" fill=\""
+         << kind->second.first << "\"><title>" << kind->second.second << " of micro-batch "
+         << s[2].get<int64_t>() << ", stage " << s[1] << "</title></rect>\n";
+      if (x1 - x0 >= 14) {
+        os << "<text x=\"" << fmt("%.1f", (x0 + x1) / 2 - 4) << "\" y=\"" << y + 15
+           << "\" font-size=\"10\" fill=\"#fff\">" << s[2].get<int64_t>() << "</text>\n";
+      }
+    }
+  }
+  const int axis = kTop + static_cast<int>(ranks.size()) * kRow + 14;
+  os << "<text x=\"" << kLeft << "\" y=\"" << axis << "\" font-size=\"11\">0 ms</text><text x=\""
+     << kLeft + kPlot - 50 << "\" y=\"" << axis << "\" font-size=\"11\">" << fmt("%.1f", end * 1e3)
+     << " ms</text>\n</svg>\n<div class=\"legend\">";
+  for (const auto& [letter, kind] : kinds) {
+    os << "<span><svg width=\"14\" height=\"10\"><rect width=\"12\" height=\"10\" fill=\"" << kind.first
+       << "\"/></svg>" << kind.second << "</span>";
+  }
+  os << "</div>\n";
+  return os.str();
+}
+
 std::string last_value(const Run& run, const std::string& key) {
   const Points& p = series_of(run, key);
   return p.empty() ? "&ndash;" : fmt("%.4f", p.back().y);
@@ -426,6 +497,11 @@ std::string render_report(const std::vector<std::string>& run_dirs) {
   } else {
     os << "<div class=\"charts\">\n" << charts(runs) << "</div>\n";
   }
+  std::string timelines;
+  for (const auto& r : runs) {
+    if (!r.timeline.is_null()) timelines += pipeline_timeline(r);
+  }
+  if (!timelines.empty()) os << "<h2>Pipeline timeline</h2>\n" << timelines;
   os << "<h2>Configuration</h2>\n";
   for (const auto& r : runs) {
     os << "<h3>" << escape(r.name) << "</h3>\n";

@@ -10,7 +10,9 @@
 #include <cstdio>
 #include <cmath>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <optional>
+#include <sstream>
 #include <thread>
 
 #include "checkpoint/detail.h"
@@ -200,6 +202,15 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
             .schedule(d.pipeline_schedule())
             .stages_per_rank(static_cast<int>(d.pipeline_stages() / d.pipeline_parallel()))
             .split(d.pipeline_split()));
+    // LoRA adapts decoder layers: a stage of only the embedding or the head
+    // would have nothing to train (every rank sees the same cut).
+    const auto& stages = pipeline_->stages();
+    for (size_t s = 0; s < stages.size() && config_.lora.r() > 0; ++s) {
+      const bool layer = stages[s].end > 1 && stages[s].first <= config_.model.n_layer;
+      ST_CHECK(layer, ConfigError, "distributed.pipeline_parallel=", d.pipeline_parallel(), ": pipeline stage ", s,
+               " holds only the ", s == 0 ? "embedding" : "head", ", which LoRA leaves frozen; set "
+               "distributed.pipeline_split so that every stage holds a decoder layer, or use fewer stages");
+    }
   }
   // LoRA: freeze the (loaded) base and attach the adapters before anything
   // plans over the parameters. Under tensor parallelism the adapters split
@@ -241,6 +252,9 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
   }
   if (pipeline_) strategy_ = pipeline_->wrap(std::move(strategy_));
   strategy_->setup(*task_.model, *mesh_);
+  // A stage's forwards and backwards of the window's micro-batches
+  // interleave: its units stay gathered for the step (sharded strategies).
+  if (pipeline_) strategy_->keep_gathered_in_step(true);
   // After setup: the optimizer must see the parameters as the strategy left them.
   optimizer_ = make_optimizer(strategy_->optimizer_parameters(), config_.optimizer);
 
@@ -513,6 +527,37 @@ void Trainer::run_step() {
   if (detail::SignalGuard::received() != 0) control_.should_save = control_.should_training_stop = true;
   for_each_callback([&](Callback& c) { c.on_step_end(state_, control_); });
   agree_on_control();
+  if (pipeline_ && control_.should_log) write_pipeline_timeline(pipe_stats);
+}
+
+void Trainer::write_pipeline_timeline(const parallel::PipelineStepStats& stats) {
+  // Each rank's work in this step as "op stage micro start end" lines; rank
+  // 0 keeps those of each pipeline rank's first data- and tensor-parallel
+  // rank and writes them for the report (train/report.h).
+  std::string mine;
+  for (const auto& span : stats.spans) {
+    mine += ::shardtrain::detail::str_cat(parallel::to_string(span.action).substr(0, 1), ' ', span.action.stage, ' ',
+                            span.action.micro, ' ', span.start_s, ' ', span.end_s, '\n');
+  }
+  const std::vector<std::string> all = ck::detail::all_gather_strings(*comm_, mine);
+  if (comm_->rank() != 0) return;
+  const int per_stage = comm_->size() / mesh_->shape().pp();
+  nlohmann::json ranks = nlohmann::json::array();
+  for (int r = 0; r < mesh_->shape().pp(); ++r) {
+    nlohmann::json spans = nlohmann::json::array();
+    std::istringstream in(all[static_cast<size_t>(r * per_stage)]);
+    std::string op;
+    int stage = 0, micro = 0;
+    double start = 0.0, end = 0.0;
+    while (in >> op >> stage >> micro >> start >> end) spans.push_back({op, stage, micro, start, end});
+    ranks.push_back(spans);
+  }
+  const nlohmann::json timeline = {{"step", state_.step},
+                                   {"schedule", enum_name(config_.distributed.pipeline_schedule())},
+                                   {"stages", pipeline_->stages().size()},
+                                   {"ranks", ranks}};
+  ck::detail::write_file_atomically((fs::path(config_.run.dir) / "pipeline_timeline.json").string(),
+                                    timeline.dump() + "\n");
 }
 
 double Trainer::evaluate() {

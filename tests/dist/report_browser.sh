@@ -4,7 +4,8 @@
 # `shardtrain report`; headless Chromium renders the page. It must log
 # nothing to the console, its DOM must hold the eight charts with lines, and
 # the screenshot must show both runs' colours in quantity (the charts were
-# drawn, not just a blank or text-only page).
+# drawn, not just a blank or text-only page). Then a pipeline run's report
+# draws the timeline of a step.
 #   report_browser.sh SHARDTRAIN_CLI SOURCE_DIR
 # KEEP_SCREENSHOT=FILE.png keeps the screenshot (docs/report.png comes from
 # here). Exits 77 (skipped) when Chromium is not installed.
@@ -99,4 +100,26 @@ assert len(colours) > 50, "the screenshot is (nearly) blank"
 assert counts["blue"] > 1500 and counts["red"] > 1500, "the runs' lines are not drawn"
 PY
 if [ -n "${KEEP_SCREENSHOT:-}" ]; then cp "$work/report.png" "$KEEP_SCREENSHOT"; fi
+
+# A pipeline run (2 stages, zero_bubble, 4 micro-batches a step): its report
+# draws the last logged step's work, a row per rank and a box per piece of
+# work: 4 forwards, 4 input halves and 4 weight halves on each rank.
+"$cli" train "$src/configs/default.yaml" "${common[@]}" --nproc-per-node 2 --set batch.micro=2 \
+  --set trainer.max_steps=4 --set distributed.pipeline_parallel=2 --set distributed.pipeline_schedule=zero_bubble \
+  --set run.dir="$work/pipe" > "$work/train-pipe.log" 2>&1 || { cat "$work/train-pipe.log"; fail "training pp2"; }
+timeout 120 "$browser" --headless --no-sandbox --disable-gpu --enable-logging=stderr --v=0 --dump-dom \
+  "file://$work/pipe/report.html" > "$work/pipe-dom.html" 2> "$work/pipe-dom.log" ||
+  { cat "$work/pipe-dom.log"; fail "chromium --dump-dom (pipeline)"; }
+if grep -h ":CONSOLE" "$work/pipe-dom.log"; then fail "the pipeline page logged to the console"; fi
+python3 - "$work/pipe-dom.html" <<'PY'
+import re, sys
+dom = open(sys.argv[1]).read()
+assert "<h2>Pipeline timeline</h2>" in dom, "no pipeline timeline"
+svg = dom.split('class="timeline"')[1].split("</svg>")[0]
+rows = re.findall(r">rank (\d+)<", svg)
+assert rows == ["0", "1"], f"timeline rows {rows}"
+kinds = re.findall(r'<rect class="work" data-kind="([FBIW])"', svg)
+assert sorted(kinds) == sorted(["F"] * 8 + ["I"] * 8 + ["W"] * 8), f"boxes {sorted(kinds)}"
+print(f"pipeline timeline: 2 rows, {len(kinds)} boxes (F, I, W x 4 micro-batches x 2 ranks)")
+PY
 echo "report in the browser OK"

@@ -205,18 +205,25 @@ int train_main(int argc, char** argv) {
   // A layout the mesh cannot hold (a tensor-parallel group across hosts)
   // is refused before the model is built.
   train::mesh_shape(config, comm->size(), env.local_world_size);
-  // Tensor-parallel ranks share their data: the task plans for the
-  // data-parallel ranks.
+  // Tensor-parallel ranks and a pipeline's stages share their data: the
+  // task plans for the data-parallel ranks.
   train::Trainer trainer(config, train::make_task(config, config.distributed.data_parallel_size(comm->size())), comm);
   if (comm->rank() == 0) {
     const auto plan = trainer.batch();
     const std::string core = blas_core();
     const int dp = config.distributed.data_parallel_size(comm->size());
+    std::string model_parallel;
+    if (config.distributed.tensor_parallel() > 1) {
+      model_parallel += " x tensor_parallel " + std::to_string(config.distributed.tensor_parallel());
+    }
+    if (config.distributed.pipeline_parallel() > 1) {
+      model_parallel += " x pipeline_parallel " + std::to_string(config.distributed.pipeline_parallel()) + " (" +
+                        enum_name(config.distributed.pipeline_schedule()) + ")";
+    }
     std::printf("%s | %d rank(s) x %d thread(s) | %s | strategy %s%s | batch %lld = %lld micro x %lld accumulate x %d ranks\n",
                 env.describe().c_str(), comm->size(), at::get_num_threads(),
                 core.empty() ? "BLAS: not OpenBLAS" : ("OpenBLAS " + core + " kernels").c_str(),
-                enum_name(config.distributed.strategy()),
-                dp == comm->size() ? "" : (" x tensor_parallel " + std::to_string(comm->size() / dp)).c_str(),
+                enum_name(config.distributed.strategy()), model_parallel.c_str(),
                 (long long)plan.global, (long long)plan.micro, (long long)plan.accumulate, dp);
     std::printf("precision: %s\n", trainer.precision_description().c_str());
     if (comm->size() > 1) std::printf("network: %s\n", comm->endpoint().c_str());

@@ -175,6 +175,13 @@ class Strategy {
 
   /// Communication time of the last optimizer step (zeros where not measured).
   virtual CommStats comm_stats() const { return {}; }
+  /// Sharded strategies: keep each unit's parameters gathered from its first
+  /// gather in a step until finish_gradient_sync, instead of freeing them
+  /// after every forward and backward. For a pipeline stage, whose forwards
+  /// and backwards of several micro-batches interleave (torchtitan's
+  /// reshard_after_forward=False under pipelining): one gather per unit and
+  /// step, at the memory of a gathered stage. A no-op elsewhere.
+  virtual void keep_gathered_in_step(bool keep) {}
 };
 
 /// Builds the strategy `options` describe; ConfigError for StrategyKind::Auto

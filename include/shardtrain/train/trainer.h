@@ -33,6 +33,7 @@ class Precision;
 namespace shardtrain::parallel {
 class Pipeline;
 struct PipelineStepFns;
+struct PipelineStepStats;
 }
 
 namespace shardtrain::checkpoint {
@@ -106,6 +107,8 @@ class Trainer {
   void run_step();
   // What the pipeline's stages need from this trainer (backward_root is the step's).
   parallel::PipelineStepFns pipeline_fns();
+  // Collective: the step's pipeline work per rank, to <run.dir>/pipeline_timeline.json (rank 0).
+  void write_pipeline_timeline(const parallel::PipelineStepStats& stats);
   void set_learning_rate(double lr);
   void for_each_callback(const std::function<void(Callback&)>& f);
   // OR-s the control flags over ranks so every rank acts alike.
