@@ -60,6 +60,7 @@ set(LLAMA_TRAIN_CASES
   "pp2_tied_qwen2_full_shard_x2_clip_fires tied_qwen2 full_shardx4 distributed.pipeline_parallel=2 clip=0.05"
   "pp2_ddp_x2_zero_bubble gqa_llama3 ddpx4 distributed.pipeline_parallel=2 distributed.pipeline_schedule=zero_bubble"
   "bf16_pp2 gqa_llama3 ddpx2 bf16 distributed.pipeline_parallel=2"
+  "pp2_split_shard_grad_op_x2 gqa_llama3 shard_grad_opx4 distributed.pipeline_parallel=2 distributed.pipeline_split=[3] +--num_hidden_layers=4"
   "pp2_zero1_x2_checkpointing_zero_bubble gqa_llama3 zero1x4 distributed.pipeline_parallel=2 distributed.pipeline_schedule=zero_bubble model.activation_checkpointing=true"
   # 3-D: pipeline x tensor parallel (sequence and loss parallel), and x data parallel (8 ranks).
   "pp2_tp2 gqa_llama3 ddpx4 distributed.pipeline_parallel=2 distributed.tensor_parallel=2"
