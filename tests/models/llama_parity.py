@@ -198,6 +198,9 @@ def train_sets(hf_dir, run_dir, spec, extra_sets=(), steps=STEPS):
     ] + list(extra_sets)
 
 
+LAST_OUTPUT = [""]  # what the last one-launcher run printed
+
+
 def shardtrain_train(cli, src, hf_dir, run_dir, spec, extra_sets=(), port=None, steps=STEPS, with_norms=False):
     world, sets = train_sets(hf_dir, run_dir, spec, extra_sets, steps)
     args = [a for s in sets for a in ("--set", s)]
@@ -225,6 +228,7 @@ def shardtrain_train(cli, src, hf_dir, run_dir, spec, extra_sets=(), port=None, 
     else:
         p = subprocess.run([cli, "train", "configs/default.yaml", *args, "--nproc-per-node", str(world)],
                            cwd=src, env=env, capture_output=True, text=True)
+        LAST_OUTPUT[0] = p.stdout + p.stderr
         if p.returncode != 0:
             print(p.stdout[-4000:])
             print(p.stderr[-4000:])
@@ -339,6 +343,10 @@ def cmd_train(cli, src, variant, spec, *options):
         if "distributed.tensor_parallel=auto" in sets and tp != 2:
             fail(f"tensor_parallel auto took {tp} under a budget only tensor_parallel 2 fits")
         micro = int(re.search(r"^\s*micro: (\d+)$", text, re.M).group(1))
+        accumulate = GLOBAL // (micro * (world // (tp * pp)))
+        warning = f"warning: batch.accumulate={accumulate} micro-batches for distributed.pipeline_parallel={pp}"
+        if pp > 1 and accumulate < pp and warning not in LAST_OUTPUT[0]:
+            fail(f"{accumulate} micro-batches through {pp} stages ran without the bubble warning")
         theirs, their_norms, weights = ref_train(src, hf, work, world // (tp * pp), ref_extra, with_norms=True,
                                                  micro=micro)
         what = " ".join([variant, spec] + list(options or ["fp32"]))
