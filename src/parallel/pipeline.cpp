@@ -162,7 +162,7 @@ struct Pipeline::Impl {
 
   int num_stages() const { return static_cast<int>(stages.size()); }
   bool last(int s) const { return s == num_stages() - 1; }
-  const std::pair<int, int> unit_range(int s) const {
+  std::pair<int, int> unit_range(int s) const {
     return {stages[static_cast<size_t>(s)].first, stages[static_cast<size_t>(s)].end};
   }
 
@@ -421,12 +421,6 @@ namespace {
 
 using strategy::ShardedTensor;
 
-int64_t numel_of(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
-
 class PipelineStrategy final : public strategy::Strategy {
  public:
   PipelineStrategy(std::unique_ptr<Strategy> inner, std::shared_ptr<Pipeline::Impl> pipe)
@@ -453,7 +447,7 @@ class PipelineStrategy final : public strategy::Strategy {
     for (ShardedTensor& t : tied_parameters()) {
       at::Tensor& grad = t.local.mutable_grad();
       if (!grad.defined()) grad = at::zeros_like(t.local);
-      const int64_t whole = numel_of(t.chunk.whole() ? t.global_shape : t.chunk.shape(t.global_shape));
+      const int64_t whole = c10::multiply_integers(t.chunk.whole() ? t.global_shape : t.chunk.shape(t.global_shape));
       at::Tensor full = at::zeros({whole}, grad.options().dtype(at::kFloat));
       full.narrow(0, t.offset, grad.numel()).copy_(grad.reshape({-1}));
       if (comm::Communicator* shards = inner_->optimizer_shard_group()) shards->all_reduce(full);
