@@ -226,27 +226,11 @@ void GPTImpl::keep_units(const std::vector<std::pair<int, int>>& ranges) {
   kept_ = detail::kept_units(ranges, units, "GPT");
   // Dropped blocks leave the registered list; those kept keep their index
   // in their names (h.5...).
-  auto blocks = std::make_shared<torch::nn::Module>("ModuleList");
-  for (int i = 0; i < config_.n_layer; ++i) {
-    auto block = h->ptr(static_cast<size_t>(i));
-    if (kept_[static_cast<size_t>(i + 1)]) {
-      blocks->register_module(std::to_string(i), block);
-    } else {
-      defer_parameters(*block);
-    }
-  }
-  replace_module("h", blocks);
-  if (!kept_.back()) {
-    defer_parameters(*ln_f);
-    unregister_module("ln_f");
-  }
+  detail::keep_layers(*this, "h", h, kept_);
+  if (!kept_.back()) detail::drop_module(*this, "ln_f", *ln_f);
   if (!kept_.front()) {
-    defer_parameters(*wpe);
-    unregister_module("wpe");
-    if (!kept_.back()) {  // the head computes with wte's weight
-      defer_parameters(*wte);
-      unregister_module("wte");
-    }
+    detail::drop_module(*this, "wpe", *wpe);
+    if (!kept_.back()) detail::drop_module(*this, "wte", *wte);  // the head computes with wte's weight
   }
 }
 
@@ -267,7 +251,8 @@ torch::Tensor GPTImpl::run(int first, int end, const torch::Tensor& input, const
   // block during backward; pointless without a backward to come.
   const bool recompute =
       config_.activation_checkpointing && is_training() && torch::GradMode::is_enabled();
-  for (int i = std::max(first, 1) - 1; i < std::min(end, layers + 1) - 1; ++i) {
+  const auto [from, to] = detail::unit_layers(first, end, layers);
+  for (int i = from; i < to; ++i) {
     auto block = h->ptr<BlockImpl>(static_cast<size_t>(i));
     // The checkpoint goes inside the unit, so its recomputation during
     // backward finds the unit's parameters gathered.

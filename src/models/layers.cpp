@@ -1,5 +1,7 @@
 #include "models/layers.h"
 
+#include <algorithm>
+
 #include "shardtrain/core/deferred.h"
 #include "shardtrain/core/error.h"
 
@@ -41,6 +43,29 @@ void check_units(const std::vector<bool>& kept, int first, int end, int units, c
     ST_CHECK(kept[static_cast<size_t>(u)], InvalidArgument, model, ": unit ", u,
              " is not held here (this rank keeps other pipeline stages); forward() runs whole models only");
   }
+}
+
+std::pair<int, int> unit_layers(int first, int end, int layers) {
+  return {std::max(first, 1) - 1, std::min(end, layers + 1) - 1};
+}
+
+void keep_layers(torch::nn::Module& parent, const std::string& name, torch::nn::ModuleList& list,
+                 const std::vector<bool>& kept) {
+  auto held = std::make_shared<torch::nn::Module>("ModuleList");
+  for (size_t i = 0; i < list->size(); ++i) {
+    auto layer = list->ptr(i);
+    if (kept[i + 1]) {
+      held->register_module(std::to_string(i), layer);
+    } else {
+      defer_parameters(*layer);
+    }
+  }
+  parent.replace_module(name, held);
+}
+
+void drop_module(torch::nn::Module& parent, const std::string& name, torch::nn::Module& module) {
+  defer_parameters(module);
+  parent.unregister_module(name);
 }
 
 }  // namespace shardtrain::models::detail

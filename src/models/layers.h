@@ -7,10 +7,12 @@
 // files, which is where a deferred model's weights come from.
 #pragma once
 
+#include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -26,5 +28,15 @@ std::vector<bool> kept_units(const std::vector<std::pair<int, int>>& ranges, int
 /// InvalidArgument unless 0 <= first < end <= units and each unit of
 /// [first, end) is kept (`kept` empty: every unit is).
 void check_units(const std::vector<bool>& kept, int first, int end, int units, const char* model);
+/// The decoder layers [first, end) that units [first, end) run (unit 1 + i
+/// is layer i) of a model of `layers` layers.
+std::pair<int, int> unit_layers(int first, int end, int layers);
+/// Registers, as `parent`'s child `name` in place of `list`, only the layers
+/// of `list` whose unit is kept (kept[1 + i]), each under its own index
+/// (name.5...); the others' parameters are released.
+void keep_layers(torch::nn::Module& parent, const std::string& name, torch::nn::ModuleList& list,
+                 const std::vector<bool>& kept);
+/// Releases `module`'s parameters and removes it, `parent`'s child `name`.
+void drop_module(torch::nn::Module& parent, const std::string& name, torch::nn::Module& module);
 
 }  // namespace shardtrain::models::detail

@@ -285,28 +285,14 @@ void LlamaImpl::keep_units(const std::vector<std::pair<int, int>>& ranges) {
   kept_ = detail::kept_units(ranges, units, "Llama");
   // Dropped layers leave the registered list; those kept keep their index
   // in their names (model.layers.5...).
-  auto layers = std::make_shared<torch::nn::Module>("ModuleList");
-  for (int i = 0; i < config_.num_layers; ++i) {
-    auto block = model->layers->ptr(static_cast<size_t>(i));
-    if (kept_[static_cast<size_t>(i + 1)]) {
-      layers->register_module(std::to_string(i), block);
-    } else {
-      defer_parameters(*block);
-    }
-  }
-  model->replace_module("layers", layers);
+  detail::keep_layers(*model, "layers", model->layers, kept_);
   const bool head = kept_.back();
   if (!head) {
-    defer_parameters(*model->norm);
-    model->unregister_module("norm");
-    if (lm_head) {
-      defer_parameters(*lm_head);
-      unregister_module("lm_head");
-    }
+    detail::drop_module(*model, "norm", *model->norm);
+    if (lm_head) detail::drop_module(*this, "lm_head", *lm_head);
   }
   if (!kept_.front() && (lm_head || !head)) {  // a tied head keeps the embedding's weight
-    defer_parameters(*model->embed_tokens);
-    model->unregister_module("embed_tokens");
+    detail::drop_module(*model, "embed_tokens", *model->embed_tokens);
   }
 }
 
@@ -329,7 +315,8 @@ at::Tensor LlamaImpl::run(int first, int end, const at::Tensor& input, const at:
   }
   const bool recompute =
       cache == nullptr && config_.activation_checkpointing && is_training() && torch::GradMode::is_enabled();
-  for (int i = std::max(first, 1) - 1; i < std::min(end, layers + 1) - 1; ++i) {
+  const auto [from, to] = detail::unit_layers(first, end, layers);
+  for (int i = from; i < to; ++i) {
     auto block = model->layers->ptr<llama::BlockImpl>(static_cast<size_t>(i));
     if (cache != nullptr) {
       h = block->forward(h, cos, sin, {}, &cache->keys[static_cast<size_t>(i)], &cache->values[static_cast<size_t>(i)]);

@@ -247,8 +247,12 @@ Pipeline::~Pipeline() = default;
 const std::vector<StageRange>& Pipeline::stages() const { return impl_->stages; }
 
 std::vector<int> Pipeline::local_stages() const {
+  return rank_stages(impl_->rank, impl_->ranks, impl_->num_stages());
+}
+
+std::vector<int> rank_stages(int rank, int ranks, int stages) {
   std::vector<int> out;
-  for (int s = impl_->rank; s < impl_->num_stages(); s += impl_->ranks) out.push_back(s);
+  for (int s = rank; s < stages; s += ranks) out.push_back(s);
   return out;
 }
 

@@ -14,7 +14,7 @@
 #include "shardtrain/models/lora.h"
 #include "shardtrain/models/quantize.h"
 #include "shardtrain/models/causal_lm.h"
-#include "shardtrain/parallel/pipeline_schedule.h"
+#include "shardtrain/parallel/pipeline.h"
 #include "shardtrain/parallel/tensor_parallel.h"
 #include "shardtrain/strategy/estimate.h"
 #include "shardtrain/strategy/strategy.h"
@@ -157,16 +157,21 @@ std::shared_ptr<torch::nn::Module> planning_model(const config::Config& config) 
     const std::vector<int64_t> units = lm->pipeline_unit_parameters();
     const auto stages = parallel::split_stages(units, static_cast<int>(config.distributed.pipeline_stages()),
                                                config.distributed.pipeline_split());
-    std::vector<int64_t> held(static_cast<size_t>(pp), 0);
-    for (size_t s = 0; s < stages.size(); ++s) {
-      for (int u = stages[s].first; u < stages[s].end; ++u) {
-        held[static_cast<size_t>(parallel::stage_rank(static_cast<int>(s), pp))] += units[static_cast<size_t>(u)];
+    const int count = static_cast<int>(stages.size());
+    const auto held = [&](int rank) {
+      int64_t n = 0;
+      for (int s : parallel::rank_stages(rank, pp, count)) {
+        for (int u = stages[static_cast<size_t>(s)].first; u < stages[static_cast<size_t>(s)].end; ++u) {
+          n += units[static_cast<size_t>(u)];
+        }
       }
-    }
-    const int heaviest = static_cast<int>(std::max_element(held.begin(), held.end()) - held.begin());
+      return n;
+    };
+    int heaviest = 0;
+    for (int r = 1; r < pp; ++r) heaviest = held(r) > held(heaviest) ? r : heaviest;
     std::vector<std::pair<int, int>> keep;
-    for (size_t s = static_cast<size_t>(heaviest); s < stages.size(); s += static_cast<size_t>(pp)) {
-      keep.emplace_back(stages[s].first, stages[s].end);
+    for (int s : parallel::rank_stages(heaviest, pp, count)) {
+      keep.emplace_back(stages[static_cast<size_t>(s)].first, stages[static_cast<size_t>(s)].end);
     }
     lm->keep_units(keep);
   }

@@ -137,6 +137,10 @@ class Pipeline {
   std::shared_ptr<Impl> impl_;
 };
 
+/// The stages pipeline rank `rank` of `ranks` holds when the model is cut
+/// into `stages`: rank, rank + ranks, ... (stage_rank's inverse).
+std::vector<int> rank_stages(int rank, int ranks, int stages);
+
 /// The bubble of a step as simulate() defines it, from each rank's busy
 /// time and the step's span: the ranks' idle time over their busy time.
 double measured_bubble(const std::vector<double>& busy_s, double span_s);
