@@ -602,8 +602,12 @@ std::shared_ptr<Communicator> Communicator::create(const CommOptions& options) {
       ::signal(SIGPIPE, SIG_IGN);
     }
     group->device = detail::make_device(options.master_addr(), group->endpoint);
-    // Launchers start the same number of ranks on every node (LOCAL_WORLD_SIZE).
-    if (const char* local = std::getenv("LOCAL_WORLD_SIZE")) {
+    // Launchers start the same number of ranks on every node (LOCAL_WORLD_SIZE),
+    // unless they say that nodes differ (SHARDTRAIN_NODE_SIZES): the
+    // collectives then stay flat rings, since the hierarchical levels need
+    // the same ranks on every host.
+    const char* local = std::getenv("LOCAL_WORLD_SIZE");
+    if (local != nullptr && dist::node_sizes_from_env().empty()) {
       const int n = std::atoi(local);
       if (n > 0 && n < group->size && group->size % n == 0) group->ranks_per_node = n;
     }

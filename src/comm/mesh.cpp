@@ -6,6 +6,7 @@
 
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/core/error.h"
+#include "shardtrain/launch/env.h"
 
 namespace shardtrain::comm {
 
@@ -18,6 +19,22 @@ std::string MeshShape::describe() const {
 MeshShape mesh_shape_for(int world, int local_world_size, int tp, int pp, bool hybrid) {
   ST_CHECK(tp >= 1 && pp >= 1, ConfigError, "distributed.tensor_parallel=", tp,
            " and pipeline_parallel=", pp, " must be at least 1");
+  // Nodes with different numbers of ranks (shardtrain launch says so in
+  // SHARDTRAIN_NODE_SIZES) have no one per-host size for a tensor-parallel
+  // group or a hybrid shard to follow: every rank would see another.
+  if (tp > 1 || hybrid) {
+    const std::vector<int> sizes = dist::node_sizes_from_env();
+    if (tp > 1) {
+      dist::require_even_nodes(sizes, str_cat("distributed.tensor_parallel=", tp),
+                               "set distributed.tensor_parallel: 1, or start the same --nproc-per-node "
+                               "on every node");
+    }
+    if (hybrid) {
+      dist::require_even_nodes(sizes, "distributed.sharding=hybrid_shard",
+                               "set distributed.sharding: full_shard (or strategy ddp or zero1), "
+                               "or start the same --nproc-per-node on every node");
+    }
+  }
   const int local = local_world_size >= 1 ? local_world_size : world;
   ST_CHECK(local % tp == 0, ConfigError, "distributed.tensor_parallel=", tp,
            " does not divide the ", local, " ranks per host: a tensor-parallel group must share one "

@@ -126,7 +126,8 @@ Placement place(const VarMap& vars, const Names& n, const std::string& context,
            " must be >= 1 (", context, ")");
   ST_CHECK(*world % local_world == 0, ConfigError, "contradictory environment: ", n.world,
            "=", *world, " is not divisible by ", local_world_from, "=", local_world,
-           " (", context, "); every node must run the same number of ranks");
+           " (", context, "); every node must run the same number of ranks, or ", kNodeSizesVar,
+           " must list each node's (as shardtrain launch sets it)");
   Placement p{*rank, *world, local_rank ? *local_rank : *rank % local_world, local_world,
               node ? *node : *rank / local_world};
   ST_CHECK(p.local_rank < local_world, ConfigError, "contradictory environment: ",
@@ -207,13 +208,74 @@ void set_placement(ClusterEnv& env, const Placement& p) {
   env.node_rank = p.node;
 }
 
+bool sizes_differ(const std::vector<int>& sizes) {
+  for (int n : sizes) {
+    if (n != sizes.front()) return true;
+  }
+  return false;
+}
+
+// Nodes that run different numbers of ranks (SHARDTRAIN_NODE_SIZES): node
+// i's ranks follow those of the nodes before it, as shardtrain launch
+// numbers them, and the torchrun variables must say the same.
+Placement place_uneven(const VarMap& vars, const std::vector<int>& sizes) {
+  const std::string context = show_vars(vars, {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                               "GROUP_RANK", kNodeSizesVar});
+  auto rank = get_count(vars, "RANK");
+  auto world = get_count(vars, "WORLD_SIZE");
+  ST_CHECK(rank && world, ConfigError, "incomplete environment: RANK and WORLD_SIZE must be set together (",
+           context, "); set both, or neither to run standalone");
+  int64_t total = 0;
+  for (int n : sizes) total += n;
+  ST_CHECK(total == *world, ConfigError, "contradictory environment: WORLD_SIZE=", *world,
+           " must be the sum ", total, " of ", kNodeSizesVar, " (", context, ")");
+  ST_CHECK(*rank < *world, ConfigError, "contradictory environment: RANK=", *rank, " must be < WORLD_SIZE=",
+           *world, " (", context, ")");
+  // The node: GROUP_RANK, or the one whose ranks hold RANK.
+  auto node = get_count(vars, "GROUP_RANK");
+  int first = 0;
+  if (node) {
+    ST_CHECK(*node < static_cast<int>(sizes.size()), ConfigError, "contradictory environment: GROUP_RANK=",
+             *node, " must be < the ", sizes.size(), " nodes of ", kNodeSizesVar, " (", context, ")");
+    for (int n = 0; n < *node; ++n) first += sizes[n];
+  } else {
+    node = 0;
+    while (first + sizes[*node] <= *rank) first += sizes[(*node)++];
+  }
+  const int local_world = sizes[*node];
+  auto given_local_world = get_count(vars, "LOCAL_WORLD_SIZE");
+  ST_CHECK(!given_local_world || *given_local_world == local_world, ConfigError,
+           "contradictory environment: LOCAL_WORLD_SIZE=", given_local_world.value_or(0),
+           " must be node ", *node, "'s entry ", local_world, " of ", kNodeSizesVar, " (", context, ")");
+  auto local_rank = get_count(vars, "LOCAL_RANK");
+  const int local = local_rank ? *local_rank : *rank - first;
+  ST_CHECK(local >= 0 && local < local_world && first + local == *rank, ConfigError,
+           "contradictory environment: RANK=", *rank, " must equal node ", *node, "'s first rank ", first,
+           " + LOCAL_RANK (0..", local_world - 1, ") (", context, ")");
+  return Placement{*rank, *world, local, local_world, *node};
+}
+
 void from_torchrun(const VarMap& vars, ClusterEnv& env) {
+  std::vector<int> sizes;
+  if (const std::string* text = find_var(vars, kNodeSizesVar)) sizes = parse_node_sizes(*text);
+  if (sizes_differ(sizes)) {
+    set_placement(env, place_uneven(vars, sizes));
+    env.node_sizes = sizes;
+    resolve_master(vars, env, "", "set MASTER_ADDR to the host of rank 0");
+    return;
+  }
   const std::string context = show_vars(
       vars, {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"});
   auto local_world = get_count(vars, "LOCAL_WORLD_SIZE");
   set_placement(env, place(vars, {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                                   "GROUP_RANK"},
                            context, local_world, "LOCAL_WORLD_SIZE", true));
+  // Equal entries are the usual layout, which they must then describe.
+  ST_CHECK(sizes.empty() || (static_cast<int>(sizes.size()) == env.num_nodes() &&
+                             sizes.front() == env.local_world_size),
+           ConfigError, "contradictory environment: ", kNodeSizesVar, "=", node_sizes_text(sizes), " but ",
+           context, " give ", env.num_nodes(), " node(s) of ", env.local_world_size,
+           " rank(s); unset ", kNodeSizesVar, " or make it agree");
   resolve_master(vars, env, "", "set MASTER_ADDR to the host of rank 0");
 }
 
@@ -318,8 +380,46 @@ std::string ClusterEnv::describe() const {
   std::string s = ::shardtrain::detail::str_cat("rank ", rank, "/", world_size, " (local ", local_rank, "/",
                                   local_world_size, ", node ", node_rank, ") master ",
                                   master_addr, ":", master_port, " via ", to_string(source));
+  if (!node_sizes.empty()) s += ", nodes of " + node_sizes_text(node_sizes) + " ranks";
   if (restart_count > 0) s += ::shardtrain::detail::str_cat(", restart ", restart_count);
   return s;
+}
+
+std::vector<int> parse_node_sizes(const std::string& text) {
+  std::vector<int> sizes;
+  size_t i = 0;
+  for (;;) {
+    const size_t comma = text.find(',', i);
+    const std::string item = text.substr(i, comma == std::string::npos ? std::string::npos : comma - i);
+    bool digits = !item.empty() && item.size() <= 9;
+    for (char c : item) digits = digits && std::isdigit(static_cast<unsigned char>(c));
+    const int n = digits ? std::atoi(item.c_str()) : 0;
+    ST_CHECK(n >= 1, ConfigError, kNodeSizesVar, "='", text,
+             "' is not a list of rank counts >= 1 such as '2,1' (the ranks of every node in node order, "
+             "which shardtrain launch sets); unset it or correct it");
+    sizes.push_back(n);
+    if (comma == std::string::npos) return sizes;
+    i = comma + 1;
+  }
+}
+
+std::string node_sizes_text(const std::vector<int>& sizes) {
+  std::string text;
+  for (int n : sizes) text += (text.empty() ? "" : ",") + std::to_string(n);
+  return text;
+}
+
+std::vector<int> node_sizes_from_env() {
+  const char* text = std::getenv(kNodeSizesVar);
+  if (text == nullptr) return {};
+  std::vector<int> sizes = parse_node_sizes(text);
+  return sizes_differ(sizes) ? sizes : std::vector<int>{};
+}
+
+void require_even_nodes(const std::vector<int>& sizes, const std::string& what,
+                        const std::string& instead) {
+  ST_CHECK(sizes.empty(), ConfigError, what,
+           " needs the same number of ranks on every node, but the nodes run ", node_sizes_text(sizes), " ranks (", kNodeSizesVar, "); ", instead);
 }
 
 std::string first_slurm_host(const std::string& nodelist) {

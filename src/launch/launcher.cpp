@@ -130,7 +130,7 @@ int launch(const LaunchOptions& options) {
       }
       return code;
     }
-    say(str_cat("restarting all ", options.nnodes() * options.nproc_per_node(), " ranks (restart ",
+    say(str_cat("restarting all ", rdzv.layout().world(), " ranks (restart ",
                 round + 1, " of ", options.max_restarts(), ")"));
   }
   // A stop signal while waiting for other nodes.

@@ -16,6 +16,7 @@
 #include "launch/fork_server.h"
 #include "launch/signals.h"
 #include "shardtrain/core/error.h"
+#include "shardtrain/launch/env.h"
 
 extern char** environ;
 
@@ -43,6 +44,7 @@ const std::set<std::string> kReplacedVars = {"RANK",
                                              "SHARDTRAIN_JOB_TOKEN",
                                              "SHARDTRAIN_STORE",
                                              "SHARDTRAIN_PROGRESS_TO_LAUNCHER",
+                                             "SHARDTRAIN_NODE_SIZES",
                                              "SLURM_PROCID",
                                              "SLURM_LOCALID",
                                              "SLURM_NODEID",
@@ -94,14 +96,18 @@ std::vector<std::string> RankGroup::child_env(int local_rank) const {
     if (eq && kReplacedVars.count(std::string(*e, static_cast<size_t>(eq - *e)))) continue;
     env.emplace_back(*e);
   }
-  const int rank = options_.node_rank() * options_.nproc_per_node() + local_rank;
+  // Node i's ranks follow those of the nodes before it, whatever their counts.
+  const NodeLayout& layout = rdzv_.layout();
+  const int rank = layout.first_rank(options_.node_rank()) + local_rank;
   auto set = [&](const char* key, const std::string& value) {
     env.push_back(std::string(key) + "=" + value);
   };
   set("RANK", std::to_string(rank));
   set("LOCAL_RANK", std::to_string(local_rank));
-  set("WORLD_SIZE", std::to_string(options_.nnodes() * options_.nproc_per_node()));
+  set("WORLD_SIZE", std::to_string(layout.world()));
   set("LOCAL_WORLD_SIZE", std::to_string(options_.nproc_per_node()));
+  // Only when nodes differ: what needs equal nodes refuses, the rest adapts.
+  if (layout.uneven()) set(dist::kNodeSizesVar, dist::node_sizes_text(layout.sizes));
   set("GROUP_RANK", std::to_string(options_.node_rank()));
   set("MASTER_ADDR", options_.master_addr().empty() ? "127.0.0.1" : options_.master_addr());
   set("MASTER_PORT", std::to_string(rdzv_.app_port()));
@@ -206,8 +212,9 @@ void RankGroup::start(Rank& r, int local_rank) {
 
 void RankGroup::start_all() {
   ranks_.resize(static_cast<size_t>(options_.nproc_per_node()));
+  const int first = rdzv_.layout().first_rank(options_.node_rank());
   for (int i = 0; i < options_.nproc_per_node(); ++i) {
-    ranks_[i].rank = options_.node_rank() * options_.nproc_per_node() + i;
+    ranks_[i].rank = first + i;
     start(ranks_[i], i);
   }
 }
@@ -277,7 +284,7 @@ void RankGroup::reap() {
     failed_ = static_cast<int>(i);
     // Now, before the others are stopped: a hung rank's heartbeat is the
     // only stale one, and it is why a healthy rank timed out.
-    suspects_ = rdzv_.suspects(round_, options_.nnodes() * options_.nproc_per_node());
+    suspects_ = rdzv_.suspects(round_, rdzv_.layout().world());
     const std::string what = str_cat("rank ", r.rank, " failed with ", describe_code(r.code));
     int others = 0;
     for (auto& o : ranks_) others += o.running ? 1 : 0;

@@ -5,6 +5,7 @@
 #include "launch/console.h"
 #include "launch/signals.h"
 #include "shardtrain/core/error.h"
+#include "shardtrain/launch/env.h"
 
 namespace shardtrain::dist::detail {
 namespace {
@@ -20,6 +21,21 @@ std::string launch_key(int round, const std::string& what) {
 bool stop_requested() { return !drain_stop_signals().empty(); }
 
 }  // namespace
+
+int NodeLayout::world() const { return first_rank(static_cast<int>(sizes.size())); }
+
+int NodeLayout::first_rank(int node) const {
+  int first = 0;
+  for (int n = 0; n < node; ++n) first += sizes[n];
+  return first;
+}
+
+bool NodeLayout::uneven() const {
+  for (int n : sizes) {
+    if (n != sizes.front()) return true;
+  }
+  return false;
+}
 
 Rendezvous::Rendezvous(const LaunchOptions& o, const std::string& master, const std::string& token)
     : options_(o),
@@ -65,15 +81,23 @@ bool Rendezvous::join(int round) {
     kv_->set(launch_key(round, "open"), "1");
   }
   kv_->add(launch_key(round, "joined"), 1);
-  kv_->set(launch_key(round, "node/" + std::to_string(options_.node_rank())), "1");
-  if (options_.nnodes() == 1) return true;
+  // A node's key holds the number of ranks it starts.
+  const std::string own = std::to_string(options_.nproc_per_node());
+  kv_->set(launch_key(round, "node/" + std::to_string(options_.node_rank())), own);
+  if (options_.nnodes() == 1) {
+    layout_.sizes = {options_.nproc_per_node()};
+    return true;
+  }
   std::vector<std::string> keys;
   for (int n = 0; n < options_.nnodes(); ++n)
     keys.push_back(launch_key(round, "node/" + std::to_string(n)));
   const auto start = Clock::now();
   auto next_note = start + std::chrono::seconds(10);
   for (;;) {
-    if (kv_->wait(keys, std::chrono::milliseconds(500))) return true;
+    if (kv_->wait(keys, std::chrono::milliseconds(500))) {
+      read_layout(round, keys);
+      return true;
+    }
     if (stop_requested()) return false;
     const auto now = Clock::now();
     if (now < next_note && now < start + timeout_) continue;
@@ -90,6 +114,23 @@ bool Rendezvous::join(int round) {
     say(str_cat("round ", round, ": waiting for node ", missing, " of ", options_.nnodes(), " (",
                 waited, " s)"));
     next_note = now + std::chrono::seconds(10);
+  }
+}
+
+void Rendezvous::read_layout(int round, const std::vector<std::string>& keys) {
+  layout_.sizes.clear();
+  for (int n = 0; n < options_.nnodes(); ++n) {
+    const std::string value = kv_->try_get(keys[n]).value_or("");
+    const bool digits = !value.empty() && value.size() <= 7 &&
+                        value.find_first_not_of("0123456789") == std::string::npos;
+    const int count = digits ? std::stoi(value) : 0;
+    ST_CHECK(count >= 1, Error, "node ", n, " announced '", value, "' ranks for round ", round,
+             " of the job; start every node's launcher from the same shardtrain version");
+    layout_.sizes.push_back(count);
+  }
+  if (layout_.uneven() && options_.node_rank() == 0 && round == 0) {
+    say(str_cat("nodes run ", dist::node_sizes_text(layout_.sizes), " ranks: ", layout_.world(),
+                " in all"));
   }
 }
 
@@ -162,9 +203,9 @@ void Rendezvous::wait_until_stopped(int round) {
 }
 
 bool Rendezvous::node_silent(int round, int node) {
-  const int per = options_.nproc_per_node();
   std::vector<int> ranks;
-  for (int r = node * per; r < (node + 1) * per; ++r) ranks.push_back(r);
+  const int first = layout_.first_rank(node);
+  for (int r = first; r < first + layout_.sizes[node]; ++r) ranks.push_back(r);
   const comm::detail::HeartbeatScan scan = comm::detail::scan_heartbeats(*kv_, round, ranks);
   return scan.fresh == 0 && !scan.stale.empty();
 }

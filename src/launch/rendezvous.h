@@ -2,8 +2,9 @@
 //
 // Node 0's launcher hosts the job's store for the whole job, so it outlives
 // every round of ranks (rank 0's death no longer takes the store with it).
-// Each round k, every launcher announces itself under launch/k/ and waits for
-// all nodes; the first failure anywhere is written to launch/k/failed, which
+// Each round k, every launcher announces itself under launch/k/ with the
+// number of ranks it starts and waits for all nodes, whose counts number the
+// ranks (NodeLayout: nodes may differ); the first failure anywhere is written to launch/k/failed, which
 // every launcher watches and answers by stopping its ranks; node 0 then
 // writes launch/k/next ("restart" or "stop") and the others follow it.
 // Waits notice stop signals (drain_stop_signals) and give up on them.
@@ -13,6 +14,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "comm/kv_store.h"
 #include "shardtrain/launch/launcher.h"
@@ -28,6 +30,20 @@ constexpr double kDrainSeconds = 1.0;
 struct Failure {
   int code = 1;
   std::string what;  // "node 1: rank 3 failed with exit code 1"
+};
+
+/// The ranks each node of a round runs (its --nproc-per-node), in node
+/// order, as every node published them when it joined. Nodes may differ:
+/// node i's ranks come after those of the nodes before it.
+struct NodeLayout {
+  std::vector<int> sizes;
+
+  /// Ranks in the job: the sum of the sizes.
+  int world() const;
+  /// Node `node`'s first global rank: the sum of the sizes before it.
+  int first_rank(int node) const;
+  /// Whether some node runs a different number of ranks than node 0.
+  bool uneven() const;
 };
 
 class Rendezvous {
@@ -46,10 +62,14 @@ class Rendezvous {
   /// Returns -1 when a stop signal arrived while waiting.
   int first_round();
 
-  /// Every node announces itself for `round` and waits for the others,
-  /// saying every ~10 s which nodes are missing. False on a stop signal;
+  /// Every node announces itself for `round` with its number of ranks and
+  /// waits for the others, saying every ~10 s which nodes are missing; then
+  /// layout() holds every node's count. False on a stop signal;
   /// TimeoutError when a node does not come within SHARDTRAIN_TIMEOUT_S.
   bool join(int round);
+
+  /// The nodes' rank counts of the round last joined.
+  const NodeLayout& layout() const { return layout_; }
 
   /// Records this node's failure in `round` unless another was first.
   void fail(int round, const Failure& f);
@@ -80,6 +100,9 @@ class Rendezvous {
   /// that never beat, programs without a communicator, say nothing).
   bool node_silent(int round, int node);
 
+  /// Reads every node's rank count for `round` (`keys`, all present) into layout_.
+  void read_layout(int round, const std::vector<std::string>& keys);
+
   /// Node 0, after deciding to stop: waits until every other node has read
   /// that, for as long as a node takes to stop its ranks and a little more,
   /// but not for a node whose ranks all went silent (a lost host never
@@ -100,6 +123,7 @@ class Rendezvous {
   int port_ = 0;
   bool lost_store_ = false;
   std::optional<Failure> known_;  // the last failure read from the store
+  NodeLayout layout_;             // of the round last joined
 
   // What to say when node 0's store went away after `what` had stopped the
   // job: node 0 ended it (node 0 closes the store only when it stops).

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "shardtrain/core/error.h"
+#include "shardtrain/launch/env.h"
 #include "shardtrain/models/gpt.h"
 #include "strategy/detail.h"
 
@@ -48,9 +49,14 @@ std::vector<StrategyEstimate> estimate_all(const EstimateInput& in) {
            ", activations ", in.activation_bytes);
   ST_CHECK(in.world_size >= 1, InvalidArgument, "estimate: world_size must be >= 1, got ",
            in.world_size);
-  ST_CHECK(in.local_world_size >= 1 && in.world_size % in.local_world_size == 0, InvalidArgument,
-           "estimate: local_world_size must be >= 1 and divide world_size=", in.world_size,
-           ", got ", in.local_world_size, "; every node runs the same number of ranks");
+  // Nodes that run different numbers of ranks (shardtrain launch says so in
+  // SHARDTRAIN_NODE_SIZES) cannot run hybrid_shard, which shards within a
+  // node: it is left out rather than estimated with this node's size, and
+  // the ranks per node need not divide the world.
+  const bool uneven_nodes = !dist::node_sizes_from_env().empty();
+  ST_CHECK(in.local_world_size >= 1 && (uneven_nodes || in.world_size % in.local_world_size == 0),
+           InvalidArgument, "estimate: local_world_size must be >= 1 and divide world_size=",
+           in.world_size, ", got ", in.local_world_size, "; every node runs the same number of ranks");
 
   const double psi = static_cast<double>(in.num_params);
   const bool mixed = in.mixed_precision;
@@ -90,8 +96,10 @@ std::vector<StrategyEstimate> estimate_all(const EstimateInput& in) {
   // hybrid_shard: full_shard within a node, then an all-reduce of each
   // rank's shard (Ψ/N_local) across nodes; on one node there is no such step.
   const bool nodes = n > n_local;
-  add(StrategyKind::Fsdp, Sharding::HybridShard, stage(0, 16, n_local, n_local), gathered, nodes ? 3.0 + 2.0 / n_local : 3.0,
-      nodes ? 4 : 3);
+  if (!uneven_nodes) {
+    add(StrategyKind::Fsdp, Sharding::HybridShard, stage(0, 16, n_local, n_local), gathered,
+        nodes ? 3.0 + 2.0 / n_local : 3.0, nodes ? 4 : 3);
+  }
   add(StrategyKind::Fsdp, Sharding::NoShard, stage(16, 0, n), 0.0, 2.0, 1);
   return out;
 }

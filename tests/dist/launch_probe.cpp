@@ -60,8 +60,8 @@ int probe_main(int argc, char** argv) {
   if (mode == "print-env") {
     for (const char* name : {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                              "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-                             "SHARDTRAIN_RESTART_COUNT", "SHARDTRAIN_STORE", "SLURM_PROCID",
-                             "PROBE_KEEP"}) {
+                             "SHARDTRAIN_RESTART_COUNT", "SHARDTRAIN_STORE", "SHARDTRAIN_NODE_SIZES",
+                             "SLURM_PROCID", "PROBE_KEEP"}) {
       const char* v = std::getenv(name);
       std::printf("%s=%s\n", name, v ? v : "<unset>");
     }

@@ -1,11 +1,16 @@
 // ClusterEnv::from_variables and first_slurm_host: every source, the order
-// between them, the master defaults and the errors for bad input.
+// between them, the master defaults and the errors for bad input; nodes of
+// different sizes (SHARDTRAIN_NODE_SIZES) and what refuses them.
 #include <gtest/gtest.h>
+#include <stdlib.h>
 
 #include <string>
+#include <vector>
 
+#include "shardtrain/comm/mesh.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/launch/env.h"
+#include "shardtrain/strategy/estimate.h"
 
 namespace {
 
@@ -114,6 +119,134 @@ TEST(ClusterEnv, TorchrunBadInput) {
   EXPECT_ERROR_NAMES((Vars{{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "0"}}),
                      "MASTER_PORT=0");
   EXPECT_ERROR_NAMES((Vars{{"SHARDTRAIN_RESTART_COUNT", "one"}}), "SHARDTRAIN_RESTART_COUNT");
+}
+
+// Nodes of 2, 1 and 3 ranks (SHARDTRAIN_NODE_SIZES, as shardtrain launch
+// sets it): node 0 holds ranks 0-1, node 1 rank 2, node 2 ranks 3-5.
+TEST(ClusterEnv, TorchrunNodesOfDifferentSizes) {
+  const Vars node2 = {{"RANK", "4"},           {"WORLD_SIZE", "6"}, {"LOCAL_RANK", "1"},
+                      {"LOCAL_WORLD_SIZE", "3"}, {"GROUP_RANK", "2"}, {"MASTER_ADDR", "m"},
+                      {"SHARDTRAIN_NODE_SIZES", "2,1,3"}};
+  ClusterEnv env = ClusterEnv::from_variables(node2);
+  EXPECT_EQ(env.rank, 4);
+  EXPECT_EQ(env.world_size, 6);
+  EXPECT_EQ(env.local_rank, 1);
+  EXPECT_EQ(env.local_world_size, 3);
+  EXPECT_EQ(env.node_rank, 2);
+  EXPECT_EQ(env.num_nodes(), 3);
+  EXPECT_TRUE(env.uneven_nodes());
+  EXPECT_EQ(env.node_sizes, (std::vector<int>{2, 1, 3}));
+  EXPECT_EQ(env.describe(), "rank 4/6 (local 1/3, node 2) master m:29500 via torchrun, nodes of 2,1,3 ranks");
+  // Node 1's only rank; LOCAL_RANK and GROUP_RANK derived from the list.
+  env = ClusterEnv::from_variables({{"RANK", "2"}, {"WORLD_SIZE", "6"}, {"LOCAL_WORLD_SIZE", "1"},
+                                    {"MASTER_ADDR", "m"}, {"SHARDTRAIN_NODE_SIZES", "2,1,3"}});
+  EXPECT_EQ(env.local_rank, 0);
+  EXPECT_EQ(env.node_rank, 1);
+  // Equal entries are the usual layout: nothing is recorded.
+  env = ClusterEnv::from_variables({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_WORLD_SIZE", "2"},
+                                    {"MASTER_ADDR", "m"}, {"SHARDTRAIN_NODE_SIZES", "2,2"}});
+  EXPECT_FALSE(env.uneven_nodes());
+  EXPECT_EQ(env.num_nodes(), 2);
+  EXPECT_EQ(env.node_rank, 1);
+}
+
+TEST(ClusterEnv, TorchrunNodesOfDifferentSizesBadInput) {
+  const Vars good = {{"RANK", "2"},           {"WORLD_SIZE", "3"}, {"LOCAL_RANK", "0"},
+                     {"LOCAL_WORLD_SIZE", "1"}, {"GROUP_RANK", "1"}, {"MASTER_ADDR", "m"},
+                     {"SHARDTRAIN_NODE_SIZES", "2,1"}};
+  EXPECT_EQ(ClusterEnv::from_variables(good).rank, 2);
+  auto with = [&](const char* name, const char* value) {
+    Vars v = good;
+    v[name] = value;
+    return v;
+  };
+  EXPECT_ERROR_NAMES(with("WORLD_SIZE", "4"), "WORLD_SIZE=4", "sum 3", "SHARDTRAIN_NODE_SIZES");
+  EXPECT_ERROR_NAMES(with("LOCAL_WORLD_SIZE", "2"), "LOCAL_WORLD_SIZE=2", "node 1's entry 1");
+  EXPECT_ERROR_NAMES(with("RANK", "1"), "RANK=1", "first rank 2");
+  EXPECT_ERROR_NAMES(with("GROUP_RANK", "2"), "GROUP_RANK=2", "2 nodes");
+  EXPECT_ERROR_NAMES(with("SHARDTRAIN_NODE_SIZES", "2,,1"), "SHARDTRAIN_NODE_SIZES='2,,1'");
+  EXPECT_ERROR_NAMES(with("SHARDTRAIN_NODE_SIZES", "2,0"), "SHARDTRAIN_NODE_SIZES='2,0'");
+  // Equal entries that disagree with the torchrun variables.
+  EXPECT_ERROR_NAMES((Vars{{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_WORLD_SIZE", "2"},
+                           {"MASTER_ADDR", "m"}, {"SHARDTRAIN_NODE_SIZES", "1,1"}}),
+                     "SHARDTRAIN_NODE_SIZES=1,1", "2 node(s) of 2");
+}
+
+TEST(NodeSizes, ParseAndText) {
+  using shardtrain::dist::node_sizes_text;
+  using shardtrain::dist::parse_node_sizes;
+  EXPECT_EQ(parse_node_sizes("2,1"), (std::vector<int>{2, 1}));
+  EXPECT_EQ(parse_node_sizes("7"), (std::vector<int>{7}));
+  EXPECT_EQ(parse_node_sizes("4,4,16"), (std::vector<int>{4, 4, 16}));
+  EXPECT_EQ(node_sizes_text({2, 1}), "2,1");
+  EXPECT_EQ(node_sizes_text({}), "");
+  for (const char* bad : {"", ",", "2,", ",2", "2;1", "2, 1", "-1,2", "0", "1x", "9999999999"}) {
+    EXPECT_THROW(parse_node_sizes(bad), ConfigError) << "'" << bad << "'";
+  }
+}
+
+TEST(NodeSizes, RequireEvenNodesNamesTheSizesAndWhatToDo) {
+  using shardtrain::dist::require_even_nodes;
+  EXPECT_NO_THROW(require_even_nodes({}, "hybrid_shard", "use full_shard"));
+  try {
+    require_even_nodes({2, 1}, "distributed.sharding=hybrid_shard", "use full_shard");
+    ADD_FAILURE() << "no ConfigError";
+  } catch (const ConfigError& e) {
+    const std::string msg = e.what();
+    for (const char* part : {"distributed.sharding=hybrid_shard needs the same number of ranks on every node",
+                             "the nodes run 2,1 ranks (SHARDTRAIN_NODE_SIZES); use full_shard"}) {
+      EXPECT_NE(msg.find(part), std::string::npos) << part << " in: " << msg;
+    }
+  }
+}
+
+// SHARDTRAIN_NODE_SIZES set for the length of a test, as the launcher sets it.
+class NodeSizesVar {
+ public:
+  explicit NodeSizesVar(const char* value) { ::setenv("SHARDTRAIN_NODE_SIZES", value, 1); }
+  ~NodeSizesVar() { ::unsetenv("SHARDTRAIN_NODE_SIZES"); }
+};
+
+TEST(NodeSizes, FromEnvIsEmptyUnlessTheNodesDiffer) {
+  using shardtrain::dist::node_sizes_from_env;
+  EXPECT_TRUE(node_sizes_from_env().empty());
+  {
+    NodeSizesVar even("2,2");
+    EXPECT_TRUE(node_sizes_from_env().empty());
+  }
+  NodeSizesVar uneven("2,1");
+  EXPECT_EQ(node_sizes_from_env(), (std::vector<int>{2, 1}));
+}
+
+// Over nodes of 2 and 1 ranks: the plain data-parallel mesh is the world,
+// hybrid_shard and tensor parallelism are refused naming the sizes, and the
+// estimates leave hybrid_shard out instead of failing on 3 % 2.
+TEST(NodeSizes, WhatNeedsEqualNodesRefusesTheRestAdapts) {
+  using shardtrain::comm::mesh_shape_for;
+  using shardtrain::strategy::estimate_all;
+  shardtrain::strategy::EstimateInput in;
+  in.num_params = 1000;
+  in.world_size = 3;
+  in.local_world_size = 2;
+  EXPECT_THROW(estimate_all(in), shardtrain::InvalidArgument);  // equal nodes assumed
+  NodeSizesVar uneven("2,1");
+  EXPECT_EQ(mesh_shape_for(3, 2, 1, 1, false).dp_shard(), 3);
+  EXPECT_EQ(mesh_shape_for(3, 1, 1, 1, false).dp_shard(), 3);
+  for (const bool hybrid : {false, true}) {
+    try {
+      mesh_shape_for(3, 2, hybrid ? 1 : 2, 1, hybrid);
+      ADD_FAILURE() << "no ConfigError, hybrid " << hybrid;
+    } catch (const ConfigError& e) {
+      const std::string msg = e.what();
+      const char* what = hybrid ? "distributed.sharding=hybrid_shard" : "distributed.tensor_parallel=2";
+      for (const char* part : {what, "the nodes run 2,1 ranks", "--nproc-per-node"}) {
+        EXPECT_NE(msg.find(part), std::string::npos) << part << " in: " << msg;
+      }
+    }
+  }
+  const auto all = estimate_all(in);
+  EXPECT_EQ(all.size(), 5u);
+  for (const auto& e : all) EXPECT_NE(e.strategy, "fsdp/hybrid_shard");
 }
 
 TEST(ClusterEnv, SlurmWithTasksPerNode) {

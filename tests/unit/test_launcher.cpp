@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include "shardtrain/launch/launcher.h"
 #include "launch/progress.h"
+#include "launch/rendezvous.h"
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -244,6 +245,8 @@ TEST(Launcher, SecondNodeGetsGlobalRanks) {
     EXPECT_TRUE(contains(r.out, p + "WORLD_SIZE=4\n"));
     EXPECT_TRUE(contains(r.out, p + "GROUP_RANK=1\n"));
     EXPECT_TRUE(contains(r.out, p + "MASTER_ADDR=127.0.0.1\n"));
+    // Set only when nodes differ: equal nodes see what they always saw.
+    EXPECT_TRUE(contains(r.out, p + "SHARDTRAIN_NODE_SIZES=<unset>\n")) << r.out;
     // The store is at the rendezvous port; the ranks' own MASTER_PORT is
     // another one, the same on both nodes.
     EXPECT_TRUE(contains(r.out, p + "SHARDTRAIN_STORE=127.0.0.1:" + port + "\n")) << r.out;
@@ -254,6 +257,59 @@ TEST(Launcher, SecondNodeGetsGlobalRanks) {
   ASSERT_NE(at, std::string::npos);
   const std::string master_port = r0.out.substr(at, r0.out.find('\n', at) - at);
   EXPECT_EQ(count_of(r.out, master_port + "\n"), 2) << master_port << "\n" << r.out;
+}
+
+// Node i's first rank is the sum of the counts of the nodes before it.
+TEST(NodeLayout, RanksFollowTheNodesBefore) {
+  using shardtrain::dist::detail::NodeLayout;
+  const NodeLayout uneven{{2, 1, 3}};
+  EXPECT_EQ(uneven.world(), 6);
+  EXPECT_EQ(uneven.first_rank(0), 0);
+  EXPECT_EQ(uneven.first_rank(1), 2);
+  EXPECT_EQ(uneven.first_rank(2), 3);
+  EXPECT_TRUE(uneven.uneven());
+  // Equal nodes: node * nproc_per_node, as before.
+  const NodeLayout even{{4, 4, 4}};
+  EXPECT_EQ(even.world(), 12);
+  EXPECT_EQ(even.first_rank(2), 8);
+  EXPECT_FALSE(even.uneven());
+  const NodeLayout one{{3}};
+  EXPECT_EQ(one.world(), 3);
+  EXPECT_EQ(one.first_rank(0), 0);
+  EXPECT_FALSE(one.uneven());
+}
+
+// Node 0 starts 2 ranks and node 1 one: a world of 3, node 1's rank is 2.
+TEST(Launcher, NodesMayStartDifferentNumbersOfRanks) {
+  const std::string port = std::to_string(shardtrain::dist::find_free_port());
+  const std::vector<std::string> env = {"SHARDTRAIN_JOB_TOKEN=uneven-node-test"};
+  auto node = [&](const char* rank, const char* nproc) {
+    return std::vector<std::string>{"launch", "--nproc-per-node", nproc, "--nnodes", "2",
+                                    "--node-rank", rank, "--master-addr", "127.0.0.1",
+                                    "--master-port", port, "--", kProbe, "print-env"};
+  };
+  Cli node0(node("0", "2"), env), node1(node("1", "1"), env);
+  const Result r0 = node0.finish();
+  const Result r1 = node1.finish();
+  ASSERT_EQ(r0.code, 0) << r0.err;
+  ASSERT_EQ(r1.code, 0) << r1.err;
+  for (int k : {0, 1}) {
+    const std::string p = "[rank " + std::to_string(k) + "] ";
+    EXPECT_TRUE(contains(r0.out, p + "RANK=" + std::to_string(k) + "\n")) << r0.out;
+    EXPECT_TRUE(contains(r0.out, p + "LOCAL_RANK=" + std::to_string(k) + "\n"));
+    EXPECT_TRUE(contains(r0.out, p + "WORLD_SIZE=3\n"));
+    EXPECT_TRUE(contains(r0.out, p + "LOCAL_WORLD_SIZE=2\n"));
+    EXPECT_TRUE(contains(r0.out, p + "GROUP_RANK=0\n"));
+    EXPECT_TRUE(contains(r0.out, p + "SHARDTRAIN_NODE_SIZES=2,1\n"));
+  }
+  EXPECT_TRUE(contains(r1.out, "[rank 2] RANK=2\n")) << r1.out;
+  EXPECT_TRUE(contains(r1.out, "[rank 2] LOCAL_RANK=0\n"));
+  EXPECT_TRUE(contains(r1.out, "[rank 2] WORLD_SIZE=3\n"));
+  EXPECT_TRUE(contains(r1.out, "[rank 2] LOCAL_WORLD_SIZE=1\n"));
+  EXPECT_TRUE(contains(r1.out, "[rank 2] GROUP_RANK=1\n"));
+  EXPECT_TRUE(contains(r1.out, "[rank 2] SHARDTRAIN_NODE_SIZES=2,1\n"));
+  EXPECT_EQ(count_of(r1.out, "RANK=2\n"), 1) << r1.out;  // one rank on node 1
+  EXPECT_TRUE(contains(r0.err, "nodes run 2,1 ranks: 3 in all")) << r0.err;
 }
 
 TEST(Launcher, SeveralNodesNeedAJobToken) {
@@ -331,11 +387,14 @@ TEST(Launcher, BadInputIsNotRestarted) {
 // A job of two launchers on this machine, nodes 0 and 1 of 2 ranks each
 // (ranks 0-1 and 2-3), running launch_probe with `probe` and --max-restarts
 // `restarts`; the results of node 0 and node 1.
-std::pair<Result, Result> two_nodes(const std::vector<std::string>& probe, int restarts) {
+// Node 0 runs 2 ranks, node 1 `node1_ranks`.
+std::pair<Result, Result> two_nodes(const std::vector<std::string>& probe, int restarts,
+                                    int node1_ranks = 2) {
   const std::string port = std::to_string(shardtrain::dist::find_free_port());
   const std::vector<std::string> env = {"SHARDTRAIN_JOB_TOKEN=two-node-failures"};
   auto node = [&](const char* rank) {
-    std::vector<std::string> args = {"launch", "--nproc-per-node", "2", "--nnodes", "2",
+    const std::string nproc = rank[0] == '0' ? "2" : std::to_string(node1_ranks);
+    std::vector<std::string> args = {"launch", "--nproc-per-node", nproc, "--nnodes", "2",
                                      "--node-rank", rank, "--master-addr", "127.0.0.1",
                                      "--master-port", port, "--max-restarts",
                                      std::to_string(restarts), "--", kProbe};
@@ -388,6 +447,19 @@ TEST(Launcher, RestartsRunOutOnEveryNode) {
   EXPECT_TRUE(contains(r1.err, "node 0 stopped the job: node 1: rank 3 failed with exit code 5 "
                                "(no restart left: --max-restarts 1)"))
       << r1.err;
+}
+
+// Nodes of 2 and 1 ranks: node 1's rank is 2, a restart starts all 3 again,
+// and the job ends on both nodes with that rank's code.
+TEST(Launcher, UnevenNodesRestartAndReportGlobalRanks) {
+  const auto [r0, r1] = two_nodes({"fail-rank", "2", "5"}, 1, /*node1_ranks=*/1);
+  EXPECT_EQ(r0.code, 5) << r0.err;
+  EXPECT_EQ(r1.code, 5) << r1.err;
+  EXPECT_EQ(count_of(r1.out, "[rank 2] rank 2 starting\n"), 2) << r1.out;
+  EXPECT_TRUE(contains(r1.err, "rank 2 failed with exit code 5")) << r1.err;
+  EXPECT_TRUE(contains(r0.err, "restarting all 3 ranks (restart 1 of 1)")) << r0.err;
+  EXPECT_TRUE(contains(r1.err, "restarting all 3 ranks (restart 1 of 1)")) << r1.err;
+  EXPECT_TRUE(contains(r0.err, "node 1: rank 2 failed")) << r0.err;
 }
 
 // Exit 77 is a skip (a test whose precondition does not hold), which ctest's

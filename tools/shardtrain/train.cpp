@@ -185,6 +185,9 @@ int train_main(int argc, char** argv) {
   ST_CHECK(config.distributed.strategy() != strategy::StrategyKind::Single || comm->size() == 1, ConfigError,
            "distributed.strategy 'single' runs one process, but WORLD_SIZE is ", comm->size(),
            "; use ddp or start one rank");
+  // tensor_parallel auto on nodes that run different numbers of ranks: 1,
+  // the only degree the mesh takes there (a group must fill equal hosts).
+  if (config.distributed.tensor_parallel() == 0 && env.uneven_nodes()) config.distributed.tensor_parallel(1);
   // tensor_parallel auto: rank 0 decides (budgets are per host) and every
   // rank runs what it decided.
   if (config.distributed.tensor_parallel() == 0) {

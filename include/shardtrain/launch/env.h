@@ -34,6 +34,13 @@
 //     real MPI launcher started the job (PMIX_RANK is set): master_addr is
 //     then left empty, since the mpi backend needs no master (the gloo
 //     backend refuses to start without one).
+//   - Nodes that run different numbers of ranks: shardtrain launch then sets
+//     SHARDTRAIN_NODE_SIZES ("2,1": node 0 runs 2 ranks, node 1 one), node
+//     i's ranks following those of the nodes before it. The torchrun
+//     variables must agree with it (WORLD_SIZE its sum, LOCAL_WORLD_SIZE
+//     this node's entry, RANK this node's first rank + LOCAL_RANK), and
+//     WORLD_SIZE need not divide by LOCAL_WORLD_SIZE. A list whose entries
+//     are all equal changes nothing. Other sources need equal nodes.
 //   - MASTER_PORT must be 1..65535; SHARDTRAIN_RESTART_COUNT a count >= 0.
 //   - All counts are whole decimal numbers; negative or non-numeric values
 //     are a ConfigError.
@@ -41,6 +48,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 namespace shardtrain::dist {
 
@@ -65,9 +73,17 @@ struct ClusterEnv {
   /// Times the launcher restarted the job so far (SHARDTRAIN_RESTART_COUNT).
   int restart_count = 0;
   EnvSource source = EnvSource::Standalone;
+  /// The ranks of every node in node order when nodes run different numbers
+  /// of them (SHARDTRAIN_NODE_SIZES); empty when every node runs
+  /// local_world_size ranks.
+  std::vector<int> node_sizes;
 
-  /// Number of nodes: world_size / local_world_size.
-  int num_nodes() const { return world_size / local_world_size; }
+  /// Number of nodes: world_size / local_world_size, or node_sizes' length.
+  int num_nodes() const {
+    return node_sizes.empty() ? world_size / local_world_size : static_cast<int>(node_sizes.size());
+  }
+  /// Whether nodes run different numbers of ranks (see node_sizes).
+  bool uneven_nodes() const { return !node_sizes.empty(); }
 
   /// Reads the current process environment. Throws ConfigError on partial or
   /// contradictory variables.
@@ -79,6 +95,28 @@ struct ClusterEnv {
   /// One line for logs, e.g. "rank 1/4 (local 1/2, node 0) master 127.0.0.1:29500 via torchrun".
   std::string describe() const;
 };
+
+/// The variable in which shardtrain launch gives the ranks every node runs,
+/// in node order ("2,1"), when they differ.
+constexpr const char* kNodeSizesVar = "SHARDTRAIN_NODE_SIZES";
+
+/// "2,1" -> {2, 1}. ConfigError, naming SHARDTRAIN_NODE_SIZES, for anything
+/// but a comma-separated list of whole counts >= 1.
+std::vector<int> parse_node_sizes(const std::string& text);
+
+/// {2, 1} -> "2,1".
+std::string node_sizes_text(const std::vector<int>& sizes);
+
+/// This process's SHARDTRAIN_NODE_SIZES when its entries differ; empty when
+/// it is unset or every node runs the same number of ranks. ConfigError when
+/// it cannot be parsed.
+std::vector<int> node_sizes_from_env();
+
+/// ConfigError when `sizes` (as node_sizes_from_env() gives them) is not
+/// empty: "<what> needs the same number of ranks on every node, but the
+/// nodes run 2,1 ranks (SHARDTRAIN_NODE_SIZES); <instead>".
+void require_even_nodes(const std::vector<int>& sizes, const std::string& what,
+                        const std::string& instead);
 
 /// The first host of a SLURM node list: "node[03-05,7],gpu1" -> "node03".
 /// Throws ConfigError on a list it cannot parse.

@@ -85,6 +85,12 @@ struct LaunchOptions {
 ///     A stop by signal never restarts. SIGHUP (a closed terminal) sends the
 ///     ranks SIGTERM and never escalates; ignored at start (nohup), it stays so.
 ///   - With nnodes > 1, master_addr and master_port are required.
+///   - Nodes may start different numbers of ranks (each its own
+///     nproc_per_node): every launcher publishes its count when it joins a
+///     round, node i's ranks follow those of the nodes before it,
+///     WORLD_SIZE is the sum and LOCAL_WORLD_SIZE the node's own count; only
+///     then the ranks also get SHARDTRAIN_NODE_SIZES ("2,1", every node's
+///     count in node order; see shardtrain/launch/env.h).
 ///   - Node 0's launcher is the job's anchor: if it dies, the other nodes
 ///     stop (their store is gone) and the job must be started again.
 int launch(const LaunchOptions& options);
