@@ -27,7 +27,7 @@ NODE_PACKAGES := nodejs npm
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all deps bench-deps configure build test mutants train bench-comm bench-train bench-sharding bench-tp bench-pipeline bench-multinode bench-scale bench-precision bench-checkpoint bench-lora bench-tokenize bench-llama bench-finetune bench-loading bench-first-step install clean
+.PHONY: all deps bench-deps configure build test mutants train bench-comm bench-train bench-sharding bench-tp bench-pipeline bench-balance bench-multinode bench-scale bench-precision bench-checkpoint bench-lora bench-tokenize bench-llama bench-finetune bench-loading bench-first-step install clean
 
 all: build
 
@@ -107,6 +107,10 @@ bench-tp: build bench-deps
 # network-namespace hosts over a shaped link (needs root).
 bench-pipeline: build
 	bash bench/pipeline.sh
+
+# Measured load balancing: one rank throttled by a cgroup, and none (needs root).
+bench-balance: build
+	BUILD_DIR=$(BUILD_DIR) /usr/bin/python3 bench/balance.py
 
 # Two network-namespace hosts over a shaped link (needs root).
 bench-multinode: build

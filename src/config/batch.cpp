@@ -77,6 +77,17 @@ BatchPlan Config::resolve_batch(int world_size) const {
     }
     return {*b.global, *b.micro, *b.accumulate};
   }
+  // Measured load balancing splits each micro-step's rows by the ranks'
+  // shares, so the global batch need not divide by the world: accumulate is
+  // as given (or the fewest micro-steps of batch.micro rows per rank), micro
+  // the even share rounded up (a rank may get none).
+  if (distributed.load_balance() == train::LoadBalance::Measured && b.global && !(b.micro && b.accumulate)) {
+    int64_t unit = 0;
+    const int64_t accumulate = b.accumulate ? *b.accumulate
+                               : checked_mul(*b.micro, world, unit) ? (*b.global + unit - 1) / unit
+                                                                    : 1;
+    return {*b.global, (*b.global + accumulate * world - 1) / (accumulate * world), accumulate};
+  }
   if (b.global && b.micro) {
     int64_t unit = 0;
     if (!checked_mul(*b.micro, world, unit) || *b.global % unit != 0) {

@@ -4,6 +4,9 @@
 //
 // A key's own range is its Rule; conditions between keys are in
 // check_relations() below, and the docs' Allowed column mentions them.
+#include <algorithm>
+#include <cmath>
+
 #include "key_table.h"
 
 namespace shardtrain::config::detail {
@@ -288,7 +291,28 @@ void declare_distributed(std::vector<Key>& keys) {
            "With `pipeline_parallel` > 1: the first decoder layer of each stage after the first "
            "(one entry fewer than the stages); the embedding goes with the first stage, the final "
            "norm and head with the last. Empty: the cut whose largest stage holds the fewest "
-           "parameters, the embedding and the head each counted as a layer.");
+           "parameters, the embedding and the head each counted as a layer.")
+      .key(ST_OPTION(load_balance),
+           "How each step's samples are split over the data-parallel ranks: `even` (equal "
+           "micro-batches), or `measured`: in proportion to each rank's measured compute speed "
+           "(ranks of unequal speed). The step's samples and the loss stay exactly those of `even`; "
+           "see docs/strategies.md.")
+      .key(ST_OPTION(rebalance_every), at_least(1),
+           "`measured`: steps between re-plans of the shares.")
+      .key(ST_OPTION(rebalance_gain), not_below(0.0, "a number >= 0, e.g. 0.05"),
+           "`measured`: the least predicted step-time gain (0.05: 5%) for which the shares are "
+           "re-planned, so that ranks of equal speed keep theirs.")
+      .key(ST_OPTION(straggler_factor), above(1.0, "a number > 1, e.g. 1.5"),
+           "`measured`: a rank whose speed stays this many times below the median is named in the "
+           "log, once, with its host; its recovery too.")
+      .key(ST_OPTION(shares),
+           rule([](const std::vector<double>& v) {
+                  return std::all_of(v.begin(), v.end(), [](double w) { return w > 0.0 && std::isfinite(w); });
+                },
+                "positive weights, one per data-parallel rank, e.g. [2, 1]", "each > 0"),
+           "`measured`: each data-parallel rank's starting share of the batch (weights of any "
+           "scale); empty: in proportion to the ranks' threads (`threads_per_rank`), so a 4-core "
+           "and a 2-core host start at 2:1.");
 }
 
 void declare_checkpoint_precision(std::vector<Key>& keys) {

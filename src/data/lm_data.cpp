@@ -79,6 +79,9 @@ LmData token_data(const config::DataConfig& c, DataFormat format, const Tokenize
   d.train_batch = [sampler](int64_t step, int64_t j, int64_t micro, int rank, int world) {
     return sampler->micro_batch(step, j, micro, rank, world);
   };
+  d.train_rows = [sampler](int64_t step, int64_t first, int64_t count) {
+    return sampler->step_rows(step, first, count);
+  };
   d.epoch_of = [sampler](int64_t step) { return sampler->epoch_of(step); };
   if (n_val > 0) {
     // Evaluation batch i is the i-th block of micro x world windows, in order.
@@ -144,6 +147,9 @@ LmData sample_data(const config::DataConfig& c, const Tokenizer& tok, int64_t bl
   d.stats.max_token = max_id(samples);
   d.train_batch = [sampler](int64_t step, int64_t j, int64_t micro, int rank, int world) {
     return sampler->micro_batch(step, j, micro, rank, world);
+  };
+  d.train_rows = [sampler](int64_t step, int64_t first, int64_t count) {
+    return sampler->step_rows(step, first, count);
   };
   d.epoch_of = [sampler](int64_t step) { return sampler->epoch_of(step); };
   if (n_val > 0) {

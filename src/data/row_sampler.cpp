@@ -38,10 +38,16 @@ Batch RowSampler::micro_batch(int64_t step, int64_t micro_step, int64_t micro_ba
            InvalidArgument, "RowSampler::micro_batch: step ", step, ", micro-step ", micro_step,
            ", micro_batch ", micro_batch, ", rank ", rank, " of ", world_size,
            " is not a split of the global batch ", global_batch_);
+  return step_rows(step, (micro_step * world_size + rank) * micro_batch, micro_batch);
+}
+
+Batch RowSampler::step_rows(int64_t step, int64_t first, int64_t count) const {
+  ST_CHECK(step >= 0 && first >= 0 && count >= 0 && first + count <= global_batch_, InvalidArgument,
+           "RowSampler::step_rows: rows [", first, ", ", first + count, ") of step ", step,
+           " are outside its global batch of ", global_batch_);
   const int64_t epoch = epoch_of(step);
-  const int64_t first = (step % steps_per_epoch()) * global_batch_ +
-                        (micro_step * world_size + rank) * micro_batch;
-  at::Tensor index = torch::arange(first, first + micro_batch, torch::kLong);
+  const int64_t start = (step % steps_per_epoch()) * global_batch_ + first;
+  at::Tensor index = torch::arange(start, start + count, torch::kLong);
   if (shuffle_) {
     if (cached_epoch_ != epoch) {
       const std::vector<int64_t> order = detail::permutation(num_rows(), seed_, epoch);

@@ -382,16 +382,22 @@ Batch WindowSampler::micro_batch(int64_t step, int64_t micro_step, int64_t micro
            micro_batch, " rows on ", world_size, " ranks runs past the global batch of ",
            global_batch_, "; hint: micro_batch * world_size * accumulation must equal it");
 
+  return step_rows(step, (micro_step * world_size + rank) * micro_batch, micro_batch);
+}
+
+Batch WindowSampler::step_rows(int64_t step, int64_t first, int64_t count) const {
+  ST_CHECK(step >= 0 && first >= 0 && count >= 0 && first + count <= global_batch_, InvalidArgument,
+           "WindowSampler::step_rows: rows [", first, ", ", first + count, ") of step ", step,
+           " are outside its global batch of ", global_batch_);
   const int64_t t = block_size_;
   const int64_t epoch = epoch_of(step);
-  const int64_t first = (step % steps_per_epoch()) * global_batch_ +
-                        (micro_step * world_size + rank) * micro_batch;
-  auto input = torch::empty({micro_batch, t}, torch::kLong);
-  auto target = torch::empty({micro_batch, t}, torch::kLong);
+  const int64_t start_row = (step % steps_per_epoch()) * global_batch_ + first;
+  auto input = torch::empty({count, t}, torch::kLong);
+  auto target = torch::empty({count, t}, torch::kLong);
   int64_t* in = input.data_ptr<int64_t>();
   int64_t* tg = target.data_ptr<int64_t>();
-  for (int64_t r = 0; r < micro_batch; ++r) {
-    const int64_t start = window_at(epoch, first + r) * t;
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t start = window_at(epoch, start_row + r) * t;
     tokens_.copy_to(start, t, in + r * t);
     tokens_.copy_to(start + 1, t, tg + r * t);
   }

@@ -118,7 +118,7 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x, const tor
   const torch::Tensor fused = lora_forward(*c_attn, in);
   auto qkv = fused.split(fused.size(2) / 3, /*dim=*/2);
   auto heads = [&](const torch::Tensor& y) {
-    return y.view({batch, t, -1, head_size}).transpose(1, 2);
+    return y.view({batch, t, y.size(2) / head_size, head_size}).transpose(1, 2);  // explicit: batch may be 0
   };
   auto k = heads(qkv[1]);
   auto v = heads(qkv[2]);
@@ -127,7 +127,7 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x, const tor
     v = detail::append_cache(*cache_v, v);
   }
   auto y = detail::causal_attention(heads(qkv[0]), k, v, segment, dropout_, is_training());
-  y = y.transpose(1, 2).contiguous().view({batch, t, -1});
+  y = y.transpose(1, 2).contiguous().view({batch, t, y.size(1) * y.size(3)});
   return maybe_dropout(detail::row_parallel(*this, *c_proj, y), dropout_, *this);
 }
 

@@ -155,7 +155,8 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, co
   // queries still read their own key/value head).
   const at::Tensor in = detail::column_input(*this, x);
   const int64_t b = in.size(0), t = in.size(1);
-  auto heads = [&](const at::Tensor& y) { return y.view({b, t, -1, head_dim_}).transpose(1, 2); };
+  // Explicit sizes: a micro-batch may hold no rows (uneven load balancing).
+  auto heads = [&](const at::Tensor& y) { return y.view({b, t, y.size(2) / head_dim_, head_dim_}).transpose(1, 2); };
   const auto q = apply_rotary(heads(lora_forward(*q_proj, in)), cos, sin);
   auto k = apply_rotary(heads(lora_forward(*k_proj, in)), cos, sin);
   auto v = heads(lora_forward(*v_proj, in));
@@ -164,7 +165,7 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, co
     v = detail::append_cache(*cache_v, v);
   }
   auto y = detail::causal_attention(q, k, v, segment, dropout_, is_training());
-  y = y.transpose(1, 2).reshape({b, t, -1});
+  y = y.transpose(1, 2).reshape({b, t, y.size(1) * y.size(3)});
   return detail::row_parallel(*this, *o_proj, y);
 }
 
@@ -307,8 +308,8 @@ at::Tensor LlamaImpl::run(int first, int end, const at::Tensor& input, const at:
                                       : at::arange(t, input.options().dtype(at::kLong)).unsqueeze(0).expand({b, t});
   // cos and sin [B, T, d], in the hidden states' dtype (as HF casts them).
   const auto flat = pos.reshape({-1});
-  const auto cos = rotary_.cos.index_select(0, flat).view({b, t, -1}).to(h.scalar_type());
-  const auto sin = rotary_.sin.index_select(0, flat).view({b, t, -1}).to(h.scalar_type());
+  const auto cos = rotary_.cos.index_select(0, flat).view({b, t, rotary_.cos.size(1)}).to(h.scalar_type());
+  const auto sin = rotary_.sin.index_select(0, flat).view({b, t, rotary_.sin.size(1)}).to(h.scalar_type());
   if (cache != nullptr && cache->keys.empty()) {
     cache->keys.resize(model->layers->size());
     cache->values.resize(model->layers->size());

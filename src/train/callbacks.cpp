@@ -134,6 +134,29 @@ void ProgressCallback::on_train_begin(TrainerState& state, TrainerControl&) {
   start_ = std::chrono::steady_clock::now();
 }
 
+namespace {
+
+// " | shares 0.667/0.333" under measured load balancing (the split the step
+// ran with), else "".
+std::string shares_text(const Metrics& logs) {
+  bool measured = false;
+  const std::vector<double>* shares = nullptr;
+  for (const auto& [key, value] : logs.entries()) {
+    if (key == "load_balance") measured = std::get_if<std::string>(&value) && std::get<std::string>(value) == "measured";
+    if (key == "shares") shares = std::get_if<std::vector<double>>(&value);
+  }
+  if (!measured || shares == nullptr) return "";
+  std::string text = " | shares ";
+  char one[32];
+  for (size_t k = 0; k < shares->size(); ++k) {
+    std::snprintf(one, sizeof(one), "%s%.3f", k ? "/" : "", (*shares)[k]);
+    text += one;
+  }
+  return text;
+}
+
+}  // namespace
+
 void ProgressCallback::on_log(TrainerState& state, TrainerControl&, const Metrics& logs) {
   if (!enabled_ || (state.rank != 0 && !to_launcher_)) return;
   const double elapsed =
@@ -164,9 +187,9 @@ void ProgressCallback::on_log(TrainerState& state, TrainerControl&, const Metric
                  (long long)state.step, (long long)state.max_steps, state.loss, state.lr,
                  tokens_per_s, format_duration(eta).c_str());
   } else {
-    std::fprintf(out_, "step %lld/%lld | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s | eta %s\n",
+    std::fprintf(out_, "step %lld/%lld | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s | eta %s%s\n",
                  (long long)state.step, (long long)state.max_steps, state.loss, state.lr,
-                 state.grad_norm, tokens_per_s, format_duration(eta).c_str());
+                 state.grad_norm, tokens_per_s, format_duration(eta).c_str(), shares_text(logs).c_str());
   }
   flush_log(out_);
 }

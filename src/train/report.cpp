@@ -44,7 +44,9 @@ struct Run {
   std::string strategy, precision;
   int64_t world_size = 0;
   std::map<std::string, Points> series;  // by metric key (and derived ones)
-  std::vector<Points> rss_ranks;         // peak_rss_mb per rank
+  // A series per rank: peak_rss_mb_ranks, compute_s_ranks (compute seconds
+  // of each rank), shares (each data-parallel rank's share of the batch).
+  std::map<std::string, std::vector<Points>> ranks;
   nlohmann::json timeline;               // pipeline_timeline.json; null when absent
 };
 
@@ -127,16 +129,17 @@ Run load_run(const std::string& dir) {
     }
     add("comm_hidden", 100.0 * detail::comm_hidden(number(row, "comm_busy_s"),
                                                    number(row, "comm_exposed_s")));
-    const auto ranks = row.find("peak_rss_mb_ranks");
-    if (ranks != row.end() && ranks->is_array()) {
-      if (run.rss_ranks.size() < ranks->size()) run.rss_ranks.resize(ranks->size());
+    for (const char* key : {"peak_rss_mb_ranks", "compute_s_ranks", "shares"}) {
+      const auto ranks = row.find(key);
+      if (ranks == row.end() || !ranks->is_array()) continue;
+      auto& series = run.ranks[key];
+      if (series.size() < ranks->size()) series.resize(ranks->size());
       for (size_t r = 0; r < ranks->size(); ++r) {
         const auto& v = (*ranks)[r];
-        if (v.is_number() && std::isfinite(v.get<double>())) {
-          run.rss_ranks[r].push_back({step, v.get<double>()});
-        }
+        if (v.is_number() && std::isfinite(v.get<double>())) series[r].push_back({step, v.get<double>()});
       }
-    } else {
+    }
+    if (!row.contains("peak_rss_mb_ranks")) {
       add("peak_rss_mb", number(row, "peak_rss_mb"));  // older runs: the largest rank's only
     }
     if (row.contains("strategy") && row["strategy"].is_string()) run.strategy = row["strategy"];
@@ -347,21 +350,30 @@ std::string charts(const std::vector<Run>& runs) {
     }
     os << chart(s.key, s.title, s.y_label, lines);
   }
-  // Memory: a line per rank; one run colours its ranks, several runs colour
-  // by run and tell ranks apart by dashes.
-  std::vector<Line> rss;
-  for (size_t i = 0; i < runs.size(); ++i) {
-    const Run& run = runs[i];
-    if (run.rss_ranks.empty()) {
-      rss.push_back({label(runs, run, "largest rank"), colour(i), false, false, &series_of(run, "peak_rss_mb")});
+  // A line per rank; one run colours its ranks, several runs colour by run
+  // and tell ranks apart by dashes. Memory falls back to older runs' largest
+  // rank; compute time and shares appear for runs that logged them.
+  const auto per_rank = [&](const char* key, const char* id, const char* title, const char* y_label,
+                            const char* fallback) {
+    std::vector<Line> lines;
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const Run& run = runs[i];
+      const auto found = run.ranks.find(key);
+      if (found == run.ranks.end()) {
+        if (fallback) lines.push_back({label(runs, run, "largest rank"), colour(i), false, false, &series_of(run, fallback)});
+        continue;
+      }
+      for (size_t r = 0; r < found->second.size(); ++r) {
+        const bool one = runs.size() == 1;
+        lines.push_back({label(runs, run, "rank " + std::to_string(r)), colour(one ? r : i), !one && r > 0, false,
+                         &found->second[r]});
+      }
     }
-    for (size_t r = 0; r < run.rss_ranks.size(); ++r) {
-      const bool one = runs.size() == 1;
-      rss.push_back({label(runs, run, "rank " + std::to_string(r)), colour(one ? r : i), !one && r > 0,
-                     false, &run.rss_ranks[r]});
-    }
-  }
-  os << chart("peak_rss_mb", "Peak resident memory per rank", "MB", rss);
+    if (!lines.empty()) os << chart(id, title, y_label, lines);
+  };
+  per_rank("peak_rss_mb_ranks", "peak_rss_mb", "Peak resident memory per rank", "MB", "peak_rss_mb");
+  per_rank("compute_s_ranks", "compute_s", "Compute time per rank and step (waits excluded)", "s", nullptr);
+  per_rank("shares", "shares", "Share of the batch per data-parallel rank", "share", nullptr);
   std::vector<Line> hidden;
   for (size_t i = 0; i < runs.size(); ++i) {
     hidden.push_back({label(runs, runs[i], ""), colour(i), false, false, &series_of(runs[i], "comm_hidden")});

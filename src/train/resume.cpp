@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/json.h"
+#include "train/balance.h"
 #include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/checkpoint/optimizer_state.h"
 #include "shardtrain/comm/communicator.h"
@@ -80,6 +81,11 @@ std::string Trainer::save_checkpoint() {
   }
   if (best_step_ >= 0) {
     state["best"] = {{"monitor", config_.checkpoint.monitor}, {"value", best_value_}, {"step", best_step_}};
+  }
+  // Measured shares, so that a resumed run computes the same batches on
+  // the same ranks (the losses do not depend on them beyond fp32 order).
+  if (config_.distributed.load_balance() == LoadBalance::Measured) {
+    state["load_balance"] = nlohmann::json::parse(balance_->to_json());
   }
   state["config"] = config_.to_yaml();
   if (reference_base_) state[detail::kBaseKey] = nlohmann::json::parse(base_identity_);
@@ -179,6 +185,12 @@ void Trainer::restore_train_state(const std::string& dir, const ck::LoadResult& 
     if (state.contains("best") && state["best"].value("monitor", "") == config_.checkpoint.monitor) {
       best_value_ = state["best"].at("value").get<double>();
       best_step_ = state["best"].at("step").get<int64_t>();
+    }
+    if (config_.distributed.load_balance() == LoadBalance::Measured && state.contains("load_balance") &&
+        !balance_->restore(state["load_balance"].dump()) && comm_->rank() == 0) {
+      std::fprintf(stderr, "warning: the checkpoint's load-balance shares are for %zu data-parallel ranks, this "
+                   "run has %d; starting from shares by threads and measuring again\n",
+                   state["load_balance"].at("shares").size(), balance_->ranks());
     }
   } catch (const nlohmann::json::exception& e) {
     // A missing or mistyped field: the checkpoint's fault, not a bug of ours.

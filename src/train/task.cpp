@@ -62,6 +62,7 @@ TrainTask lm_task(const config::Config& config, std::shared_ptr<models::CausalLM
   };
   task.count_targets = count_non_ignored;
   task.train_batch = data.train_batch;
+  task.train_rows = data.train_rows;
   task.epoch_of = data.epoch_of;
   task.eval_batch = data.eval_batch;
   task.static_metrics.set("num_parameters", count_parameters(*model));
@@ -93,10 +94,12 @@ TrainTask regression_task(const config::Config& config, std::shared_ptr<models::
     return torch::mse_loss(model->forward(b.input), b.target, at::Reduction::Sum);
   };
   task.count_targets = [](const data::Batch& b) { return b.target.numel(); };
-  task.train_batch = [make, seed, global](int64_t step, int64_t j, int64_t micro, int rank, int world) {
+  task.train_rows = [make, seed, global](int64_t step, int64_t first, int64_t count) {
     const data::Batch whole = make(seed * 1000003ULL + static_cast<uint64_t>(step), global);
-    const int64_t first = (j * world + rank) * micro;
-    return data::Batch{whole.input.narrow(0, first, micro), whole.target.narrow(0, first, micro), {}, {}};
+    return data::Batch{whole.input.narrow(0, first, count), whole.target.narrow(0, first, count), {}, {}};
+  };
+  task.train_batch = [rows = task.train_rows](int64_t step, int64_t j, int64_t micro, int rank, int world) {
+    return rows(step, (j * world + rank) * micro, micro);
   };
   task.eval_batch = [make, seed](int64_t index, int64_t micro, int rank, int world) {
     const data::Batch whole = make(~seed - static_cast<uint64_t>(index), micro * world);

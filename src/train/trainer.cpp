@@ -2,6 +2,7 @@
 #include "shardtrain/train/trainer.h"
 
 #include <malloc.h>
+#include <unistd.h>
 #include <sys/resource.h>
 #include <torch/torch.h>
 #include <ATen/autocast_mode.h>
@@ -33,6 +34,7 @@
 #include "shardtrain/train/callbacks.h"
 #include "shardtrain/train/plan.h"
 #include "shardtrain/train/schedule.h"
+#include "train/balance.h"
 #include "train/fused_adamw.h"
 #include "train/lora.h"
 #include "train/profile.h"
@@ -168,6 +170,48 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
   at::set_num_threads(threads_);
   set_blas_threads(threads_);
   blas_core_ = blas_core();
+  {
+    // Shares of the batch: distributed.shares, else by each data-parallel
+    // rank's threads (its fewest over its tensor- and pipeline-parallel
+    // ranks), so hosts of different core counts start apart. Where each
+    // runs, for the log.
+    const auto& d = config_.distributed;
+    const bool measured = d.load_balance() == LoadBalance::Measured;
+    ST_CHECK(!measured || task_.train_rows, ConfigError,
+             "distributed.load_balance=measured: this task serves only even micro-batches (no "
+             "TrainTask::train_rows); set distributed.load_balance: even");
+    ST_CHECK(d.shares().empty() || static_cast<int>(d.shares().size()) == dp_->size(), ConfigError,
+             "distributed.shares has ", d.shares().size(), " entries for ", dp_->size(),
+             " data-parallel ranks; give one weight per data-parallel rank (world / (tensor_parallel x "
+             "pipeline_parallel)), or leave it empty");
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    const std::vector<std::string> places = ck::detail::all_gather_strings(
+        *comm_, ::shardtrain::detail::str_cat(dp_->rank(), ' ', threads_, ' ', host, " (node ", env.node_rank, ")"));
+    std::vector<double> threads(static_cast<size_t>(dp_->size()), 0.0);
+    dp_places_.assign(static_cast<size_t>(dp_->size()), "");
+    for (size_t r = 0; r < places.size(); ++r) {
+      std::istringstream in(places[r]);
+      int k = 0;
+      double t = 0.0;
+      in >> k >> t;
+      std::string where;
+      std::getline(in >> std::ws, where);
+      auto& min = threads[static_cast<size_t>(k)];
+      min = min > 0.0 ? std::min(min, t) : t;
+      if (dp_places_[static_cast<size_t>(k)].empty()) {
+        dp_places_[static_cast<size_t>(k)] =
+            ::shardtrain::detail::str_cat(dp_->size() == comm_->size() ? "" : "world ", "rank ", r, " on host ", where);
+      }
+    }
+    detail::BalanceOptions bo;
+    bo.rebalance_every = measured ? d.rebalance_every() : 0;
+    bo.min_gain = d.rebalance_gain();
+    bo.straggler_factor = d.straggler_factor();
+    std::vector<double> start(static_cast<size_t>(dp_->size()), 1.0);
+    if (measured) start = d.shares().empty() ? threads : d.shares();
+    balance_ = std::make_unique<detail::LoadBalancer>(start, bo);
+  }
   if (comm_->rank() == 0) {
     const std::string warning = blas_coretype_warning();
     if (!warning.empty()) std::fprintf(stderr, "warning: %s\n", warning.c_str());
@@ -361,13 +405,14 @@ void Trainer::run_step() {
   // padded or uneven micro-batches give the gradient of one big batch.
   std::vector<data::Batch> window;
   window.reserve(static_cast<size_t>(accumulate));
-  int64_t total_targets = 0;
+  int64_t total_targets = 0, local_samples = 0;
   {
     ST_PROFILE_PHASE("data");
     int64_t local_targets = 0;
     for (int64_t j = 0; j < accumulate; ++j) {
-      window.push_back(task_.train_batch(step, j, batch_.micro, dp_->rank(), dp_->size()));
+      window.push_back(micro_batch(step, j));
       local_targets += task_.count_targets(window.back());
+      local_samples += window.back().input.defined() ? window.back().input.size(0) : 0;
     }
     auto targets = torch::tensor({local_targets}, torch::kLong);
     dp_->all_reduce(targets);
@@ -382,6 +427,7 @@ void Trainer::run_step() {
 
   // Forward and backward over the window; only the last micro-step's
   // backward communicates.
+  const auto compute_start = Clock::now();
   double loss_sum = 0.0;
   parallel::PipelineStepStats pipe_stats;
   {
@@ -418,6 +464,14 @@ void Trainer::run_step() {
     ST_PROFILE_PHASE("sync");
     strategy_->finish_gradient_sync();
   }
+  // This rank's compute: forward and backward less the time it waited for
+  // collectives (data-parallel gathers and reductions, tensor-parallel ones);
+  // under a pipeline, its stages' work.
+  const double compute_s =
+      pipeline_ ? pipe_stats.busy_s
+                : std::max(0.0, std::chrono::duration<double>(Clock::now() - compute_start).count() -
+                                    strategy_->comm_stats().exposed_s -
+                                    (mesh_->tp()->busy_seconds() - tp_busy_before));
 
   // Overflowed fp16 steps are skipped by every rank alike; otherwise clip by
   // the global norm and step.
@@ -449,11 +503,12 @@ void Trainer::run_step() {
   // (a tensor-parallel group's loss counted once, its first rank's).
   // (Under a pipeline, the last stage's ranks hold the loss.)
   const double counted_loss = mesh_->tp()->rank() == 0 ? loss_sum : 0.0;
-  auto local = torch::tensor({counted_loss, peak_rss_mb(), step_time, pipe_stats.busy_s, pipe_stats.span_s},
+  auto local = torch::tensor({counted_loss, peak_rss_mb(), step_time, pipe_stats.busy_s, pipe_stats.span_s,
+                              compute_s, static_cast<double>(local_samples), static_cast<double>(dp_->rank())},
                              torch::kDouble);
-  auto all = torch::empty({5 * comm_->size()}, torch::kDouble);
+  auto all = torch::empty({8 * comm_->size()}, torch::kDouble);
   comm_->all_gather(local, all);
-  auto per_rank = all.view({comm_->size(), 5});
+  auto per_rank = all.view({comm_->size(), 8});
   state_.loss = per_rank.select(1, 0).sum().item<double>() / static_cast<double>(total_targets);
   const at::Tensor rss_ranks = per_rank.select(1, 1).contiguous();
   const double rss = rss_ranks.max().item<double>();
@@ -473,6 +528,7 @@ void Trainer::run_step() {
   m.set("peak_rss_mb_ranks", std::vector<double>(rss_ranks.data_ptr<double>(),
                                                  rss_ranks.data_ptr<double>() + comm_->size()));
   m.set("world_size", static_cast<int64_t>(comm_->size()));
+  balance_step(per_rank, m);
   m.set("tensor_parallel", static_cast<int64_t>(mesh_->shape().tp()));
   m.set("pipeline_parallel", static_cast<int64_t>(mesh_->shape().pp()));
   if (pipeline_) {
@@ -528,6 +584,55 @@ void Trainer::run_step() {
   for_each_callback([&](Callback& c) { c.on_step_end(state_, control_); });
   agree_on_control();
   if (pipeline_ && control_.should_log) write_pipeline_timeline(pipe_stats);
+}
+
+data::Batch Trainer::micro_batch(int64_t step, int64_t j) {
+  if (config_.distributed.load_balance() == LoadBalance::Even) {
+    return task_.train_batch(step, j, batch_.micro, dp_->rank(), dp_->size());
+  }
+  const auto [first, count] = balance_->rows(batch_.global, batch_.accumulate, j, dp_->rank());
+  return task_.train_rows(step, first, count);
+}
+
+void Trainer::balance_step(const at::Tensor& per_rank, Metrics& m) {
+  // A data-parallel rank's compute is its slowest tensor- or pipeline-
+  // parallel rank's (they wait for each other); its samples are theirs.
+  const int dp = dp_->size();
+  std::vector<double> compute(static_cast<size_t>(dp), 0.0), samples(static_cast<size_t>(dp), 0.0);
+  std::vector<double> compute_ranks;
+  const auto a = per_rank.accessor<double, 2>();
+  for (int r = 0; r < comm_->size(); ++r) {
+    const auto k = static_cast<size_t>(a[r][7]);
+    compute_ranks.push_back(a[r][5]);
+    compute[k] = std::max(compute[k], a[r][5]);
+    samples[k] = a[r][6];
+  }
+  const std::vector<double> before = balance_->shares();
+  const detail::BalanceEvents events = balance_->observe(state_.step, samples, compute);
+  m.set("compute_s_ranks", compute_ranks);
+  m.set("samples_ranks", samples);
+  m.set("shares", before);  // the split this step ran with
+  m.set("load_balance", enum_name(config_.distributed.load_balance()));
+  if (comm_->rank() != 0) return;
+  // The log names what changed: the split, and ranks that fell behind the
+  // median or caught up (each once, with where it runs).
+  const auto& now = balance_->shares();
+  const auto relative = [&](int k) { return now[static_cast<size_t>(k)] * dp; };
+  if (events.replanned) {
+    std::string split;
+    for (double x : now) split += ::shardtrain::detail::str_cat(split.empty() ? "" : " ", std::lround(1000 * x) / 1000.0);
+    std::printf("load balance: after step %lld the shares are %s (predicted step time %.2fx shorter)\n",
+                static_cast<long long>(state_.step), split.c_str(), events.predicted_gain);
+  }
+  for (int k : events.slowed) {
+    std::printf("%s is %.1fx slower than the median; its share is now %.2fx\n", dp_places_[static_cast<size_t>(k)].c_str(),
+                balance_->slowdown(k), relative(k));
+  }
+  for (int k : events.recovered) {
+    std::printf("%s has recovered (%.1fx the median's time per sample); its share is now %.2fx\n",
+                dp_places_[static_cast<size_t>(k)].c_str(), balance_->slowdown(k), relative(k));
+  }
+  if (events.replanned || !events.slowed.empty() || !events.recovered.empty()) std::fflush(stdout);
 }
 
 void Trainer::write_pipeline_timeline(const parallel::PipelineStepStats& stats) {

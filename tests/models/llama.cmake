@@ -64,7 +64,16 @@ set(LLAMA_TRAIN_CASES
   "pp2_zero1_x2_checkpointing_zero_bubble gqa_llama3 zero1x4 distributed.pipeline_parallel=2 distributed.pipeline_schedule=zero_bubble model.activation_checkpointing=true"
   # 3-D: pipeline x tensor parallel (sequence and loss parallel), and x data parallel (8 ranks).
   "pp2_tp2 gqa_llama3 ddpx4 distributed.pipeline_parallel=2 distributed.tensor_parallel=2"
-  "pp2_tp2_full_shard_x2 gqa_llama3 full_shardx8 distributed.pipeline_parallel=2 distributed.tensor_parallel=2")
+  "pp2_tp2_full_shard_x2 gqa_llama3 full_shardx8 distributed.pipeline_parallel=2 distributed.tensor_parallel=2"
+  # Measured load balancing (distributed.load_balance): the ranks start at
+  # uneven shares and re-plan every 2 steps; each step's rows and loss stay
+  # the global batch's, under every data-parallel strategy and the data-
+  # parallel dimension of a pipeline.
+  "balance_ddp_x2 gqa_llama3 ddpx2 distributed.load_balance=measured distributed.shares=[3,1] distributed.rebalance_every=2"
+  "balance_zero1_x2 gqa_llama3 zero1x2 distributed.load_balance=measured distributed.shares=[1,3] distributed.rebalance_every=2"
+  "balance_full_shard_x2 gqa_llama3 full_shardx2 distributed.load_balance=measured distributed.shares=[3,1] distributed.rebalance_every=2"
+  "balance_hybrid_shard_x4 gqa_llama3 hybrid_shardx4 distributed.load_balance=measured distributed.shares=[3,1,1,2] distributed.rebalance_every=2"
+  "balance_pp2_ddp_x2 gqa_llama3 ddpx4 distributed.pipeline_parallel=2 distributed.load_balance=measured distributed.shares=[3,1] distributed.rebalance_every=2")
 foreach(case ${LLAMA_TRAIN_CASES})
   string(REPLACE " " ";" args ${case})
   list(POP_FRONT args name)
@@ -80,6 +89,15 @@ foreach(spec single ddpx2:tp2 ddpx2:pp2)
   add_test(NAME models.llama.packed.${name}
            COMMAND ${LLAMA_PARITY} packed ${SHARDTRAIN_CLI} $<TARGET_FILE:llama_logits> ${PROJECT_SOURCE_DIR} ${spec})
 endforeach()
+
+# Packed masked rows split by measured shares over two data-parallel ranks.
+add_test(NAME models.llama.packed.balance
+         COMMAND ${LLAMA_PARITY} packed ${SHARDTRAIN_CLI} $<TARGET_FILE:llama_logits> ${PROJECT_SOURCE_DIR} ddpx2:lb3-1)
+
+# A checkpoint saved under measured load balancing resumes with its shares
+# (the first resumed step runs with the checkpoint's), and under one process.
+add_test(NAME models.llama.reshard_balance
+         COMMAND ${LLAMA_PARITY} reshard ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR} ddpx2:lb3-1 ddpx2:lb3-1 single)
 
 # A checkpoint saved under tp2 x full_shard 2 resumes under one process,
 # ddp x4 and tp4 (each piece records its place in the whole tensor).

@@ -362,6 +362,8 @@ def cmd_train(cli, src, variant, spec, *options):
             if clip and not min(their_norms) > float(clip[0]):
                 fail(f"{what}: clipping at {clip[0]} did not fire on every step (norms {their_norms})")
         compare_weights(os.path.join(work, "run", "model"), weights, hf, tol, what)
+        if "distributed.load_balance=measured" in sets:
+            check_uneven(what, os.path.join(work, "run"))
         print(f"{what}: {STEPS} losses, gradient norms and the exported weights match the reference "
               f"(last loss {ours[-1]:.6f} vs {theirs[-1]:.6f})")
     finally:
@@ -369,14 +371,37 @@ def cmd_train(cli, src, variant, spec, *options):
 
 
 def layout(spec):
-    """'full_shardx4:tp2:pp2' -> ('full_shardx4', its --set values, model-parallel ranks (tp x pp))."""
+    """'full_shardx4:tp2:pp2' -> ('full_shardx4', its --set values, model-parallel ranks (tp x pp)).
+    A dimension 'lb3-1' is measured load balancing starting from shares 3:1
+    (re-planned every 2 steps)."""
     strategy, *dims = spec.split(":")
     sets, model_parallel = [], 1
     for d in dims:
+        if d.startswith("lb"):
+            sets += balance_sets(d[2:].split("-"))
+            continue
         key = {"tp": "tensor_parallel", "pp": "pipeline_parallel"}[d[:2]]
         sets.append(f"distributed.{key}={d[2:]}")
         model_parallel *= int(d[2:])
     return strategy, sets, model_parallel
+
+
+def balance_sets(shares):
+    """Measured load balancing from `shares`, re-planned every 2 steps: the
+    ranks compute uneven parts of each micro-step from the first step on."""
+    return ["distributed.load_balance=measured", f"distributed.shares=[{','.join(shares)}]",
+            "distributed.rebalance_every=2"]
+
+
+def metrics_rows(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if '"loss"' in line]
+
+
+def check_uneven(what, run_dir):
+    """A load-balanced run really split its micro-steps unevenly."""
+    if not any(len(set(r.get("samples_ranks", []))) > 1 for r in metrics_rows(run_dir)):
+        fail(f"{what}: every step split its samples evenly (samples_ranks in metrics.jsonl)")
 
 
 def cmd_reshard(cli, src, save_spec, *load_specs):
@@ -412,6 +437,14 @@ def cmd_reshard(cli, src, save_spec, *load_specs):
             if len(after) != STEPS - 5:
                 fail(f"reshard: {save_spec} -> {spec}: {len(after)} steps after resuming, expected {STEPS - 5}")
             check_losses(f"reshard: {save_spec} -> {spec}", after, theirs[5:], first_step=6)
+            if "distributed.load_balance=measured" in sets and strategy_args(strategy)[0] == strategy_args(parse(save_spec)[0])[0]:
+                # Measured shares continue where the checkpoint left them.
+                with open(os.path.join(checkpoint, "train_state.bin")) as f:
+                    saved_shares = json.load(f)["load_balance"]["shares"]
+                first = metrics_rows(resumed)[0]["shares"]
+                if any(abs(a - b) > 1e-6 for a, b in zip(first, saved_shares)) or len(first) != len(saved_shares):
+                    fail(f"reshard: {save_spec} -> {spec}: step 6 ran with shares {first}, the checkpoint holds "
+                         f"{saved_shares}")
             compare_weights(os.path.join(resumed, "model"), os.path.join(work, "ref.safetensors"), hf, FP32,
                             f"reshard {save_spec} -> {spec}")
             print(f"reshard: saved under {save_spec}, resumed under {spec}: steps 6..10 and the exported "
@@ -493,8 +526,13 @@ def cmd_packed(cli, logits_bin, src, spec, *sets):
             fail(f"packed: the batches hold {packed_rows} rows of several records and {masked} masked targets")
         world, ours, our_norms = shardtrain_train(cli, src, hf, os.path.join(work, "run"), strategy,
                                                   data_sets + model_sets + list(sets), with_norms=True)
-        if world // model_parallel != 1:
+        # The batches are one rank's; under measured load balancing several
+        # data-parallel ranks split each of its micro-steps (the same rows).
+        balanced = "distributed.load_balance=measured" in model_sets
+        if world // model_parallel != 1 and not balanced:
             fail(f"packed: {spec} has {world // model_parallel} data-parallel ranks; the batches are one rank's")
+        if balanced:
+            check_uneven(f"packed {spec}", os.path.join(work, "run"))
         out = os.path.join(work, "ref.json")
         weights = os.path.join(work, "ref.safetensors")
         ref("train", hf, "--steps", str(STEPS), "--batches", batches, "--warmup", "2", "--out", out,

@@ -263,6 +263,11 @@ Config every_key_set() {
       .pipeline_schedule(shardtrain::parallel::PipelineSchedule::Interleaved1F1B)
       .stages_per_rank(3)
       .pipeline_split({1, 2, 4, 5, 6});
+  c.distributed.load_balance(shardtrain::train::LoadBalance::Measured)
+      .rebalance_every(7)
+      .rebalance_gain(0.125)
+      .straggler_factor(2.5)
+      .shares({2, 1.5});
   c.precision = PrecisionKind::Bf16Mixed;
   c.loss_scaler.initial_scale_power(12)
       .loss_scale_window(50)
@@ -677,6 +682,38 @@ TEST(ConfigErrors, PipelineLayoutsThatCannotCut) {
   EXPECT_HAS(parse_error("distributed: {pipeline_parallel: 2, strategy: single}"), "distributed.strategy");
   EXPECT_HAS(parse_error("distributed: {pipeline_parallel: 0}"), "an integer in 1..1024");
   EXPECT_HAS(parse_error("distributed: {pipeline_schedule: 2f2b}"), "interleaved_1f1b");
+}
+
+// Load-balancing keys out of range are refused when the config is read.
+TEST(ConfigErrors, LoadBalanceKeys) {
+  EXPECT_HAS(parse_error("distributed: {load_balance: fastest}"), "even, measured");
+  EXPECT_HAS(parse_error("distributed: {shares: [1, 0]}"), "positive weights, one per data-parallel rank");
+  EXPECT_HAS(parse_error("distributed: {shares: [2, -1]}"), "distributed.shares");
+  EXPECT_HAS(parse_error("distributed: {rebalance_every: 0}"), "distributed.rebalance_every");
+  EXPECT_HAS(parse_error("distributed: {straggler_factor: 1}"), "a number > 1");
+  EXPECT_HAS(parse_error("distributed: {rebalance_gain: -0.1}"), "a number >= 0");
+  EXPECT_NO_THROW(Config::parse("distributed: {load_balance: measured, shares: [2, 1], rebalance_every: 5}"));
+}
+
+// Under measured load balancing the global batch need not divide by the
+// ranks: micro is the even share rounded up (a rank may get none).
+TEST(ConfigErrors, MeasuredBatchesNeedNotDivide) {
+  Config c = Config::parse("batch: {global: 5, micro: null, accumulate: 1}\n"
+                           "distributed: {load_balance: measured}\n");
+  const BatchPlan p = c.resolve_batch(2);
+  EXPECT_EQ(p.global, 5);
+  EXPECT_EQ(p.micro, 3);
+  EXPECT_EQ(p.accumulate, 1);
+  const BatchPlan q = Config::parse("batch: {global: 10, micro: 2, accumulate: null}\n"
+                                    "distributed: {load_balance: measured}\n").resolve_batch(2);
+  EXPECT_EQ(q.accumulate, 3);  // the fewest micro-steps of 2 rows per rank: ceil(10 / 4)
+  EXPECT_EQ(q.micro, 2);       // ceil(10 / (3 x 2))
+  const BatchPlan one = Config::parse("batch: {global: 1, micro: null, accumulate: 1}\n"
+                                      "distributed: {load_balance: measured}\n").resolve_batch(2);
+  EXPECT_EQ(one.micro, 1);
+  // Under even the same batch is refused with the arithmetic.
+  EXPECT_THROW(Config::parse("batch: {global: 5, micro: null, accumulate: 1}\n").resolve_batch(2),
+               shardtrain::ConfigError);
 }
 
 // Tensor parallelism's impossible layouts are refused when the config is

@@ -168,3 +168,25 @@ TEST(Report, NotARunDirectory) {
 }
 
 }  // namespace
+
+TEST(Report, ComputeTimeAndSharesPerRank) {
+  // Load-balanced runs log each rank's compute seconds and share: a line
+  // per rank in two charts of their own.
+  st::testing::TempDir tmp("shardtrain_report");
+  const std::string run = tmp / "balanced";
+  std::string lines;
+  for (int step = 1; step <= 3; ++step) {
+    std::string line = step_line(step, "5.0");
+    line.insert(line.size() - 2, ", \"compute_s_ranks\": [0.1, 0.2], \"shares\": [0.5, 0.5]");
+    lines += line;
+  }
+  write(run + "/metrics.jsonl", lines);
+  const std::string html = st::train::render_report({run});
+  for (const char* key : {"compute_s", "shares"}) {
+    const std::string fig = figure(html, key);
+    ASSERT_FALSE(fig.empty()) << key;
+    EXPECT_EQ(count(fig, "<path class=\"series\""), 2u) << key;
+    EXPECT_NE(fig.find("rank 1"), std::string::npos) << key;
+  }
+  EXPECT_EQ(count(html, "<figure class=\"chart\""), 10u);
+}

@@ -208,6 +208,18 @@ struct DistributedConfig : strategy::StrategyOptions {
   /// The first decoder layer of each stage after the first; empty: the cut
   /// that balances the stages' parameters.
   ST_ARG(std::vector<int64_t>, pipeline_split) = {};
+  /// How each step's samples are split over the data-parallel ranks:
+  /// equally, or by each rank's measured compute speed.
+  ST_ARG(train::LoadBalance, load_balance) = train::LoadBalance::Even;
+  /// measured: steps between re-plans of the shares.
+  ST_ARG(int64_t, rebalance_every) = 20;
+  /// measured: the least predicted step-time gain (0.05: 5%) worth a re-plan.
+  ST_ARG(double, rebalance_gain) = 0.05;
+  /// measured: a rank this many times slower than the median is named.
+  ST_ARG(double, straggler_factor) = 1.5;
+  /// measured: each data-parallel rank's starting share (any positive
+  /// weights); empty: in proportion to the ranks' threads.
+  ST_ARG(std::vector<double>, shares) = {};
 
  public:
   /// The ranks that see different data among `world`: world / (tensor_parallel x pipeline_parallel).

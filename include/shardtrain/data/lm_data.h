@@ -39,6 +39,8 @@ struct LmDataStats {
 struct LmData {
   std::function<Batch(int64_t step, int64_t micro_step, int64_t micro_batch, int rank, int world)>
       train_batch;
+  /// Rows [first, first + count) of a step's global batch (TrainTask::train_rows).
+  std::function<Batch(int64_t step, int64_t first, int64_t count)> train_rows;
   /// Empty when val_fraction is 0. Index i wraps around the held-out rows.
   std::function<Batch(int64_t index, int64_t micro_batch, int rank, int world)> eval_batch;
   std::function<int64_t(int64_t step)> epoch_of;

@@ -26,6 +26,10 @@ class RowSampler {
   /// The micro-batch of micro-step `micro_step` of step `step` for `rank`.
   Batch micro_batch(int64_t step, int64_t micro_step, int64_t micro_batch, int rank,
                     int world_size) const;
+  /// Rows [first, first + count) of step `step`'s global batch, in the
+  /// order of its micro-steps and ranks (micro_batch's rows are the even
+  /// split of these); count 0 gives a batch of no rows.
+  Batch step_rows(int64_t step, int64_t first, int64_t count) const;
   /// Rows [first, first + count) in stored order (evaluation).
   Batch rows(int64_t first, int64_t count) const;
 

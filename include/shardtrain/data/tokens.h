@@ -113,6 +113,9 @@ class WindowSampler {
   /// accumulation must equal the global batch (checked by the caller).
   Batch micro_batch(int64_t step, int64_t micro_step, int64_t micro_batch, int rank,
                     int world_size) const;
+  /// Rows [first, first + count) of step `step`'s global batch, in the
+  /// order of its micro-steps and ranks; count 0 gives a batch of no rows.
+  Batch step_rows(int64_t step, int64_t first, int64_t count) const;
 
  private:
   // Window index (into the source) of position `i` of epoch `epoch`'s order.

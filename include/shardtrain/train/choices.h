@@ -47,4 +47,10 @@ ST_ENUM_NAMES(ProgressMode, {ProgressMode::Auto, "auto"}, {ProgressMode::Bar, "b
 enum class MonitorMode { Min, Max };
 ST_ENUM_NAMES(MonitorMode, {MonitorMode::Min, "min"}, {MonitorMode::Max, "max"});
 
+/// How the global batch is split over the data-parallel ranks: equally, or
+/// in proportion to each rank's measured compute speed (docs/strategies.md,
+/// "Ranks of unequal speed").
+enum class LoadBalance { Even, Measured };
+ST_ENUM_NAMES(LoadBalance, {LoadBalance::Even, "even"}, {LoadBalance::Measured, "measured"});
+
 }  // namespace shardtrain::train

@@ -42,6 +42,11 @@ struct TrainTask {
   std::function<data::Batch(int64_t step, int64_t micro_step, int64_t micro_batch, int rank,
                             int world)>
       train_batch;
+  /// Rows [first, first + count) of optimizer step `step`'s global batch
+  /// (count may be 0: a batch of no rows), in the order train_batch's
+  /// micro-steps and ranks take them. Empty: the task serves only even
+  /// splits (distributed.load_balance: measured is refused).
+  std::function<data::Batch(int64_t step, int64_t first, int64_t count)> train_rows;
   /// Evaluation micro-batch `index` for `rank`; empty: no evaluation.
   std::function<data::Batch(int64_t index, int64_t micro_batch, int rank, int world)> eval_batch;
   /// Epoch of a step; empty: always epoch 0.

@@ -41,6 +41,9 @@ struct LoadResult;
 }
 
 namespace shardtrain::train {
+namespace detail {
+class LoadBalancer;
+}
 
 class Trainer {
  public:
@@ -109,6 +112,13 @@ class Trainer {
   parallel::PipelineStepFns pipeline_fns();
   // Collective: the step's pipeline work per rank, to <run.dir>/pipeline_timeline.json (rank 0).
   void write_pipeline_timeline(const parallel::PipelineStepStats& stats);
+  // Micro-step j's batch of this rank: the even split, or its share's rows.
+  data::Batch micro_batch(int64_t step, int64_t j);
+  // After a step: every rank's compute seconds and samples (columns of
+  // `per_rank`, one row per world rank, as the step's all-gather left them)
+  // into the load balancer, which may re-plan the shares and name
+  // stragglers; the step's metrics get both.
+  void balance_step(const at::Tensor& per_rank, Metrics& m);
   void set_learning_rate(double lr);
   void for_each_callback(const std::function<void(Callback&)>& f);
   // OR-s the control flags over ranks so every rank acts alike.
@@ -133,6 +143,11 @@ class Trainer {
   std::unique_ptr<strategy::Strategy> strategy_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   config::BatchPlan batch_;
+  // Each data-parallel rank's share of the batch and measured speed (fixed
+  // equal shares under distributed.load_balance: even).
+  std::unique_ptr<detail::LoadBalancer> balance_;
+  // Where each data-parallel rank runs, for the log ("rank 1 on host b").
+  std::vector<std::string> dp_places_;
   std::vector<std::shared_ptr<Callback>> callbacks_;
   TrainerState state_;
   TrainerControl control_;

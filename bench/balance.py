@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""Measured load balancing: `make bench-balance` (needs root for the cgroup).
+
+  1. One rank throttled: 2 ranks (ddp, one thread each), rank 1 in a cgroup
+     v1 cpu group at half a core (cfs_quota_us 50000 of 100000), under
+     distributed.load_balance even and measured. Goal: measured >= 1.35x
+     the tokens/s of even (the ideal, 1 + 0.5 = 1.5 cores' worth against 2 x
+     the throttled rank's 0.5, is 1.5x).
+  2. Homogeneous: no throttle. Goal: measured >= 0.98x even.
+
+Tokens/s is the median over the steps after the first WARM (the measured
+run's shares settle within them), the same model and global batch in every
+run: a GPT of 4 layers, width 256, block 128, global batch 32 in 2
+micro-steps, fp32. Writes the table into BENCHMARKS.md between
+<!-- balance:begin --> and <!-- balance:end -->. Environment: BUILD_DIR
+(default build), STEPS (default 40), WARM (default 15), REPEAT (default 1).
+"""
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import shutil
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLI = os.path.abspath(os.path.join(ROOT, os.environ.get("BUILD_DIR", "build"), "shardtrain"))
+STEPS = int(os.environ.get("STEPS", "40"))
+WARM = int(os.environ.get("WARM", "15"))
+REPEAT = int(os.environ.get("REPEAT", "1"))
+CPU = "/sys/fs/cgroup/cpu"
+
+
+def sets(run_dir, mode):
+    s = ["model.type=gpt", "model.n_layer=4", "model.n_head=4", "model.n_embd=256", "model.block_size=128",
+         "data.train=data/corpus.txt", "data.val_fraction=0", "batch.global=32", "batch.accumulate=2",
+         "batch.micro=null", f"trainer.max_steps={STEPS}", "trainer.eval_every=0", "trainer.sample_tokens=0",
+         "trainer.progress=none", "checkpoint.every_n_steps=0", "distributed.strategy=ddp",
+         "distributed.threads_per_rank=1", "precision=fp32", f"run.dir={run_dir}",
+         f"distributed.load_balance={mode}", "distributed.rebalance_every=5"]
+    return [a for x in s for a in ("--set", x)]
+
+
+def rank_pid(marker, rank):
+    want = [marker.encode(), f"RANK={rank}".encode()]
+    for _ in range(300):
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = f.read().split(b"\0")
+            except OSError:
+                continue
+            if all(w in env for w in want):
+                return pid
+        time.sleep(0.1)
+    sys.exit(f"bench/balance.py: rank {rank} never appeared")
+
+
+def run(mode, throttled, work):
+    run_dir = os.path.join(work, f"{mode}-{'throttled' if throttled else 'free'}")
+    marker = f"SHARDTRAIN_BALANCE_BENCH={os.getpid()}-{mode}-{throttled}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", **dict([marker.split("=", 1)]))
+    p = subprocess.Popen([CLI, "train", "configs/default.yaml", *sets(run_dir, mode), "--nproc-per-node", "2"],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    group = None
+    if throttled:
+        group = os.path.join(CPU, f"shardtrain-bench-{os.getpid()}")
+        os.makedirs(group, exist_ok=True)
+        with open(os.path.join(group, "cpu.cfs_period_us"), "w") as f:
+            f.write("100000")
+        with open(os.path.join(group, "cpu.cfs_quota_us"), "w") as f:
+            f.write("50000")
+        with open(os.path.join(group, "cgroup.procs"), "w") as f:
+            f.write(rank_pid(marker, 1))
+    out, _ = p.communicate()
+    if group:
+        time.sleep(0.5)
+        try:
+            os.rmdir(group)
+        except OSError:
+            pass
+    if p.returncode != 0:
+        sys.exit(f"bench/balance.py: {mode} exited {p.returncode}:\n{out[-3000:]}")
+    rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl")) if '"loss"' in l]
+    timed = [r for r in rows if r["step"] > WARM]
+    return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+            "share1": statistics.median(r["shares"][1] for r in timed),
+            "compute": [statistics.median(r["compute_s_ranks"][k] for r in timed) for k in (0, 1)],
+            "blas_core": rows[-1].get("blas_core", "")}
+
+
+def main():
+    if os.geteuid() != 0 or not os.access(os.path.join(CPU, "cgroup.procs"), os.W_OK):
+        sys.exit("bench/balance.py: needs root and a cgroup v1 cpu controller at " + CPU)
+    load_before = open("/proc/loadavg").read().split()[:3]
+    work = tempfile.mkdtemp(prefix="bench_balance_")
+    results = {}
+    try:
+        for _ in range(REPEAT):
+            for throttled in (True, False):
+                for mode in ("even", "measured"):
+                    r = run(mode, throttled, work)
+                    results.setdefault((throttled, mode), []).append(r)
+                    print(f"{'throttled' if throttled else 'homogeneous'} {mode}: {r['tokens_per_s']:.0f} tokens/s, "
+                          f"rank 1 share {r['share1']:.3f}, compute s/step {r['compute'][0]:.3f} {r['compute'][1]:.3f}",
+                          flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    load_after = open("/proc/loadavg").read().split()[:3]
+    cpu = re.search(r"model name\s*:\s*(.*)", open("/proc/cpuinfo").read()).group(1)
+    flags = open("/proc/cpuinfo").read()
+    isa = ", ".join(f for f in ("avx512_bf16", "amx_bf16") if f in flags) or "no avx512_bf16/AMX"
+    med = {k: statistics.median(x["tokens_per_s"] for x in v) for k, v in results.items()}
+    share = {k: statistics.median(x["share1"] for x in v) for k, v in results.items()}
+    blas = results[(False, "even")][0]["blas_core"]
+    lines = [
+        "<!-- balance:begin -->",
+        f"`make bench-balance` (bench/balance.py), {cpu} ({isa}; OpenBLAS {blas or 'kernels n/a'}), 2 ranks, ddp, "
+        f"one thread each, GPT 4 x 256, block 128, global batch 32 in 2 micro-steps, fp32, {STEPS} steps, median "
+        f"tokens/s after step {WARM}, {REPEAT} run(s) each; load average {' '.join(load_before)} before, "
+        f"{' '.join(load_after)} after.",
+        "",
+        "| case | even tokens/s | measured tokens/s | measured / even | goal | rank 1's share (measured) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for throttled, goal, name in ((True, 1.35, "rank 1 throttled to half a core"), (False, 0.98, "homogeneous")):
+        e, m = med[(throttled, "even")], med[(throttled, "measured")]
+        lines.append(f"| {name} | {e:.0f} | {m:.0f} | **{m / e:.2f}x** | >= {goal}x "
+                     f"({'met' if m / e >= goal else 'not met'}) | {share[(throttled, 'measured')]:.3f} |")
+    lines.append("<!-- balance:end -->")
+    table = "\n".join(lines)
+    print(table)
+    path = os.path.join(ROOT, "BENCHMARKS.md")
+    text = open(path).read()
+    if "<!-- balance:begin -->" in text:
+        text = re.sub(r"<!-- balance:begin -->.*?<!-- balance:end -->", lambda _: table, text, flags=re.S)
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    main()
