@@ -7,6 +7,9 @@
      the tokens/s of even (the ideal, 1 + 0.5 = 1.5 cores' worth against 2 x
      the throttled rank's 0.5, is 1.5x).
   2. Homogeneous: no throttle. Goal: measured >= 0.98x even.
+  3. Uneven hosts: two network-namespace hosts (tests/dist/netns_hosts.sh),
+     host a with 2 ranks and host b with 1 rank held to half a core, the
+     launchers' --nproc-per-node 2 and 1 (global batch 48).
 
 Tokens/s is the median over the steps after the first WARM (the measured
 run's shares settle within them), the same model and global batch in every
@@ -25,6 +28,7 @@ import tempfile
 import threading
 import time
 import shutil
+import socket
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.abspath(os.path.join(ROOT, os.environ.get("BUILD_DIR", "build"), "shardtrain"))
@@ -44,27 +48,36 @@ def sets(run_dir, mode):
     return [a for x in s for a in ("--set", x)]
 
 
-def rank_pid(marker, rank):
-    want = [marker.encode(), f"RANK={rank}".encode()]
-    for _ in range(300):
+def rank_of(launcher):
+    """The rank process a one-rank launcher started (its child that is not
+    the fork server)."""
+    for _ in range(600):
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    env = f.read().split(b"\0")
+                with open(f"/proc/{pid}/stat") as f:
+                    stat = f.read()
             except OSError:
                 continue
-            if all(w in env for w in want):
+            comm = stat[stat.index("(") + 1:stat.rindex(")")]
+            if int(stat[stat.rindex(")") + 2:].split()[1]) == launcher and comm == "shardtrain":
                 return pid
         time.sleep(0.1)
-    sys.exit(f"bench/balance.py: rank {rank} never appeared")
+    sys.exit(f"bench/balance.py: launcher {launcher} started no rank")
 
 
 def run(mode, throttled, work):
+    """Two launchers of one rank each on this host (nodes 0 and 1, loopback
+    TCP between them), so that rank 1 is the second launcher's child."""
     run_dir = os.path.join(work, f"{mode}-{'throttled' if throttled else 'free'}")
-    marker = f"SHARDTRAIN_BALANCE_BENCH={os.getpid()}-{mode}-{throttled}"
-    env = dict(os.environ, OMP_NUM_THREADS="1", **dict([marker.split("=", 1)]))
-    p = subprocess.Popen([CLI, "train", "configs/default.yaml", *sets(run_dir, mode), "--nproc-per-node", "2"],
-                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", SHARDTRAIN_JOB_TOKEN=os.urandom(16).hex())
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    procs = [subprocess.Popen([CLI, "train", "configs/default.yaml", *sets(run_dir, mode), "--nnodes", "2",
+                               "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+                               "--master-port", str(port)],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for node in (0, 1)]
     group = None
     if throttled:
         group = os.path.join(CPU, f"shardtrain-bench-{os.getpid()}")
@@ -74,21 +87,68 @@ def run(mode, throttled, work):
         with open(os.path.join(group, "cpu.cfs_quota_us"), "w") as f:
             f.write("50000")
         with open(os.path.join(group, "cgroup.procs"), "w") as f:
-            f.write(rank_pid(marker, 1))
-    out, _ = p.communicate()
+            f.write(rank_of(procs[1].pid))
+    outs = [p.communicate()[0] for p in procs]
     if group:
         time.sleep(0.5)
         try:
             os.rmdir(group)
         except OSError:
             pass
-    if p.returncode != 0:
-        sys.exit(f"bench/balance.py: {mode} exited {p.returncode}:\n{out[-3000:]}")
+    for p, out in zip(procs, outs):
+        if p.returncode != 0:
+            sys.exit(f"bench/balance.py: {mode} exited {p.returncode}:\n{out[-3000:]}")
     rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl")) if '"loss"' in l]
     timed = [r for r in rows if r["step"] > WARM]
     return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
             "share1": statistics.median(r["shares"][1] for r in timed),
             "compute": [statistics.median(r["compute_s_ranks"][k] for r in timed) for k in (0, 1)],
+            "blas_core": rows[-1].get("blas_core", "")}
+
+
+HOSTS = "lbal"  # network-namespace hosts lbal-a and lbal-b, 10.78.0.1 and .2
+NETNS = os.path.join(ROOT, "tests", "dist", "netns_hosts.sh")
+
+
+def hosts(up):
+    cmd = f"source {NETNS}; hosts_up {HOSTS} 10.78.0." if up else \
+        f"source {NETNS}; HOST_NS=({HOSTS}-a {HOSTS}-b); hosts_down"
+    subprocess.run(["bash", "-c", cmd], check=up)
+
+
+def run_hosts(mode, work):
+    """Uneven hosts: host a runs 2 ranks, host b 1 rank held to half a core
+    (world 3; global batch 48 = 8 x 2 x 3 under even)."""
+    run_dir = os.path.join(work, f"hosts-{mode}")
+    env = dict(os.environ, OMP_NUM_THREADS="1", SHARDTRAIN_JOB_TOKEN=os.urandom(16).hex())
+    args = sets(run_dir, mode) + ["--set", "batch.global=48"]
+    procs = [subprocess.Popen(["ip", "netns", "exec", f"{HOSTS}-{'ab'[node]}", CLI, "train", "configs/default.yaml",
+                               *args, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", str(2 - node),
+                               "--master-addr", "10.78.0.1", "--master-port", "29611"],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for node in (0, 1)]
+    group = os.path.join(CPU, f"shardtrain-bench-{os.getpid()}")
+    os.makedirs(group, exist_ok=True)
+    with open(os.path.join(group, "cpu.cfs_period_us"), "w") as f:
+        f.write("100000")
+    with open(os.path.join(group, "cpu.cfs_quota_us"), "w") as f:
+        f.write("50000")
+    with open(os.path.join(group, "cgroup.procs"), "w") as f:
+        f.write(rank_of(procs[1].pid))
+    outs = [p.communicate()[0] for p in procs]
+    time.sleep(0.5)
+    try:
+        os.rmdir(group)
+    except OSError:
+        pass
+    for p, out in zip(procs, outs):
+        if p.returncode != 0:
+            sys.exit(f"bench/balance.py: hosts {mode} exited {p.returncode}:\n{out[-3000:]}")
+    rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl")) if '"loss"' in l]
+    timed = [r for r in rows if r["step"] > WARM]
+    return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+            "share1": statistics.median(r["shares"][2] for r in timed),
+            "compute": [statistics.median(r["compute_s_ranks"][k] for r in timed) for k in (0, 2)],
             "blas_core": rows[-1].get("blas_core", "")}
 
 
@@ -107,6 +167,17 @@ def main():
                     print(f"{'throttled' if throttled else 'homogeneous'} {mode}: {r['tokens_per_s']:.0f} tokens/s, "
                           f"rank 1 share {r['share1']:.3f}, compute s/step {r['compute'][0]:.3f} {r['compute'][1]:.3f}",
                           flush=True)
+        hosts(False)
+        hosts(True)
+        try:
+            for _ in range(REPEAT):
+                for mode in ("even", "measured"):
+                    r = run_hosts(mode, work)
+                    results.setdefault(("hosts", mode), []).append(r)
+                    print(f"uneven hosts {mode}: {r['tokens_per_s']:.0f} tokens/s, rank 2 share {r['share1']:.3f}",
+                          flush=True)
+        finally:
+            hosts(False)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     load_after = open("/proc/loadavg").read().split()[:3]
@@ -118,7 +189,8 @@ def main():
     blas = results[(False, "even")][0]["blas_core"]
     lines = [
         "<!-- balance:begin -->",
-        f"`make bench-balance` (bench/balance.py), {cpu} ({isa}; OpenBLAS {blas or 'kernels n/a'}), 2 ranks, ddp, "
+        f"`make bench-balance` (bench/balance.py), {cpu} ({isa}; OpenBLAS {blas or 'kernels n/a'}), 2 ranks "
+        f"(two launchers of one rank on this host), ddp, "
         f"one thread each, GPT 4 x 256, block 128, global batch 32 in 2 micro-steps, fp32, {STEPS} steps, median "
         f"tokens/s after step {WARM}, {REPEAT} run(s) each; load average {' '.join(load_before)} before, "
         f"{' '.join(load_after)} after.",
@@ -126,10 +198,12 @@ def main():
         "| case | even tokens/s | measured tokens/s | measured / even | goal | rank 1's share (measured) |",
         "|---|---|---|---|---|---|",
     ]
-    for throttled, goal, name in ((True, 1.35, "rank 1 throttled to half a core"), (False, 0.98, "homogeneous")):
-        e, m = med[(throttled, "even")], med[(throttled, "measured")]
-        lines.append(f"| {name} | {e:.0f} | {m:.0f} | **{m / e:.2f}x** | >= {goal}x "
-                     f"({'met' if m / e >= goal else 'not met'}) | {share[(throttled, 'measured')]:.3f} |")
+    for case, goal, name in ((True, 1.35, "rank 1 throttled to half a core"), (False, 0.98, "homogeneous"),
+                             ("hosts", None, "uneven hosts: 2 ranks on host a, 1 on host b at half a core "
+                                             "(global batch 48; share: host b's rank)")):
+        e, m = med[(case, "even")], med[(case, "measured")]
+        verdict = f">= {goal}x ({'met' if m / e >= goal else 'not met'})" if goal else "-"
+        lines.append(f"| {name} | {e:.0f} | {m:.0f} | **{m / e:.2f}x** | {verdict} | {share[(case, 'measured')]:.3f} |")
     lines.append("<!-- balance:end -->")
     table = "\n".join(lines)
     print(table)

@@ -152,6 +152,39 @@ std::unique_ptr<detail::RunDirLock> hold_run_dir(comm::Communicator& comm, const
   return held;
 }
 
+// Where each data-parallel rank runs, for the log ("rank 1 on host b (node
+// 1)": its first rank's), and its threads (the fewest of its tensor- and
+// pipeline-parallel ranks). Collective over `world`.
+struct DataParallelPlaces {
+  std::vector<std::string> where;
+  std::vector<double> threads;
+};
+
+DataParallelPlaces data_parallel_places(comm::Communicator& world, const comm::Communicator& dp, int threads,
+                                        int node_rank) {
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  const std::vector<std::string> all = ck::detail::all_gather_strings(
+      world, ::shardtrain::detail::str_cat(dp.rank(), ' ', threads, ' ', host, " (node ", node_rank, ")"));
+  DataParallelPlaces out{std::vector<std::string>(static_cast<size_t>(dp.size())),
+                         std::vector<double>(static_cast<size_t>(dp.size()), 0.0)};
+  for (size_t r = 0; r < all.size(); ++r) {
+    std::istringstream in(all[r]);
+    int k = 0;
+    double t = 0.0;
+    in >> k >> t;
+    std::string where;
+    std::getline(in >> std::ws, where);
+    auto& fewest = out.threads[static_cast<size_t>(k)];
+    fewest = fewest > 0.0 ? std::min(fewest, t) : t;
+    if (out.where[static_cast<size_t>(k)].empty()) {
+      out.where[static_cast<size_t>(k)] = ::shardtrain::detail::str_cat(dp.size() == world.size() ? "" : "world ",
+                                                                        "rank ", r, " on host ", where);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Communicator> comm)
@@ -170,11 +203,10 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
   at::set_num_threads(threads_);
   set_blas_threads(threads_);
   blas_core_ = blas_core();
+  // The shares of each step's batch: equal under load_balance even; under
+  // measured distributed.shares, else each data-parallel rank's threads, so
+  // hosts of different core counts start apart.
   {
-    // Shares of the batch: distributed.shares, else by each data-parallel
-    // rank's threads (its fewest over its tensor- and pipeline-parallel
-    // ranks), so hosts of different core counts start apart. Where each
-    // runs, for the log.
     const auto& d = config_.distributed;
     const bool measured = d.load_balance() == LoadBalance::Measured;
     ST_CHECK(!measured || task_.train_rows, ConfigError,
@@ -184,32 +216,14 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
              "distributed.shares has ", d.shares().size(), " entries for ", dp_->size(),
              " data-parallel ranks; give one weight per data-parallel rank (world / (tensor_parallel x "
              "pipeline_parallel)), or leave it empty");
-    char host[256] = {};
-    gethostname(host, sizeof(host) - 1);
-    const std::vector<std::string> places = ck::detail::all_gather_strings(
-        *comm_, ::shardtrain::detail::str_cat(dp_->rank(), ' ', threads_, ' ', host, " (node ", env.node_rank, ")"));
-    std::vector<double> threads(static_cast<size_t>(dp_->size()), 0.0);
-    dp_places_.assign(static_cast<size_t>(dp_->size()), "");
-    for (size_t r = 0; r < places.size(); ++r) {
-      std::istringstream in(places[r]);
-      int k = 0;
-      double t = 0.0;
-      in >> k >> t;
-      std::string where;
-      std::getline(in >> std::ws, where);
-      auto& min = threads[static_cast<size_t>(k)];
-      min = min > 0.0 ? std::min(min, t) : t;
-      if (dp_places_[static_cast<size_t>(k)].empty()) {
-        dp_places_[static_cast<size_t>(k)] =
-            ::shardtrain::detail::str_cat(dp_->size() == comm_->size() ? "" : "world ", "rank ", r, " on host ", where);
-      }
-    }
+    const DataParallelPlaces places = data_parallel_places(*comm_, *dp_, threads_, env.node_rank);
+    dp_places_ = places.where;
     detail::BalanceOptions bo;
     bo.rebalance_every = measured ? d.rebalance_every() : 0;
     bo.min_gain = d.rebalance_gain();
     bo.straggler_factor = d.straggler_factor();
     std::vector<double> start(static_cast<size_t>(dp_->size()), 1.0);
-    if (measured) start = d.shares().empty() ? threads : d.shares();
+    if (measured) start = d.shares().empty() ? places.threads : d.shares();
     balance_ = std::make_unique<detail::LoadBalancer>(start, bo);
   }
   if (comm_->rank() == 0) {

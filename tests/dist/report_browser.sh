@@ -2,7 +2,7 @@
 # The run report in a real browser: two tiny runs (2-rank DDP), the report
 # `shardtrain train` writes at the end of each, and one overlaying both from
 # `shardtrain report`; headless Chromium renders the page. It must log
-# nothing to the console, its DOM must hold the eight charts with lines, and
+# nothing to the console, its DOM must hold the ten charts with lines, and
 # the screenshot must show both runs' colours in quantity (the charts were
 # drawn, not just a blank or text-only page). Then a pipeline run's report
 # draws the timeline of a step.
@@ -44,7 +44,8 @@ python3 - "$work/dom.html" "$work/report.png" <<'PY'
 import re, struct, sys, zlib
 dom = open(sys.argv[1]).read()
 charts = re.findall(r'<figure class="chart" id="chart-([a-z_]+)"', dom)
-want = ["loss", "lr", "grad_norm", "loss_scale", "skipped", "tokens_per_s", "peak_rss_mb", "comm_hidden"]
+want = ["loss", "lr", "grad_norm", "loss_scale", "skipped", "tokens_per_s", "peak_rss_mb", "compute_s", "shares",
+        "comm_hidden"]
 assert charts == want, f"charts in the DOM: {charts}"
 for key in want:
     fig = dom.split(f'id="chart-{key}"')[1].split("</figure>")[0]
