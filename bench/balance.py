@@ -11,12 +11,13 @@
      host a with 2 ranks and host b with 1 rank held to half a core, the
      launchers' --nproc-per-node 2 and 1 (global batch 48).
 
-Tokens/s is the median over the steps after the first WARM (the measured
-run's shares settle within them), the same model and global batch in every
+Every setting at its default (rebalance_every 20: the first re-plan after
+step 20). Tokens/s is the median over the steps after the first WARM (the
+measured run's shares are planned by then), the same model and global batch in every
 run: a GPT of 4 layers, width 256, block 128, global batch 32 in 2
 micro-steps, fp32. Writes the table into BENCHMARKS.md between
 <!-- balance:begin --> and <!-- balance:end -->. Environment: BUILD_DIR
-(default build), STEPS (default 40), WARM (default 15), REPEAT (default 1).
+(default build), STEPS (default 60), WARM (default 20), REPEAT (default 1).
 """
 import json
 import os
@@ -32,8 +33,8 @@ import socket
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.abspath(os.path.join(ROOT, os.environ.get("BUILD_DIR", "build"), "shardtrain"))
-STEPS = int(os.environ.get("STEPS", "40"))
-WARM = int(os.environ.get("WARM", "15"))
+STEPS = int(os.environ.get("STEPS", "60"))
+WARM = int(os.environ.get("WARM", "20"))
 REPEAT = int(os.environ.get("REPEAT", "1"))
 CPU = "/sys/fs/cgroup/cpu"
 
@@ -44,7 +45,7 @@ def sets(run_dir, mode):
          "batch.micro=null", f"trainer.max_steps={STEPS}", "trainer.eval_every=0", "trainer.sample_tokens=0",
          "trainer.progress=none", "checkpoint.every_n_steps=0", "distributed.strategy=ddp",
          "distributed.threads_per_rank=1", "precision=fp32", f"run.dir={run_dir}",
-         f"distributed.load_balance={mode}", "distributed.rebalance_every=5"]
+         f"distributed.load_balance={mode}"]
     return [a for x in s for a in ("--set", x)]
 
 
@@ -159,9 +160,11 @@ def main():
     work = tempfile.mkdtemp(prefix="bench_balance_")
     results = {}
     try:
-        for _ in range(REPEAT):
+        # Each repeat alternates which mode runs first, so that a drift of
+        # the machine's speed over minutes falls on both alike.
+        for i in range(REPEAT):
             for throttled in (True, False):
-                for mode in ("even", "measured"):
+                for mode in ("even", "measured")[::1 if i % 2 == 0 else -1]:
                     r = run(mode, throttled, work)
                     results.setdefault((throttled, mode), []).append(r)
                     print(f"{'throttled' if throttled else 'homogeneous'} {mode}: {r['tokens_per_s']:.0f} tokens/s, "
@@ -170,8 +173,8 @@ def main():
         hosts(False)
         hosts(True)
         try:
-            for _ in range(REPEAT):
-                for mode in ("even", "measured"):
+            for i in range(REPEAT):
+                for mode in ("even", "measured")[::1 if i % 2 == 0 else -1]:
                     r = run_hosts(mode, work)
                     results.setdefault(("hosts", mode), []).append(r)
                     print(f"uneven hosts {mode}: {r['tokens_per_s']:.0f} tokens/s, rank 2 share {r['share1']:.3f}",
@@ -192,7 +195,7 @@ def main():
         f"`make bench-balance` (bench/balance.py), {cpu} ({isa}; OpenBLAS {blas or 'kernels n/a'}), 2 ranks "
         f"(two launchers of one rank on this host), ddp, "
         f"one thread each, GPT 4 x 256, block 128, global batch 32 in 2 micro-steps, fp32, {STEPS} steps, median "
-        f"tokens/s after step {WARM}, {REPEAT} run(s) each; load average {' '.join(load_before)} before, "
+        f"tokens/s after step {WARM}, {REPEAT} run(s) each (alternating which mode runs first), load_balance defaults; load average {' '.join(load_before)} before, "
         f"{' '.join(load_after)} after.",
         "",
         "| case | even tokens/s | measured tokens/s | measured / even | goal | rank 1's share (measured) |",

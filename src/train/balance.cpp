@@ -63,7 +63,12 @@ std::vector<int64_t> micro_step_sizes(int64_t global, int64_t accumulate) {
 }
 
 LoadBalancer::LoadBalancer(std::vector<double> shares, BalanceOptions options)
-    : shares_(std::move(shares)), speeds_(shares_.size(), 0.0), named_(shares_.size(), false), options_(options) {
+    : shares_(std::move(shares)),
+      speeds_(shares_.size(), 0.0),
+      window_samples_(shares_.size(), 0.0),
+      window_compute_(shares_.size(), 0.0),
+      named_(shares_.size(), false),
+      options_(options) {
   ST_CHECK(!shares_.empty(), InvalidArgument, "LoadBalancer: no ranks");
   for (double s : shares_) {
     ST_CHECK(s > 0.0 && std::isfinite(s), ConfigError, "distributed.shares: ", s,
@@ -96,14 +101,19 @@ BalanceEvents LoadBalancer::observe(int64_t step, const std::vector<double>& sam
                                     const std::vector<double>& compute_s) {
   ST_CHECK(samples.size() == shares_.size() && compute_s.size() == shares_.size(), InvalidArgument,
            "LoadBalancer::observe: ", samples.size(), " ranks' samples for ", shares_.size(), " ranks");
-  // A rank that computed nothing this step keeps its last speed.
+  // A rank that computed nothing this step adds nothing (it keeps its last
+  // speed when its whole window was empty).
   for (size_t k = 0; k < shares_.size(); ++k) {
     if (samples[k] <= 0.0 || compute_s[k] <= 0.0) continue;
-    const double speed = samples[k] / compute_s[k];
-    speeds_[k] = speeds_[k] > 0.0 ? options_.smoothing * speed + (1.0 - options_.smoothing) * speeds_[k] : speed;
+    window_samples_[k] += samples[k];
+    window_compute_[k] += compute_s[k];
   }
   BalanceEvents events;
   if (options_.rebalance_every <= 0 || step % options_.rebalance_every != 0) return events;
+  for (size_t k = 0; k < shares_.size(); ++k) {
+    if (window_compute_[k] > 0.0) speeds_[k] = window_samples_[k] / window_compute_[k];
+    window_samples_[k] = window_compute_[k] = 0.0;
+  }
   const bool all_measured = std::all_of(speeds_.begin(), speeds_.end(), [](double s) { return s > 0.0; });
   if (all_measured) {
     const std::vector<double> planned = normalised(speeds_);

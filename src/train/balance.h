@@ -31,7 +31,6 @@ struct BalanceOptions {
   int64_t rebalance_every = 20;  // steps between re-plans
   double min_gain = 0.05;        // least predicted step-time gain worth a re-plan
   double straggler_factor = 1.5; // slower than the median by this: named
-  double smoothing = 0.5;        // weight of the newest speed in the moving average
 };
 
 /// What happened at a step's observation, for the log.
@@ -50,7 +49,8 @@ class LoadBalancer {
   int ranks() const { return static_cast<int>(shares_.size()); }
   /// Each rank's fraction of the global batch (sums to 1).
   const std::vector<double>& shares() const { return shares_; }
-  /// Smoothed samples per compute second of each rank (0: not measured yet).
+  /// Samples per compute second of each rank over the last re-plan window
+  /// (0: not measured yet).
   const std::vector<double>& speeds() const { return speeds_; }
   /// The median speed of the other ranks over this rank's (1 when unmeasured).
   double slowdown(int rank) const;
@@ -59,9 +59,11 @@ class LoadBalancer {
   std::pair<int64_t, int64_t> rows(int64_t global, int64_t accumulate, int64_t j, int rank) const;
 
   /// After step `step` (1-based): each rank's samples and compute seconds.
-  /// Updates the speeds; at every rebalance_every-th step re-plans the shares
-  /// in proportion to them when that predicts a step time at least min_gain
-  /// shorter; names stragglers and recoveries.
+  /// At every rebalance_every-th step the speeds become each rank's samples
+  /// over its compute seconds since the last such step (a window average:
+  /// one step's timing noise would make equal ranks look unequal), the
+  /// shares are re-planned in proportion to them when that predicts a step
+  /// time at least min_gain shorter, and stragglers and recoveries are named.
   BalanceEvents observe(int64_t step, const std::vector<double>& samples, const std::vector<double>& compute_s);
 
   /// For checkpoints: shares and speeds; restore() takes them back (false,
@@ -71,6 +73,7 @@ class LoadBalancer {
 
  private:
   std::vector<double> shares_, speeds_;
+  std::vector<double> window_samples_, window_compute_;  // since the last re-plan step
   std::vector<bool> named_;  // ranks named as stragglers, until they recover
   BalanceOptions options_;
 };

@@ -60,7 +60,6 @@ TEST(LoadBalance, UnevenSharesTakeConsecutiveRowsOfEachMicroStep) {
 TEST(LoadBalance, SharesFollowTheMeasuredSpeedsAtEachReplan) {
   BalanceOptions o;
   o.rebalance_every = 2;
-  o.smoothing = 1.0;  // the newest speed only
   LoadBalancer b({1, 1}, o);
   // Rank 1 takes twice as long for the same samples: speeds 4 and 2.
   EXPECT_FALSE(b.observe(1, {4, 4}, {1.0, 2.0}).replanned);  // not a re-plan step
@@ -77,28 +76,31 @@ TEST(LoadBalance, EqualSpeedsKeepTheirShares) {
   BalanceOptions o;
   o.rebalance_every = 1;
   o.min_gain = 0.05;
-  o.smoothing = 1.0;
   LoadBalancer b({1, 1}, o);
   // 3% apart: predicted gain 1.015, under the 5% threshold.
   EXPECT_FALSE(b.observe(1, {4, 4}, {1.0, 1.03}).replanned);
   EXPECT_DOUBLE_EQ(b.shares()[1], 0.5);
 }
 
-TEST(LoadBalance, SpeedsAreAMovingAverageAndIdleRanksKeepTheirs) {
+TEST(LoadBalance, SpeedsAreAveragedOverTheWindowAndIdleStepsAddNothing) {
   BalanceOptions o;
-  o.rebalance_every = 100;
-  o.smoothing = 0.5;
+  o.rebalance_every = 2;
   LoadBalancer b({1, 1}, o);
   b.observe(1, {4, 2}, {1.0, 1.0});
-  b.observe(2, {8, 0}, {1.0, 0.5});  // rank 1 computed nothing: keeps 2
-  EXPECT_DOUBLE_EQ(b.speeds()[0], 6.0);  // 0.5 x 8 + 0.5 x 4
+  EXPECT_DOUBLE_EQ(b.speeds()[0], 0.0);  // not before the window's end
+  b.observe(2, {8, 0}, {1.0, 0.5});      // rank 1 computed nothing in step 2
+  EXPECT_DOUBLE_EQ(b.speeds()[0], 6.0);  // (4 + 8) / (1 + 1)
+  EXPECT_DOUBLE_EQ(b.speeds()[1], 2.0);  // 2 / 1
+  // A window in which rank 1 computed nothing keeps its last speed.
+  b.observe(3, {6, 0}, {1.0, 0.1});
+  b.observe(4, {6, 0}, {1.0, 0.1});
+  EXPECT_DOUBLE_EQ(b.speeds()[0], 6.0);
   EXPECT_DOUBLE_EQ(b.speeds()[1], 2.0);
 }
 
 TEST(LoadBalance, StragglersAreNamedOnceAndTheirRecoveryToo) {
   BalanceOptions o;
   o.rebalance_every = 1;
-  o.smoothing = 1.0;
   o.straggler_factor = 1.5;
   LoadBalancer b({1, 1, 1}, o);
   // Rank 2 at half the speed of the others: the median is 4, rank 2's 2.
@@ -123,7 +125,6 @@ TEST(LoadBalance, StragglersAreNamedOnceAndTheirRecoveryToo) {
 TEST(LoadBalance, CheckpointRoundTripKeepsTheSharesExactly) {
   BalanceOptions o;
   o.rebalance_every = 1;
-  o.smoothing = 1.0;
   LoadBalancer b({1, 1}, o);
   b.observe(1, {3, 3}, {1.0, 7.0});
   LoadBalancer again({1, 1}, o);
