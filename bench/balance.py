@@ -49,6 +49,16 @@ def sets(run_dir, mode):
     return [a for x in s for a in ("--set", x)]
 
 
+def remove_group(group):
+    """The cgroup, once its exited processes have left it (up to 5 s)."""
+    for _ in range(50):
+        try:
+            os.rmdir(group)
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
 def rank_of(launcher):
     """The rank process a one-rank launcher started (its child that is not
     the fork server)."""
@@ -91,11 +101,7 @@ def run(mode, throttled, work):
             f.write(rank_of(procs[1].pid))
     outs = [p.communicate()[0] for p in procs]
     if group:
-        time.sleep(0.5)
-        try:
-            os.rmdir(group)
-        except OSError:
-            pass
+        remove_group(group)
     for p, out in zip(procs, outs):
         if p.returncode != 0:
             sys.exit(f"bench/balance.py: {mode} exited {p.returncode}:\n{out[-3000:]}")
@@ -137,11 +143,7 @@ def run_hosts(mode, work):
     with open(os.path.join(group, "cgroup.procs"), "w") as f:
         f.write(rank_of(procs[1].pid))
     outs = [p.communicate()[0] for p in procs]
-    time.sleep(0.5)
-    try:
-        os.rmdir(group)
-    except OSError:
-        pass
+    remove_group(group)
     for p, out in zip(procs, outs):
         if p.returncode != 0:
             sys.exit(f"bench/balance.py: hosts {mode} exited {p.returncode}:\n{out[-3000:]}")

@@ -18,14 +18,6 @@ std::vector<double> normalised(std::vector<double> w) {
   return w;
 }
 
-// Step time, up to a constant, when each rank computes `shares` of the batch
-// at `speeds`: the slowest rank's.
-double predicted_time(const std::vector<double>& shares, const std::vector<double>& speeds) {
-  double t = 0.0;
-  for (size_t k = 0; k < shares.size(); ++k) t = std::max(t, shares[k] / speeds[k]);
-  return t;
-}
-
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
@@ -77,6 +69,20 @@ LoadBalancer::LoadBalancer(std::vector<double> shares, BalanceOptions options)
   shares_ = normalised(shares_);
 }
 
+double LoadBalancer::predicted_time(const std::vector<double>& shares) const {
+  std::vector<double> rows = shares;
+  if (options_.global > 0) {
+    std::fill(rows.begin(), rows.end(), 0.0);
+    for (const int64_t size : micro_step_sizes(options_.global, options_.accumulate)) {
+      const std::vector<int64_t> counts = split_counts(shares, size);
+      for (size_t k = 0; k < rows.size(); ++k) rows[k] += static_cast<double>(counts[k]);
+    }
+  }
+  double t = 0.0;
+  for (size_t k = 0; k < rows.size(); ++k) t = std::max(t, rows[k] / speeds_[k]);
+  return t;
+}
+
 double LoadBalancer::slowdown(int rank) const {
   // Against the other ranks: with two, a rank half as fast as its peer is 2x
   // slower (a median over both would say 1.5x).
@@ -117,7 +123,7 @@ BalanceEvents LoadBalancer::observe(int64_t step, const std::vector<double>& sam
   const bool all_measured = std::all_of(speeds_.begin(), speeds_.end(), [](double s) { return s > 0.0; });
   if (all_measured) {
     const std::vector<double> planned = normalised(speeds_);
-    const double gain = predicted_time(shares_, speeds_) / predicted_time(planned, speeds_);
+    const double gain = predicted_time(shares_) / predicted_time(planned);
     if (gain >= 1.0 + options_.min_gain) {
       shares_ = planned;
       events.replanned = true;

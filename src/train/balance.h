@@ -31,6 +31,11 @@ struct BalanceOptions {
   int64_t rebalance_every = 20;  // steps between re-plans
   double min_gain = 0.05;        // least predicted step-time gain worth a re-plan
   double straggler_factor = 1.5; // slower than the median by this: named
+  // The step's rows (global batch, micro-steps): a re-plan is judged by the
+  // whole rows each rank would compute, so one that moves no row (or too few
+  // to matter) is not made. global 0: judged by the real shares.
+  int64_t global = 0;
+  int64_t accumulate = 1;
 };
 
 /// What happened at a step's observation, for the log.
@@ -72,6 +77,10 @@ class LoadBalancer {
   bool restore(const std::string& json);
 
  private:
+  // Step time, up to a constant, when each rank computes its rows under
+  // `shares` at the measured speeds: the slowest rank's.
+  double predicted_time(const std::vector<double>& shares) const;
+
   std::vector<double> shares_, speeds_;
   std::vector<double> window_samples_, window_compute_;  // since the last re-plan step
   std::vector<bool> named_;  // ranks named as stragglers, until they recover

@@ -222,6 +222,8 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
     bo.rebalance_every = measured ? d.rebalance_every() : 0;
     bo.min_gain = d.rebalance_gain();
     bo.straggler_factor = d.straggler_factor();
+    bo.global = batch_.global;
+    bo.accumulate = batch_.accumulate;
     std::vector<double> start(static_cast<size_t>(dp_->size()), 1.0);
     if (measured) start = d.shares().empty() ? places.threads : d.shares();
     balance_ = std::make_unique<detail::LoadBalancer>(start, bo);

@@ -82,6 +82,23 @@ TEST(LoadBalance, EqualSpeedsKeepTheirShares) {
   EXPECT_DOUBLE_EQ(b.shares()[1], 0.5);
 }
 
+TEST(LoadBalance, ARePlanThatMovesTooFewRowsIsNotMade) {
+  BalanceOptions o;
+  o.rebalance_every = 1;
+  o.min_gain = 0.05;
+  o.global = 32;  // 2 micro-steps of 16 rows
+  o.accumulate = 2;
+  // Rank 1 10% faster: shares 0.476 / 0.524 would give 7.6 / 8.4 of each
+  // micro-step's 16 rows, 8 / 8 in whole rows, as now: nothing to gain.
+  LoadBalancer b({1, 1}, o);
+  EXPECT_FALSE(b.observe(1, {16, 16}, {16.0, 16.0 / 1.1}).replanned);
+  EXPECT_DOUBLE_EQ(b.shares()[0], 0.5);
+  // At twice the speed whole rows move: 5.3 / 10.7 -> 5 / 11 per micro-step.
+  const auto e = b.observe(2, {16, 16}, {16.0, 8.0});
+  EXPECT_TRUE(e.replanned);
+  EXPECT_EQ(b.rows(32, 2, 0, 1), (std::pair<int64_t, int64_t>{5, 11}));
+}
+
 TEST(LoadBalance, SpeedsAreAveragedOverTheWindowAndIdleStepsAddNothing) {
   BalanceOptions o;
   o.rebalance_every = 2;
