@@ -76,41 +76,46 @@ def rank_of(launcher):
     sys.exit(f"bench/balance.py: launcher {launcher} started no rank")
 
 
-def run(mode, throttled, work):
-    """Two launchers of one rank each on this host (nodes 0 and 1, loopback
-    TCP between them), so that rank 1 is the second launcher's child."""
-    run_dir = os.path.join(work, f"{mode}-{'throttled' if throttled else 'free'}")
+def launch(cmds, run_dir, throttled, slow):
+    """Starts the launchers `cmds` (one per node), holds the rank process of
+    the last one to half a core when `throttled`, waits; the medians after
+    WARM of tokens/s, the share and compute seconds of rank `slow` (and of
+    rank 0's compute)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", SHARDTRAIN_JOB_TOKEN=os.urandom(16).hex())
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    procs = [subprocess.Popen([CLI, "train", "configs/default.yaml", *sets(run_dir, mode), "--nnodes", "2",
-                               "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-                               "--master-port", str(port)],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for node in (0, 1)]
+    procs = [subprocess.Popen(c, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in cmds]
     group = None
     if throttled:
         group = os.path.join(CPU, f"shardtrain-bench-{os.getpid()}")
         os.makedirs(group, exist_ok=True)
-        with open(os.path.join(group, "cpu.cfs_period_us"), "w") as f:
-            f.write("100000")
-        with open(os.path.join(group, "cpu.cfs_quota_us"), "w") as f:
-            f.write("50000")
-        with open(os.path.join(group, "cgroup.procs"), "w") as f:
-            f.write(rank_of(procs[1].pid))
+        for name, value in (("cpu.cfs_period_us", "100000"), ("cpu.cfs_quota_us", "50000"),
+                            ("cgroup.procs", rank_of(procs[-1].pid))):
+            with open(os.path.join(group, name), "w") as f:
+                f.write(value)
     outs = [p.communicate()[0] for p in procs]
     if group:
         remove_group(group)
     for p, out in zip(procs, outs):
         if p.returncode != 0:
-            sys.exit(f"bench/balance.py: {mode} exited {p.returncode}:\n{out[-3000:]}")
+            sys.exit(f"bench/balance.py: {run_dir} exited {p.returncode}:\n{out[-3000:]}")
     rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl")) if '"loss"' in l]
     timed = [r for r in rows if r["step"] > WARM]
     return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
-            "share1": statistics.median(r["shares"][1] for r in timed),
-            "compute": [statistics.median(r["compute_s_ranks"][k] for r in timed) for k in (0, 1)],
+            "share1": statistics.median(r["shares"][slow] for r in timed),
+            "compute": [statistics.median(r["compute_s_ranks"][k] for r in timed) for k in (0, slow)],
             "blas_core": rows[-1].get("blas_core", "")}
+
+
+def run(mode, throttled, work):
+    """Two launchers of one rank each on this host (nodes 0 and 1, loopback
+    TCP between them), so that rank 1 is the second launcher's child."""
+    run_dir = os.path.join(work, f"{mode}-{'throttled' if throttled else 'free'}")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return launch([[CLI, "train", "configs/default.yaml", *sets(run_dir, mode), "--nnodes", "2", "--node-rank",
+                    str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+                   for node in (0, 1)], run_dir, throttled, 1)
 
 
 HOSTS = "lbal"  # network-namespace hosts lbal-a and lbal-b, 10.78.0.1 and .2
@@ -127,32 +132,10 @@ def run_hosts(mode, work):
     """Uneven hosts: host a runs 2 ranks, host b 1 rank held to half a core
     (world 3; global batch 48 = 8 x 2 x 3 under even)."""
     run_dir = os.path.join(work, f"hosts-{mode}")
-    env = dict(os.environ, OMP_NUM_THREADS="1", SHARDTRAIN_JOB_TOKEN=os.urandom(16).hex())
     args = sets(run_dir, mode) + ["--set", "batch.global=48"]
-    procs = [subprocess.Popen(["ip", "netns", "exec", f"{HOSTS}-{'ab'[node]}", CLI, "train", "configs/default.yaml",
-                               *args, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", str(2 - node),
-                               "--master-addr", "10.78.0.1", "--master-port", "29611"],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for node in (0, 1)]
-    group = os.path.join(CPU, f"shardtrain-bench-{os.getpid()}")
-    os.makedirs(group, exist_ok=True)
-    with open(os.path.join(group, "cpu.cfs_period_us"), "w") as f:
-        f.write("100000")
-    with open(os.path.join(group, "cpu.cfs_quota_us"), "w") as f:
-        f.write("50000")
-    with open(os.path.join(group, "cgroup.procs"), "w") as f:
-        f.write(rank_of(procs[1].pid))
-    outs = [p.communicate()[0] for p in procs]
-    remove_group(group)
-    for p, out in zip(procs, outs):
-        if p.returncode != 0:
-            sys.exit(f"bench/balance.py: hosts {mode} exited {p.returncode}:\n{out[-3000:]}")
-    rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl")) if '"loss"' in l]
-    timed = [r for r in rows if r["step"] > WARM]
-    return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
-            "share1": statistics.median(r["shares"][2] for r in timed),
-            "compute": [statistics.median(r["compute_s_ranks"][k] for r in timed) for k in (0, 2)],
-            "blas_core": rows[-1].get("blas_core", "")}
+    return launch([["ip", "netns", "exec", f"{HOSTS}-{'ab'[node]}", CLI, "train", "configs/default.yaml", *args,
+                    "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", str(2 - node),
+                    "--master-addr", "10.78.0.1", "--master-port", "29611"] for node in (0, 1)], run_dir, True, 2)
 
 
 def main():
