@@ -70,13 +70,10 @@ LoadBalancer::LoadBalancer(std::vector<double> shares, BalanceOptions options)
 }
 
 double LoadBalancer::predicted_time(const std::vector<double>& shares) const {
-  std::vector<double> rows = shares;
-  if (options_.global > 0) {
-    std::fill(rows.begin(), rows.end(), 0.0);
-    for (const int64_t size : micro_step_sizes(options_.global, options_.accumulate)) {
-      const std::vector<int64_t> counts = split_counts(shares, size);
-      for (size_t k = 0; k < rows.size(); ++k) rows[k] += static_cast<double>(counts[k]);
-    }
+  std::vector<double> rows(shares.size(), 0.0);
+  for (const int64_t size : micro_step_sizes(options_.global, options_.accumulate)) {
+    const std::vector<int64_t> counts = split_counts(shares, size);
+    for (size_t k = 0; k < rows.size(); ++k) rows[k] += static_cast<double>(counts[k]);
   }
   double t = 0.0;
   for (size_t k = 0; k < rows.size(); ++k) t = std::max(t, rows[k] / speeds_[k]);
@@ -95,8 +92,8 @@ double LoadBalancer::slowdown(int rank) const {
   return median(measured) / own;
 }
 
-std::pair<int64_t, int64_t> LoadBalancer::rows(int64_t global, int64_t accumulate, int64_t j, int rank) const {
-  const std::vector<int64_t> sizes = micro_step_sizes(global, accumulate);
+std::pair<int64_t, int64_t> LoadBalancer::rows(int64_t j, int rank) const {
+  const std::vector<int64_t> sizes = micro_step_sizes(options_.global, options_.accumulate);
   int64_t first = std::accumulate(sizes.begin(), sizes.begin() + j, int64_t{0});
   const std::vector<int64_t> counts = split_counts(shares_, sizes.at(static_cast<size_t>(j)));
   first = std::accumulate(counts.begin(), counts.begin() + rank, first);

@@ -31,9 +31,9 @@ struct BalanceOptions {
   int64_t rebalance_every = 20;  // steps between re-plans
   double min_gain = 0.05;        // least predicted step-time gain worth a re-plan
   double straggler_factor = 1.5; // slower than the median by this: named
-  // The step's rows (global batch, micro-steps): a re-plan is judged by the
-  // whole rows each rank would compute, so one that moves no row (or too few
-  // to matter) is not made. global 0: judged by the real shares.
+  // The step's rows (global batch, micro-steps), which rows() splits; a
+  // re-plan is judged by the whole rows each rank would compute, so one that
+  // moves no row (or too few to matter) is not made.
   int64_t global = 0;
   int64_t accumulate = 1;
 };
@@ -60,8 +60,9 @@ class LoadBalancer {
   /// The median speed of the other ranks over this rank's (1 when unmeasured).
   double slowdown(int rank) const;
 
-  /// Micro-step j's first row (within the step) and row count for `rank`.
-  std::pair<int64_t, int64_t> rows(int64_t global, int64_t accumulate, int64_t j, int rank) const;
+  /// Micro-step j's first row (within the step's options.global rows) and
+  /// row count for `rank`.
+  std::pair<int64_t, int64_t> rows(int64_t j, int rank) const;
 
   /// After step `step` (1-based): each rank's samples and compute seconds.
   /// At every rebalance_every-th step the speeds become each rank's samples

@@ -606,7 +606,7 @@ data::Batch Trainer::micro_batch(int64_t step, int64_t j) {
   if (config_.distributed.load_balance() == LoadBalance::Even) {
     return task_.train_batch(step, j, batch_.micro, dp_->rank(), dp_->size());
   }
-  const auto [first, count] = balance_->rows(batch_.global, batch_.accumulate, j, dp_->rank());
+  const auto [first, count] = balance_->rows(j, dp_->rank());
   return task_.train_rows(step, first, count);
 }
 

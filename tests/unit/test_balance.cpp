@@ -13,6 +13,18 @@ using st::train::detail::LoadBalancer;
 using st::train::detail::micro_step_sizes;
 using st::train::detail::split_counts;
 
+namespace {
+
+// Options for a step of `global` rows in `accumulate` micro-steps.
+BalanceOptions step_of(int64_t global, int64_t accumulate) {
+  BalanceOptions o;
+  o.global = global;
+  o.accumulate = accumulate;
+  return o;
+}
+
+}  // namespace
+
 TEST(LoadBalance, SplitCountsGiveTheLargestRemaindersTheRest) {
   // 8 x (2/3, 1/3) = 5.33, 2.67: floors 5 and 2, the larger remainder is rank 1's.
   EXPECT_EQ(split_counts({2, 1}, 8), (std::vector<int64_t>{5, 3}));
@@ -36,29 +48,29 @@ TEST(LoadBalance, MicroStepSizesSpreadTheRemainderFirst) {
 
 TEST(LoadBalance, EqualSharesAreTheEvenSplit) {
   // The even split: rank k's micro-step j is rows (j * W + k) * B .. + B.
-  const LoadBalancer b({1, 1, 1}, {});
+  const LoadBalancer b({1, 1, 1}, step_of(12, 2));
   for (int64_t j = 0; j < 2; ++j) {
     for (int k = 0; k < 3; ++k) {
-      EXPECT_EQ(b.rows(12, 2, j, k), (std::pair<int64_t, int64_t>{(j * 3 + k) * 2, 2}));
+      EXPECT_EQ(b.rows(j, k), (std::pair<int64_t, int64_t>{(j * 3 + k) * 2, 2}));
     }
   }
 }
 
 TEST(LoadBalance, UnevenSharesTakeConsecutiveRowsOfEachMicroStep) {
   // 10 rows over 2 micro-steps of 5; shares 3:1 give 3.75, 1.25 -> 4, 1.
-  const LoadBalancer b({3, 1}, {});
-  EXPECT_EQ(b.rows(10, 2, 0, 0), (std::pair<int64_t, int64_t>{0, 4}));
-  EXPECT_EQ(b.rows(10, 2, 0, 1), (std::pair<int64_t, int64_t>{4, 1}));
-  EXPECT_EQ(b.rows(10, 2, 1, 0), (std::pair<int64_t, int64_t>{5, 4}));
-  EXPECT_EQ(b.rows(10, 2, 1, 1), (std::pair<int64_t, int64_t>{9, 1}));
+  const LoadBalancer b({3, 1}, step_of(10, 2));
+  EXPECT_EQ(b.rows(0, 0), (std::pair<int64_t, int64_t>{0, 4}));
+  EXPECT_EQ(b.rows(0, 1), (std::pair<int64_t, int64_t>{4, 1}));
+  EXPECT_EQ(b.rows(1, 0), (std::pair<int64_t, int64_t>{5, 4}));
+  EXPECT_EQ(b.rows(1, 1), (std::pair<int64_t, int64_t>{9, 1}));
   // A global batch smaller than the ranks: rank 1 gets an empty micro-step.
-  const LoadBalancer small({1, 1}, {});
-  EXPECT_EQ(small.rows(1, 1, 0, 0), (std::pair<int64_t, int64_t>{0, 1}));
-  EXPECT_EQ(small.rows(1, 1, 0, 1), (std::pair<int64_t, int64_t>{1, 0}));
+  const LoadBalancer small({1, 1}, step_of(1, 1));
+  EXPECT_EQ(small.rows(0, 0), (std::pair<int64_t, int64_t>{0, 1}));
+  EXPECT_EQ(small.rows(0, 1), (std::pair<int64_t, int64_t>{1, 0}));
 }
 
 TEST(LoadBalance, SharesFollowTheMeasuredSpeedsAtEachReplan) {
-  BalanceOptions o;
+  BalanceOptions o = step_of(12, 1);
   o.rebalance_every = 2;
   LoadBalancer b({1, 1}, o);
   // Rank 1 takes twice as long for the same samples: speeds 4 and 2.
@@ -68,16 +80,16 @@ TEST(LoadBalance, SharesFollowTheMeasuredSpeedsAtEachReplan) {
   ASSERT_TRUE(events.replanned);
   EXPECT_NEAR(b.shares()[0], 2.0 / 3.0, 1e-12);
   EXPECT_NEAR(b.shares()[1], 1.0 / 3.0, 1e-12);
-  // Predicted step time: max(0.5/4, 0.5/2) = 0.25 before, 1/6 after.
+  // Predicted step time in whole rows of 12: max(6/4, 6/2) = 3 before, max(8/4, 4/2) = 2 after.
   EXPECT_NEAR(events.predicted_gain, 1.5, 1e-12);
 }
 
 TEST(LoadBalance, EqualSpeedsKeepTheirShares) {
-  BalanceOptions o;
+  BalanceOptions o = step_of(12, 1);
   o.rebalance_every = 1;
   o.min_gain = 0.05;
   LoadBalancer b({1, 1}, o);
-  // 3% apart: predicted gain 1.015, under the 5% threshold.
+  // 3% apart: shares 0.507 / 0.493 of 12 rows are still 6 / 6: nothing to gain.
   EXPECT_FALSE(b.observe(1, {4, 4}, {1.0, 1.03}).replanned);
   EXPECT_DOUBLE_EQ(b.shares()[1], 0.5);
 }
@@ -96,7 +108,7 @@ TEST(LoadBalance, ARePlanThatMovesTooFewRowsIsNotMade) {
   // At twice the speed whole rows move: 5.3 / 10.7 -> 5 / 11 per micro-step.
   const auto e = b.observe(2, {16, 16}, {16.0, 8.0});
   EXPECT_TRUE(e.replanned);
-  EXPECT_EQ(b.rows(32, 2, 0, 1), (std::pair<int64_t, int64_t>{5, 11}));
+  EXPECT_EQ(b.rows(0, 1), (std::pair<int64_t, int64_t>{5, 11}));
 }
 
 TEST(LoadBalance, SpeedsAreAveragedOverTheWindowAndIdleStepsAddNothing) {
@@ -140,7 +152,7 @@ TEST(LoadBalance, StragglersAreNamedOnceAndTheirRecoveryToo) {
 }
 
 TEST(LoadBalance, CheckpointRoundTripKeepsTheSharesExactly) {
-  BalanceOptions o;
+  BalanceOptions o = step_of(12, 1);
   o.rebalance_every = 1;
   LoadBalancer b({1, 1}, o);
   b.observe(1, {3, 3}, {1.0, 7.0});
