@@ -14,9 +14,9 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <iterator>
 
+#include "core/file.h"
 #include "shardtrain/core/error.h"
 
 namespace shardtrain::comm::detail {
@@ -39,9 +39,11 @@ uint64_t fnv1a(const std::string& s, uint64_t h = 1469598103934665603ull) {
 // the same namespaces (network namespaces are how tests make separate hosts,
 // and those must talk over their network). Empty when unknown.
 std::string host_identity() {
-  std::ifstream boot("/proc/sys/kernel/random/boot_id");
-  std::string id((std::istreambuf_iterator<char>(boot)), std::istreambuf_iterator<char>());
-  if (id.empty()) return {};
+  std::string id, why;
+  if (!::shardtrain::detail::read_regular_file("/proc/sys/kernel/random/boot_id", 4096, &id, &why) ||
+      id.empty()) {
+    return {};
+  }
   for (const char* ns : {"/proc/self/ns/net", "/proc/self/ns/ipc", "/proc/self/ns/pid", "/proc/self/ns/mnt"}) {
     struct stat st {};
     if (stat(ns, &st) != 0) return {};
@@ -62,9 +64,11 @@ void wake_all(std::atomic<uint32_t>& word) {
 // Whether the process is gone (or a zombie waiting to be reaped).
 bool exited(int64_t pid) {
   if (kill(static_cast<pid_t>(pid), 0) != 0) return errno == ESRCH;
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  if (!std::getline(stat, line)) return false;
+  std::string line, why;
+  if (!::shardtrain::detail::read_regular_file("/proc/" + std::to_string(pid) + "/stat", 1 << 16, &line,
+                                               &why)) {
+    return false;
+  }
   const size_t close = line.rfind(')');
   return close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'Z';
 }

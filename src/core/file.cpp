@@ -123,6 +123,114 @@ bool read_regular_file(const std::string& path, long long max_bytes, std::string
   return true;
 }
 
+std::string file_kind(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) return S_ISREG(st.st_mode) ? "a regular file" : kind_of(st.st_mode);
+  const int err = errno;
+  if (::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) return "a dangling symbolic link";
+  return err == ENOENT ? "absent" : std::string(std::strerror(err));
+}
+
+bool read_regular_prefix(const std::string& path, size_t n, std::string* out, std::string* why) {
+  const int fd = open_regular_for_reading(path, why);
+  if (fd < 0) return false;
+  out->assign(n, '\0');
+  size_t got = 0;
+  while (got < n) {
+    const ssize_t r = ::read(fd, out->data() + got, n - got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) {
+      *why = std::strerror(errno);
+      ::close(fd);
+      return false;
+    }
+    if (r == 0) break;
+    got += static_cast<size_t>(r);
+  }
+  ::close(fd);
+  out->resize(got);
+  return true;
+}
+
+LineReader::~LineReader() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+bool LineReader::open(const std::string& path, std::string* why) {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = open_regular_for_reading(path, why);
+  buf_.clear();
+  at_ = 0;
+  lines_ = 0;
+  eof_ = fd_ < 0;
+  return fd_ >= 0;
+}
+
+// The buffer holds what has been read and not yet returned, from at_; it
+// grows only while one line is longer than a read, up to the cap.
+LineReader::Status LineReader::next(std::string* line, std::string* why) {
+  constexpr size_t kChunk = 1 << 16;
+  size_t scanned = at_;
+  while (true) {
+    const size_t nl = buf_.find('\n', scanned);
+    if (nl != std::string::npos) {
+      if (static_cast<long long>(nl - at_) > max_line_) break;
+      line->assign(buf_, at_, nl - at_);
+      at_ = nl + 1;
+      ++lines_;
+      return Status::Line;
+    }
+    scanned = buf_.size();
+    if (static_cast<long long>(buf_.size() - at_) > max_line_) break;
+    if (eof_) {
+      if (at_ == buf_.size()) return Status::End;
+      line->assign(buf_, at_, std::string::npos);
+      at_ = buf_.size();
+      ++lines_;
+      return Status::Line;
+    }
+    if (at_ > 0) {  // drop what was returned before reading more
+      buf_.erase(0, at_);
+      scanned -= at_;
+      at_ = 0;
+    }
+    const size_t old = buf_.size();
+    buf_.resize(old + kChunk);
+    ssize_t r;
+    do {
+      r = ::read(fd_, buf_.data() + old, kChunk);
+    } while (r < 0 && errno == EINTR);
+    if (r < 0) {
+      *why = std::strerror(errno);
+      buf_.clear();
+      at_ = 0;
+      eof_ = true;
+      return Status::Error;
+    }
+    buf_.resize(old + static_cast<size_t>(r));
+    if (r == 0) eof_ = true;
+  }
+  *why = "line " + std::to_string(lines_ + 1) + " is longer than " + std::to_string(max_line_) + " bytes";
+  buf_.clear();
+  at_ = 0;
+  eof_ = true;
+  return Status::TooLong;
+}
+
+std::string sha256_hex(const void* data, size_t n) {
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  ST_CHECK(EVP_Digest(data, n, digest, &len, EVP_sha256(), nullptr) == 1, Error,
+           "SHA-256 failed");
+  static const char* kHex = "0123456789abcdef";
+  std::string hex;
+  for (unsigned int i = 0; i < len; ++i) {
+    hex.push_back(kHex[digest[i] >> 4]);
+    hex.push_back(kHex[digest[i] & 15]);
+  }
+  return hex;
+}
+
 bool sha256_of_file(const std::string& path, std::string* hex, long long* bytes, std::string* why) {
   return sha256_of_files({path}, hex, bytes, why);
 }

@@ -3,8 +3,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include <fstream>
-
+#include "core/file.h"
 #include "core/json.h"
 #include "shardtrain/core/error.h"
 
@@ -106,13 +105,19 @@ Record parse_record(const std::string& line, const std::string& origin) {
 }
 
 std::vector<Record> read_jsonl(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  ST_CHECK(in.good(), ConfigError, "data.train '", path, "' cannot be opened");
+  ::shardtrain::detail::LineReader in(kMaxRecordLineBytes);
+  std::string why;
+  ST_CHECK(in.open(path, &why), ConfigError, "data.train '", path, "' cannot be opened: ", why,
+           "; hint: point data.train at a JSON-lines file");
   std::vector<Record> records;
   std::string line;
-  for (int64_t n = 1; std::getline(in, line); ++n) {
+  while (true) {
+    const auto status = in.next(&line, &why);
+    if (status == ::shardtrain::detail::LineReader::Status::End) break;
+    ST_CHECK(status == ::shardtrain::detail::LineReader::Status::Line, ConfigError, "data.train '",
+             path, "' cannot be read: ", why, "; hint: one JSON record per line");
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    records.push_back(parse_record(line, path + ":" + std::to_string(n)));
+    records.push_back(parse_record(line, path + ":" + std::to_string(in.line_number())));
   }
   ST_CHECK(!records.empty(), ConfigError, "data.train '", path,
            "' holds no records; hint: one JSON object per line");

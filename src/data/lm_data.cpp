@@ -5,7 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
+#include <cstring>
 #include <sstream>
 
 #include "core/file.h"
@@ -24,10 +24,16 @@ bool ends_with(const std::string& s, const std::string& tail) {
   return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }
 
+// False too when it cannot be read: the reader that follows names why.
 bool starts_with_token_magic(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
+  std::string head, why;
   int32_t magic = 0;
-  return in.read(reinterpret_cast<char*>(&magic), sizeof(magic)) && magic == kTokenFileMagic;
+  if (!shardtrain::detail::read_regular_prefix(path, sizeof(magic), &head, &why) ||
+      head.size() != sizeof(magic)) {
+    return false;
+  }
+  std::memcpy(&magic, head.data(), sizeof(magic));
+  return magic == kTokenFileMagic;
 }
 
 DataFormat detect_format(const config::DataConfig& c) {

@@ -7,10 +7,10 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <sstream>
 
 #include "checkpoint/detail.h"
+#include "core/file.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/data/chat_template.h"
 
@@ -18,7 +18,9 @@ namespace shardtrain::data {
 
 namespace {
 
-constexpr char kCacheMagic[8] = {'S', 'T', 'S', 'M', 'P', 'L', '0', '1'};
+// Version 02: the file ends with the SHA-256 of everything before it.
+constexpr char kCacheMagic[8] = {'S', 'T', 'S', 'M', 'P', 'L', '0', '2'};
+constexpr size_t kChecksumBytes = 64;  // hex digits
 
 void append(Sample& s, const std::vector<int32_t>& ids, bool trained) {
   s.ids.insert(s.ids.end(), ids.begin(), ids.end());
@@ -32,18 +34,29 @@ uint64_t fnv1a(const std::string& s) {
   return h;
 }
 
-// Everything that decides the samples' ids and masks.
+// Everything that decides the samples' ids and masks. The dataset enters by
+// the SHA-256 of its content (one pass over the file per load, at disk or
+// hashing speed, whichever is slower: about a second per GB), not by its size
+// and mtime: a file edited at the same size with its mtime put back would
+// otherwise be served the old samples.
 std::string cache_key(const std::string& path, const Tokenizer& tokenizer,
                       const SampleOptions& options) {
-  struct stat st {};
-  ST_CHECK(::stat(path.c_str(), &st) == 0, ConfigError, "data.train '", path,
-           "' cannot be read: ", std::strerror(errno));
+  std::string digest, why;
+  long long bytes = 0;
+  ST_CHECK(::shardtrain::detail::sha256_of_file(path, &digest, &bytes, &why), ConfigError,
+           "data.train '", path, "' cannot be read: ", why,
+           "; hint: point data.train at a JSON-lines file");
   std::ostringstream key;
   key << "tokenizer=" << tokenizer.fingerprint() << ";template="
       << enum_name(options.chat_template) << ";train_on_inputs=" << options.train_on_inputs
-      << ";size=" << st.st_size << ";mtime=" << st.st_mtim.tv_sec << "." << st.st_mtim.tv_nsec
-      << ";format=1";
+      << ";size=" << bytes << ";sha256=" << digest << ";format=2";
   return key.str();
+}
+
+std::string cache_path_of(const std::string& path, const std::string& key) {
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(fnv1a(key)));
+  return path + ".shardtrain-" + hex + ".samples";
 }
 
 template <class T>
@@ -61,39 +74,77 @@ std::string serialise(const std::string& key, const std::vector<Sample>& samples
     out.append(reinterpret_cast<const char*>(s.ids.data()), s.ids.size() * sizeof(int32_t));
     out.append(reinterpret_cast<const char*>(s.trained.data()), s.trained.size());
   }
-  return out;
+  return out + ::shardtrain::detail::sha256_hex(out.data(), out.size());
 }
 
-// The cached samples, or false when the file is absent, for other inputs
-// (key differs) or damaged.
-bool deserialise(const std::string& bytes, const std::string& key, std::vector<Sample>* out) {
+enum class CacheState { Read, OtherKey, Damaged };
+
+// The cached samples (Read); OtherKey when the file is for other inputs;
+// Damaged when its checksum or its layout is wrong (edited in place,
+// truncated, another program's file).
+CacheState deserialise(const std::string& file, const std::string& key, std::vector<Sample>* out) {
+  if (file.size() < sizeof(kCacheMagic) + kChecksumBytes) return CacheState::Damaged;
+  const size_t end = file.size() - kChecksumBytes;  // the checksummed bytes: [0, end)
+  if (file.compare(end, kChecksumBytes, ::shardtrain::detail::sha256_hex(file.data(), end)) != 0) {
+    return CacheState::Damaged;
+  }
   size_t at = 0;
   const auto take = [&](void* dst, size_t n) {
-    if (bytes.size() - at < n) return false;
-    std::memcpy(dst, bytes.data() + at, n);
+    if (end - at < n) return false;
+    std::memcpy(dst, file.data() + at, n);
     at += n;
     return true;
   };
   char magic[sizeof(kCacheMagic)];
   uint64_t key_size = 0, count = 0;
-  if (!take(magic, sizeof(magic)) || std::memcmp(magic, kCacheMagic, sizeof(magic)) != 0) return false;
-  if (!take(&key_size, sizeof(key_size)) || key_size != key.size()) return false;
-  if (bytes.compare(at, key.size(), key) != 0) return false;
+  if (!take(magic, sizeof(magic)) || std::memcmp(magic, kCacheMagic, sizeof(magic)) != 0) {
+    return CacheState::Damaged;
+  }
+  if (!take(&key_size, sizeof(key_size)) || key_size != key.size()) return CacheState::OtherKey;
+  if (file.compare(at, key.size(), key) != 0) return CacheState::OtherKey;
   at += key.size();
-  if (!take(&count, sizeof(count))) return false;
+  if (!take(&count, sizeof(count))) return CacheState::Damaged;
   std::vector<Sample> samples;
   for (uint64_t i = 0; i < count; ++i) {
     uint64_t n = 0;
-    if (!take(&n, sizeof(n)) || n > bytes.size()) return false;
+    if (!take(&n, sizeof(n)) || n > end) return CacheState::Damaged;
     Sample s;
     s.ids.resize(n);
     s.trained.resize(n);
-    if (!take(s.ids.data(), n * sizeof(int32_t)) || !take(s.trained.data(), n)) return false;
+    if (!take(s.ids.data(), n * sizeof(int32_t)) || !take(s.trained.data(), n)) {
+      return CacheState::Damaged;
+    }
     samples.push_back(std::move(s));
   }
-  if (at != bytes.size()) return false;
+  if (at != end) return CacheState::Damaged;
   *out = std::move(samples);
-  return true;
+  return CacheState::Read;
+}
+
+// The cache's samples when it is there, whole and for these inputs. A cache
+// that is not a regular file (a FIFO, a link to a device) or fails its
+// checksum is not read: it is rebuilt (the rename replaces the entry itself,
+// never what a link points at), and stderr says so once.
+bool read_cache(const std::string& cache, const std::string& key, std::vector<Sample>* out) {
+  const std::string kind = ::shardtrain::detail::file_kind(cache);
+  if (kind == "absent") return false;
+  std::string bytes, why;
+  if (!::shardtrain::detail::read_regular_file(cache, int64_t{1} << 40, &bytes, &why)) {
+    std::fprintf(stderr, "samples cache '%s' cannot be read (%s); rebuilding it\n", cache.c_str(),
+                 why.c_str());
+    return false;
+  }
+  switch (deserialise(bytes, key, out)) {
+    case CacheState::Read: return true;
+    case CacheState::OtherKey: return false;
+    case CacheState::Damaged:
+      std::fprintf(stderr,
+                   "samples cache '%s' fails its checksum (edited or damaged since it was "
+                   "written); rebuilding it\n",
+                   cache.c_str());
+      return false;
+  }
+  return false;
 }
 
 }  // namespace
@@ -129,24 +180,14 @@ Sample tokenize_record(const Record& record, const Tokenizer& tokenizer,
 
 std::string samples_cache_path(const std::string& path, const Tokenizer& tokenizer,
                                const SampleOptions& options) {
-  char hex[17];
-  std::snprintf(hex, sizeof(hex), "%016llx",
-                static_cast<unsigned long long>(fnv1a(cache_key(path, tokenizer, options))));
-  return path + ".shardtrain-" + hex + ".samples";
+  return cache_path_of(path, cache_key(path, tokenizer, options));
 }
 
 std::vector<Sample> load_samples(const std::string& path, const Tokenizer& tokenizer,
                                  const SampleOptions& options) {
   const std::string key = cache_key(path, tokenizer, options);
-  const std::string cache = samples_cache_path(path, tokenizer, options);
-  {
-    std::ifstream in(cache, std::ios::binary);
-    if (in.good()) {
-      std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      std::vector<Sample> cached;
-      if (deserialise(bytes, key, &cached)) return cached;
-    }
-  }
+  const std::string cache = cache_path_of(path, key);
+  if (std::vector<Sample> cached; read_cache(cache, key, &cached)) return cached;
   std::vector<Sample> samples;
   for (const Record& r : read_jsonl(path)) samples.push_back(tokenize_record(r, tokenizer, options));
   // Written under a name of this process's own, then renamed over the

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <set>
 
+#include "core/file.h"
 #include "launch/console.h"
 #include "launch/fork_server.h"
 #include "launch/signals.h"
@@ -60,15 +61,15 @@ const std::set<std::string> kReplacedVars = {"RANK",
 // Whether `pid` is stopped (SIGSTOP, a debugger): it cannot act on SIGTERM,
 // so waiting out the grace period for it would only delay the stop.
 bool is_stopped(pid_t pid) {
-  FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
-  if (f == nullptr) return false;
-  char state = 0;
+  std::string stat, why;
+  if (!::shardtrain::detail::read_regular_file("/proc/" + std::to_string(pid) + "/stat", 1 << 16, &stat, &why)) {
+    return false;
+  }
   // "pid (comm) state ...": the state follows the last ')'.
-  char buf[512];
-  const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
-  std::fclose(f);
-  buf[n] = '\0';
-  if (const char* close = std::strrchr(buf, ')'); close && close[1] == ' ') state = close[2];
+  const size_t close = stat.rfind(')');
+  const char state = close != std::string::npos && close + 2 < stat.size() && stat[close + 1] == ' '
+                         ? stat[close + 2]
+                         : 0;
   return state == 'T' || state == 't';
 }
 

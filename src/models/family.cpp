@@ -47,10 +47,13 @@ std::string family_names() {
   return names;
 }
 
+// Any entry named config.json counts: one that is not a regular file (a
+// FIFO, /dev/zero) is then refused by the reader, saying what it is, instead
+// of the directory being taken for something else.
 bool is_hf_dir(const std::string& path) {
   std::error_code ec;
   return !path.empty() && std::filesystem::is_directory(path, ec) &&
-         std::filesystem::is_regular_file(std::filesystem::path(path) / "config.json", ec);
+         ::shardtrain::detail::file_kind((std::filesystem::path(path) / "config.json").string()) != "absent";
 }
 
 void resolve_model_config(config::ModelConfig& m) {

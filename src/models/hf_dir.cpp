@@ -73,8 +73,11 @@ HfWeights::HfWeights(const std::string& path) : path_(path) {
   if (!fs::is_directory(path, ec)) {
     files_.push_back(std::make_unique<SafetensorsFile>(path));
   } else {
+    // Present but not a regular file (a FIFO, a device, a dangling link):
+    // opened all the same, so the guarded reader's error says what it is.
+    const auto present = [](const fs::path& p) { return ::shardtrain::detail::file_kind(p.string()) != "absent"; };
     const fs::path index = fs::path(path) / kIndexFile;
-    if (fs::is_regular_file(index, ec)) {
+    if (present(index)) {
       std::string text, why;
       ST_CHECK(::shardtrain::detail::read_regular_file(index.string(), int64_t{64} << 20, &text, &why),
                CheckpointError, "cannot read '", index.string(), "': ", why);
@@ -96,7 +99,7 @@ HfWeights::HfWeights(const std::string& path) : path_(path) {
         auto it = file_of.find(f);
         if (it == file_of.end()) {
           const fs::path shard = fs::path(path) / f;
-          ST_CHECK(fs::is_regular_file(shard, ec), CheckpointError, "'", index.string(), "' names shard '",
+          ST_CHECK(present(shard), CheckpointError, "'", index.string(), "' names shard '",
                    f, "' (for tensor '", name, "'), which is missing from '", path,
                    "'; hint: download every file of the model");
           files_.push_back(std::make_unique<SafetensorsFile>(shard.string()));
@@ -109,7 +112,7 @@ HfWeights::HfWeights(const std::string& path) : path_(path) {
       return;
     }
     const fs::path single = fs::path(path) / kSingleFile;
-    ST_CHECK(fs::is_regular_file(single, ec), CheckpointError, "'", path, "' holds neither ", kSingleFile,
+    ST_CHECK(present(single), CheckpointError, "'", path, "' holds neither ", kSingleFile,
              " nor ", kIndexFile, "; hint: point model.init_from at a Hugging Face model directory "
              "with safetensors weights (PyTorch .bin files are not read)");
     files_.push_back(std::make_unique<SafetensorsFile>(single.string()));

@@ -5,11 +5,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <limits>
 #include <sstream>
 #include <string>
 
+#include "core/file.h"
 #include "shardtrain/core/error.h"
 #include "shardtrain/launch/env.h"
 #include "shardtrain/models/gpt.h"
@@ -130,7 +130,10 @@ StrategyEstimate choose_strategy(const EstimateInput& in, double budget_bytes) {
 }
 
 double default_memory_budget_bytes(int local_world_size) {
-  std::ifstream meminfo("/proc/meminfo");
+  // Unreadable: an empty text, which memory_budget_bytes refuses with a hint.
+  std::string text, why;
+  if (!::shardtrain::detail::read_regular_file("/proc/meminfo", int64_t{1} << 20, &text, &why)) text.clear();
+  std::istringstream meminfo(text);
   return detail::memory_budget_bytes(meminfo, local_world_size);
 }
 

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -22,11 +23,15 @@
 
 #include "../dist/checkpoint_synthetic.h"
 #include "checkpoint/detail.h"
+#include "core/file.h"
 #include "shardtrain/checkpoint/checkpoint.h"
 #include "shardtrain/checkpoint/safetensors.h"
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/config/config.h"
 #include "shardtrain/core/error.h"
+#include "shardtrain/data/jsonl.h"
+#include "shardtrain/data/samples.h"
+#include "shardtrain/data/tokenizer.h"
 #include "shardtrain/data/tokens.h"
 #include "shardtrain/models/family.h"
 #include "shardtrain/models/mlp.h"
@@ -573,6 +578,165 @@ TEST(UntrustedCheckpoint, DamagedTrainingStateIsACheckpointError) {
   const std::string msg = shardtrain::testing::checkpoint_error([&] { t.resume(bad); });
   EXPECT_HAS(msg, "its training state (train_state.bin) is damaged");
   EXPECT_HAS(msg, "step");
+}
+
+// ---- the one guarded reader: streams, /proc, the samples cache ---------------------------
+
+TEST(UntrustedFiles, JsonLinesAreReadThroughTheGuardedReader) {
+  TempDir tmp;
+  const std::string fifo = tmp / "train.jsonl";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const std::string msg = refused_at_once<ConfigError>(fifo, [&] { shardtrain::data::read_jsonl(fifo); });
+  EXPECT_HAS(msg, "is a FIFO (named pipe), not a regular file");
+  EXPECT_HAS(msg, fifo);
+  // A link to /dev/zero: one endless line, refused before a byte is read.
+  const std::string zero = tmp / "zero.jsonl";
+  fs::create_symlink("/dev/zero", zero);
+  try {
+    shardtrain::data::read_jsonl(zero);
+    ADD_FAILURE() << "read /dev/zero as a dataset";
+  } catch (const ConfigError& e) {
+    EXPECT_HAS(std::string(e.what()), "is a character device, not a regular file");
+  }
+}
+
+TEST(UntrustedFiles, LinesPastTheCapAreRefusedAndTheLastLineNeedsNoBreak) {
+  TempDir tmp;
+  const std::string path = tmp / "lines";
+  { std::ofstream(path) << "ab\n\ncdefg\nxyz"; }
+  shardtrain::detail::LineReader in(5);
+  std::string why, line;
+  ASSERT_TRUE(in.open(path, &why)) << why;
+  using Status = shardtrain::detail::LineReader::Status;
+  std::vector<std::string> lines;
+  while (in.next(&line, &why) == Status::Line) lines.push_back(line);
+  EXPECT_EQ(lines, (std::vector<std::string>{"ab", "", "cdefg", "xyz"}));
+  shardtrain::detail::LineReader tight(4);
+  ASSERT_TRUE(tight.open(path, &why));
+  EXPECT_EQ(tight.next(&line, &why), Status::Line);
+  EXPECT_EQ(tight.next(&line, &why), Status::Line);
+  EXPECT_EQ(tight.next(&line, &why), Status::TooLong);
+  EXPECT_HAS(why, "line 3 is longer than 4 bytes");
+}
+
+// /proc files are regular with st_size 0: read to their end, not to st_size.
+TEST(UntrustedFiles, ProcFilesAreReadToTheirEnd) {
+  std::string text, why;
+  ASSERT_TRUE(shardtrain::detail::read_regular_file("/proc/self/stat", 1 << 16, &text, &why)) << why;
+  EXPECT_EQ(text.rfind(std::to_string(::getpid()) + " (", 0), 0u) << text;
+  ASSERT_TRUE(shardtrain::detail::read_regular_file("/proc/meminfo", 1 << 20, &text, &why)) << why;
+  EXPECT_HAS(text, "MemAvailable:");
+}
+
+namespace samples_cache {
+
+using shardtrain::data::load_samples;
+using shardtrain::data::samples_cache_path;
+using shardtrain::data::SampleOptions;
+
+std::vector<int32_t> ids_of(const std::string& text) {
+  return std::vector<int32_t>(text.begin(), text.end());  // the byte tokenizer: one id a byte
+}
+
+std::string read_all(const std::string& path) {
+  std::string bytes, why;
+  EXPECT_TRUE(shardtrain::detail::read_regular_file(path, 1 << 20, &bytes, &why)) << why;
+  return bytes;
+}
+
+// load_samples, failing the test (instead of hanging it) past 10 s.
+std::vector<shardtrain::data::Sample> load_within_10s(const std::string& path, const std::string& cache) {
+  const auto tok = shardtrain::data::load_tokenizer("bytes");
+  auto result = std::async(std::launch::async, [&] { return load_samples(path, *tok, SampleOptions()); });
+  if (result.wait_for(std::chrono::seconds(10)) == std::future_status::timeout) {
+    ADD_FAILURE() << "load_samples blocked on the cache " << cache;
+    const int writer = ::open(cache.c_str(), O_WRONLY | O_NONBLOCK);  // releases a FIFO's reader
+    if (writer >= 0) ::close(writer);
+  }
+  return result.get();
+}
+
+}  // namespace samples_cache
+
+TEST(UntrustedFiles, SamplesCacheEditedInPlaceIsRebuilt) {
+  using namespace samples_cache;
+  TempDir tmp;
+  const std::string path = tmp / "d.jsonl";
+  { std::ofstream(path) << "{\"text\": \"hello\"}\n{\"text\": \"world\"}\n"; }
+  const auto tok = shardtrain::data::load_tokenizer("bytes");
+  ASSERT_EQ(load_samples(path, *tok, SampleOptions()).at(0).ids, ids_of("hello"));
+  const std::string cache = samples_cache_path(path, *tok, SampleOptions());
+  // The id of 'h' (104), little-endian int32 before that of 'e', set to 7
+  // in place: same size, same name, same key.
+  std::string bytes = read_all(cache);
+  const std::string h_then_e("\x68\0\0\0\x65\0\0\0", 8);
+  const size_t at = bytes.find(h_then_e);
+  ASSERT_NE(at, std::string::npos);
+  bytes[at] = 7;
+  { std::ofstream(cache, std::ios::binary | std::ios::trunc) << bytes; }
+
+  ::testing::internal::CaptureStderr();
+  const auto samples = load_samples(path, *tok, SampleOptions());
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  ASSERT_EQ(samples.size(), 2u);
+  EXPECT_EQ(samples[0].ids, ids_of("hello"));
+  EXPECT_EQ(samples[1].ids, ids_of("world"));
+  EXPECT_HAS(err, cache);
+  EXPECT_HAS(err, "rebuilding it");
+  EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
+  // Rebuilt: the next load reads it without a word.
+  EXPECT_EQ(read_all(cache).find(h_then_e), at);
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(load_samples(path, *tok, SampleOptions()).at(0).ids, ids_of("hello"));
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+}
+
+TEST(UntrustedFiles, SamplesCacheSeesAnEditThatKeepsSizeAndMtime) {
+  using namespace samples_cache;
+  TempDir tmp;
+  const std::string path = tmp / "d.jsonl";
+  { std::ofstream(path) << "{\"text\": \"hello\"}\n"; }
+  const auto tok = shardtrain::data::load_tokenizer("bytes");
+  ASSERT_EQ(load_samples(path, *tok, SampleOptions()).at(0).ids, ids_of("hello"));
+  struct stat before {};
+  ASSERT_EQ(::stat(path.c_str(), &before), 0);
+  { std::ofstream(path, std::ios::trunc) << "{\"text\": \"jello\"}\n"; }
+  const struct timespec times[2] = {before.st_atim, before.st_mtim};
+  ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), times, 0), 0);
+  struct stat after {};
+  ASSERT_EQ(::stat(path.c_str(), &after), 0);
+  ASSERT_EQ(after.st_size, before.st_size);
+  ASSERT_EQ(after.st_mtim.tv_nsec, before.st_mtim.tv_nsec);
+  EXPECT_EQ(load_samples(path, *tok, SampleOptions()).at(0).ids, ids_of("jello"));
+}
+
+// A cache that is not a regular file is not read (no hang, no endless
+// read): the samples are tokenized again and the cache written anew over it.
+TEST(UntrustedFiles, SamplesCacheThatIsAFifoOrADeviceIsRebuilt) {
+  using namespace samples_cache;
+  TempDir tmp;
+  const std::string path = tmp / "d.jsonl";
+  { std::ofstream(path) << "{\"text\": \"hello\"}\n"; }
+  const auto tok = shardtrain::data::load_tokenizer("bytes");
+  const std::string cache = samples_cache_path(path, *tok, SampleOptions());
+  for (const char* kind : {"fifo", "/dev/zero"}) {
+    SCOPED_TRACE(kind);
+    // A reader that waited on the FIFO would read /dev/zero until memory ran out.
+    if (HasFailure()) return;
+    fs::remove(cache);
+    if (std::string(kind) == "fifo") {
+      ASSERT_EQ(::mkfifo(cache.c_str(), 0600), 0);
+    } else {
+      fs::create_symlink(kind, cache);
+    }
+    ::testing::internal::CaptureStderr();
+    const auto samples = load_within_10s(path, cache);
+    const std::string err = ::testing::internal::GetCapturedStderr();
+    ASSERT_EQ(samples.size(), 1u);
+    EXPECT_EQ(samples[0].ids, ids_of("hello"));
+    EXPECT_HAS(err, kind == std::string("fifo") ? "a FIFO (named pipe)" : "a character device");
+    EXPECT_TRUE(fs::is_regular_file(fs::symlink_status(cache))) << "the cache was not rebuilt";
+  }
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "core/file.h"
 #include "flags.h"
 #include "shardtrain/config/config.h"
 #include "shardtrain/config/schema.h"
@@ -27,11 +28,10 @@ const char kUsage[] =
     "--check-docs FILE exits with 1 when they differ.\n";
 
 std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  ST_CHECK(in, ConfigError, "cannot read '", path, "'; pass the path of docs/config.md");
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
+  std::string text, why;
+  ST_CHECK(::shardtrain::detail::read_regular_file(path, int64_t{16} << 20, &text, &why), ConfigError,
+           "cannot read '", path, "': ", why, "; pass the path of docs/config.md");
+  return text;
 }
 
 int docs(const std::string& path, bool check) {

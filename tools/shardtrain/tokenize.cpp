@@ -10,16 +10,16 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "core/file.h"
 #include "core/json.h"
 #include "commands.h"
 #include "flags.h"
 #include "shardtrain/core/error.h"
+#include "shardtrain/data/jsonl.h"
 #include "shardtrain/data/tokenizer.h"
 #include "shardtrain/data/tokens.h"
 
@@ -85,26 +85,34 @@ bool ends_with(const std::string& s, const std::string& tail) {
   return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  ST_CHECK(in.good(), ConfigError, "cannot read input '", path, "'; hint: check the INPUT paths");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+// The longest text file read as one document: a file is held whole (one
+// task), so this is what one document may cost in memory.
+constexpr long long kMaxTextInputBytes = 1LL << 40;
 
-// Every document of every input, in order.
+// Every document of every input, in order. Each INPUT goes through the
+// guarded reader: a FIFO, a device or a directory is refused, naming it.
 std::vector<std::string> read_documents(const std::vector<std::string>& inputs) {
   std::vector<std::string> docs;
+  std::string why;
   for (const std::string& path : inputs) {
-    std::string text = read_file(path);
     if (!ends_with(path, ".jsonl")) {
+      std::string text;
+      ST_CHECK(::shardtrain::detail::read_regular_file(path, kMaxTextInputBytes, &text, &why),
+               ConfigError, "cannot read input '", path, "': ", why,
+               "; hint: each INPUT must be a text or .jsonl file");
       docs.push_back(std::move(text));
       continue;
     }
-    std::istringstream lines(text);
+    ::shardtrain::detail::LineReader lines(data::kMaxRecordLineBytes);
+    ST_CHECK(lines.open(path, &why), ConfigError, "cannot read input '", path, "': ", why,
+             "; hint: each INPUT must be a text or .jsonl file");
     std::string line;
-    for (int64_t n = 1; std::getline(lines, line); ++n) {
+    while (true) {
+      const auto status = lines.next(&line, &why);
+      if (status == ::shardtrain::detail::LineReader::Status::End) break;
+      ST_CHECK(status == ::shardtrain::detail::LineReader::Status::Line, ConfigError,
+               "cannot read input '", path, "': ", why, "; hint: one JSON object per line");
+      const long long n = lines.line_number();
       if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
       nlohmann::json j;
       try {

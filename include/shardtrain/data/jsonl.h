@@ -40,8 +40,15 @@ std::string alpaca_prompt(const std::string& instruction, const std::string& inp
 /// Parses one line; `origin` ("file:line") prefixes every error.
 Record parse_record(const std::string& line, const std::string& origin);
 
-/// Every record of a JSON-lines file. A missing or empty file (no records)
-/// is a ConfigError naming it.
+/// The longest line a JSON-lines file may hold (256 MiB): one record is
+/// never larger, and a file without line breaks is refused at this size
+/// instead of filling memory.
+constexpr long long kMaxRecordLineBytes = 256LL << 20;
+
+/// Every record of a JSON-lines file, read line by line through the guarded
+/// reader (core/file.h). A missing or empty file (no records), one that is
+/// not a regular file (a FIFO, a device, a directory) or a line past
+/// kMaxRecordLineBytes is a ConfigError naming it.
 std::vector<Record> read_jsonl(const std::string& path);
 
 }  // namespace shardtrain::data

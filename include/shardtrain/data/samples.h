@@ -38,12 +38,16 @@ Sample tokenize_record(const Record& record, const Tokenizer& tokenizer, const S
 /// file `cache_path(path, ...)` when it matches, else tokenized and the cache
 /// written atomically (every rank does the same deterministic work, so any
 /// rank may write it; the rename makes concurrent writers safe). A cache that
-/// cannot be written (read-only directory) is skipped.
+/// cannot be written (read-only directory) is skipped. The cache ends with
+/// the SHA-256 of its content: one that fails it (edited in place), or that
+/// is not a regular file (a FIFO, a link to a device), is never trusted: it
+/// is rebuilt, with one line on stderr saying so.
 std::vector<Sample> load_samples(const std::string& path, const Tokenizer& tokenizer,
                                  const SampleOptions& options);
 
 /// Where load_samples caches `path`: beside it, named by a digest of the
-/// tokenizer's fingerprint, the options and the file's size and mtime.
+/// tokenizer's fingerprint, the options and the SHA-256 of the file's content
+/// (not its size and mtime, which an edit can keep). Reads the whole file.
 std::string samples_cache_path(const std::string& path, const Tokenizer& tokenizer,
                                const SampleOptions& options);
 
