@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -50,7 +51,15 @@ class ChunkedCrc {
 /// write, fsync) are CheckpointErrors naming the path.
 class OutFile {
  public:
+  /// Creates or truncates `path`, a name inside a directory this writer
+  /// made itself (a checkpoint's temporary directory); a symbolic link at
+  /// `path` is refused, never followed.
   OutFile(std::string path, int64_t chunk_bytes);
+  /// A new file beside `target`, under a name nobody holds yet
+  /// (`target.tmp.<random>`), created with O_EXCL | O_NOFOLLOW: a file or a
+  /// symbolic link planted at any name is never written through. Rename it
+  /// over `target` once closed; a failure leaves `target` as it was.
+  static std::unique_ptr<OutFile> beside(const std::string& target, int64_t chunk_bytes);
   ~OutFile();
   OutFile(const OutFile&) = delete;
   OutFile& operator=(const OutFile&) = delete;
@@ -61,8 +70,10 @@ class OutFile {
   int64_t bytes() const { return crc_.bytes(); }
   /// fsync and close; returns the file's record (name = base name).
   FileInfo close_and_sync();
+  const std::string& path() const { return path_; }
 
  private:
+  OutFile(std::string path, int64_t chunk_bytes, int fd);
   std::string path_;
   int fd_ = -1;
   ChunkedCrc crc_;
@@ -71,8 +82,12 @@ class OutFile {
 
 /// fsyncs a directory, so renames and new entries in it are durable.
 void fsync_dir(const std::string& dir);
-/// Writes `bytes` to `path` through a temporary name, fsynced, then renamed.
+/// Writes `bytes` to `path` through a new temporary beside it
+/// (OutFile::beside), fsynced, then renamed over `path`.
 void write_file_atomically(const std::string& path, const std::string& bytes);
+/// `target.tmp.<12 random hex digits>`: a temporary name beside `target`
+/// that the caller must create exclusively (O_EXCL, a hard link).
+std::string temporary_name_beside(const std::string& target);
 /// pread of exactly n bytes; CheckpointError naming `path` on a short read.
 void pread_exact(int fd, void* buf, size_t n, int64_t offset, const std::string& path);
 /// The whole (small) file; CheckpointError naming it when unreadable.

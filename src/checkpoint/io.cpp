@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <mutex>
+#include <random>
 #include <utility>
 
 #include "checkpoint/detail.h"
@@ -163,10 +164,39 @@ void set_write_hook(WriteHook hook) {
 }
 
 OutFile::OutFile(std::string path, int64_t chunk_bytes)
-    : path_(std::move(path)), crc_(chunk_bytes), chunk_bytes_(chunk_bytes) {
-  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    : OutFile(path, chunk_bytes, ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644)) {}
+
+OutFile::OutFile(std::string path, int64_t chunk_bytes, int fd)
+    : path_(std::move(path)), fd_(fd), crc_(chunk_bytes), chunk_bytes_(chunk_bytes) {
   ST_CHECK(fd_ >= 0, CheckpointError, "cannot create '", path_, "': ", errno_text(),
            ". Hint: check that the directory is writable and the disk is not full.");
+}
+
+std::string temporary_name_beside(const std::string& target) {
+  static std::mutex mutex;
+  static std::mt19937_64 bits{std::random_device{}() ^ (static_cast<uint64_t>(::getpid()) << 32)};
+  uint64_t r = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    r = bits();
+  }
+  static const char* kHex = "0123456789abcdef";
+  std::string name = target + ".tmp.";
+  for (int i = 0; i < 12; ++i, r >>= 4) name.push_back(kHex[r & 15]);
+  return name;
+}
+
+std::unique_ptr<OutFile> OutFile::beside(const std::string& target, int64_t chunk_bytes) {
+  // A name already taken (a planted file or link, a crashed writer's
+  // leftover) is skipped, not reused: O_EXCL fails on it, and O_NOFOLLOW
+  // keeps even a dangling link from being created through.
+  for (int attempt = 0;; ++attempt) {
+    std::string tmp = temporary_name_beside(target);
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd >= 0 || errno != EEXIST || attempt == 15) {
+      return std::unique_ptr<OutFile>(new OutFile(std::move(tmp), chunk_bytes, fd));
+    }
+  }
 }
 
 OutFile::~OutFile() {
@@ -235,17 +265,17 @@ void fsync_dir(const std::string& dir) {
 }
 
 void write_file_atomically(const std::string& path, const std::string& bytes) {
-  const std::string tmp = path + ".tmp";
+  std::unique_ptr<OutFile> f = OutFile::beside(path, int64_t{1} << 20);
+  const std::string tmp = f->path();
   std::error_code ec;
   try {
-    {
-      OutFile f(tmp, int64_t{1} << 20);
-      f.write(bytes.data(), bytes.size());
-      f.close_and_sync();
-    }
+    f->write(bytes.data(), bytes.size());
+    f->close_and_sync();
+    f.reset();
     fs::rename(tmp, path, ec);
     ST_CHECK(!ec, CheckpointError, "cannot rename '", tmp, "' to '", path, "': ", ec.message());
   } catch (...) {
+    f.reset();
     fs::remove(tmp, ec);  // a full disk leaves no half-written file behind
     throw;
   }

@@ -82,7 +82,6 @@ SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<Safete
                                      const std::map<std::string, std::string>& metadata)
     : impl_(std::make_unique<Impl>()) {
   impl_->path = path;
-  impl_->tmp = path + ".tmp";
   Json header = Json::object();
   if (!metadata.empty()) {
     Json meta = Json::object();
@@ -105,7 +104,8 @@ SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<Safete
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // data starts 8-byte aligned
   impl_->entries = std::move(entries);
-  impl_->out = std::make_unique<OutFile>(impl_->tmp, int64_t{1} << 20);
+  impl_->out = OutFile::beside(path, int64_t{1} << 20);
+  impl_->tmp = impl_->out->path();
   unsigned char len[8];
   uint64_t n = text.size();
   for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));

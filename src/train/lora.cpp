@@ -44,11 +44,11 @@ void link_exported_file(const std::string& run_dir, const std::string& written) 
     models::remove_own_export(link);
     return;
   }
-  const std::string tmp = link + ".tmp";
+  // A new name (a hard link or a copy is never made through a planted one).
+  const std::string tmp = checkpoint::detail::temporary_name_beside(link);
   std::error_code ec;
-  fs::remove(tmp, ec);
   fs::create_hard_link(written, tmp, ec);
-  if (ec) fs::copy_file(written, tmp, fs::copy_options::overwrite_existing);  // no links here
+  if (ec) fs::copy_file(written, tmp, fs::copy_options::none);  // no links here
   fs::rename(tmp, link);
 }
 

@@ -46,7 +46,7 @@ remount() {
 # No temporary directory or file anywhere in the run directory.
 no_temporaries() {
   local left
-  left=$(find "$1" \( -name '*.tmp' -o -name '*.tmp-*' -o -name '*.old' \) -print)
+  left=$(find "$1" \( -name '*.tmp' -o -name '*.tmp-*' -o -name '*.tmp.*' -o -name '*.old' \) -print)
   [ -z "$left" ] || fail "temporary files left behind: $left"
 }
 # Every line of metrics.jsonl is whole JSON; $2 step lines.

@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <exception>
+#include <filesystem>
 #include <string>
 
 #include "shardtrain/core/error.h"
@@ -35,6 +36,56 @@ inline CliRun cli(const std::string& args) {
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return r;
 }
+
+/// Whether a writer's temporary for `target` (`target.tmp.<random>`, or
+/// the older fixed `target.tmp`) is left beside it.
+inline bool temporary_left_beside(const std::string& target) {
+  const std::filesystem::path t(target);
+  const std::string prefix = t.filename().string() + ".tmp";
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(t.parent_path().empty() ? "." : t.parent_path(), ec)) {
+    if (e.path().filename().string().rfind(prefix, 0) == 0) return true;
+  }
+  return false;
+}
+
+/// Symbolic links planted where a careless writer of `out` would write:
+/// `out.tmp` and `out` itself, each pointing at a victim file whose content
+/// must survive the write (a writer creates its temporary with O_EXCL |
+/// O_NOFOLLOW and renames it over the link).
+struct PlantedLinks {
+  explicit PlantedLinks(const std::string& out) : out_(out) {
+    for (const char* v : {".victim", ".tmp-victim"}) {
+      std::FILE* f = std::fopen((out_ + v).c_str(), "w");
+      if (f == nullptr) {
+        ADD_FAILURE() << "cannot create " << out_ << v;
+        continue;
+      }
+      std::fputs("precious\n", f);
+      std::fclose(f);
+    }
+    std::filesystem::create_symlink(out_ + ".tmp-victim", out_ + ".tmp");
+    std::filesystem::create_symlink(out_ + ".victim", out_);
+  }
+  /// The victims as they were, the planted temporary link untouched, and
+  /// `out` now a regular file of its own.
+  void expect_intact() const {
+    for (const char* v : {".victim", ".tmp-victim"}) {
+      std::string text(64, '\0');
+      std::FILE* f = std::fopen((out_ + v).c_str(), "r");
+      ASSERT_NE(f, nullptr) << out_ << v;
+      text.resize(std::fread(text.data(), 1, text.size(), f));
+      std::fclose(f);
+      EXPECT_EQ(text, "precious\n") << out_ << v << " was written through a link";
+    }
+    EXPECT_TRUE(std::filesystem::is_symlink(out_ + ".tmp"));
+    EXPECT_FALSE(std::filesystem::is_symlink(out_)) << out_ << " is still the planted link";
+    EXPECT_TRUE(std::filesystem::is_regular_file(out_));
+  }
+
+ private:
+  std::string out_;
+};
 
 /// Runs `fn`, expects a CheckpointError, returns its message.
 template <typename Fn>

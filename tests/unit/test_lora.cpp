@@ -689,6 +689,14 @@ TEST(LoraPeft, MergedWeightsGiveTheAdaptedLogits) {
     // And not the base's: the adapter mattered.
     EXPECT_GT((base->forward(idx) - want).abs().max().item<double>(), 1e-3);
   }
+  // Links planted at --out and its old temporary name are never written
+  // through (issue 47, item 4).
+  const std::string linked = tmp / "linked.safetensors";
+  const st::testing::PlantedLinks planted(linked);
+  const auto run = st::testing::cli("lora merge --base " + tmp / "base.safetensors" + " --adapter " + tmp / "a" +
+                                    " --out " + linked);
+  ASSERT_EQ(run.code, 0) << run.out;
+  planted.expect_intact();
   EXPECT_EQ(st::testing::cli("lora merge --base x").code, 2);
 }
 
@@ -719,7 +727,7 @@ TEST(LoraPeft, MergeChecksTheAdapterConfigAndWritesNothingOnError) {
     const std::string msg = st::testing::checkpoint_error(
         [&] { m::merge_peft_adapter(tmp / "base.safetensors", tmp / "a", out); });
     EXPECT_FALSE(std::filesystem::exists(out)) << msg;
-    EXPECT_FALSE(std::filesystem::exists(out + ".tmp")) << msg;
+    EXPECT_FALSE(st::testing::temporary_left_beside(out)) << msg;
     return msg;
   };
   struct Case {
@@ -775,7 +783,7 @@ TEST(LoraPeft, NonFiniteTensorsAreNeverExported) {
         [&] { st::checkpoint::save_safetensors(out, {{"ok", torch::ones({2})}, {"w", t}}, false, {}); });
     EXPECT_NE(msg.find("tensor 'w' holds 1 NaN or infinite values of 12"), std::string::npos) << msg;
     EXPECT_FALSE(std::filesystem::exists(out));
-    EXPECT_FALSE(std::filesystem::exists(out + ".tmp"));
+    EXPECT_FALSE(st::testing::temporary_left_beside(out));
   }
   st::checkpoint::save_safetensors(out, {{"w", torch::ones({3, 4})}}, false, {});
   EXPECT_TRUE(std::filesystem::exists(out));

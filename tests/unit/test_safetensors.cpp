@@ -329,7 +329,7 @@ TEST(Safetensors, ConsolidateAShardedCheckpoint) {
   fs::remove(fs::path(dir) / "rank-00001.bin");
   EXPECT_THROW(ck::consolidate_to_safetensors(dir, tmp / "broken.safetensors"), CheckpointError);
   EXPECT_FALSE(fs::exists(tmp / "broken.safetensors"));
-  EXPECT_FALSE(fs::exists(tmp / "broken.safetensors.tmp"));
+  EXPECT_FALSE(shardtrain::testing::temporary_left_beside(tmp / "broken.safetensors"));
 }
 
 // ---- the command ------------------------------------------------------------------------
@@ -367,6 +367,17 @@ TEST(CheckpointCommand, InspectConsolidateAndList) {
   ck::load_safetensors_into(*b, tmp / "model.safetensors",
                             ck::SafetensorsLoadOptions().transpose_conv1d(true));
   expect_same_parameters(*a, *b);
+
+  // Links planted at the output and its old temporary name are replaced
+  // or left alone, never written through (issue 47, item 4).
+  const std::string linked = tmp / "linked.safetensors";
+  const shardtrain::testing::PlantedLinks planted(linked);
+  r = cli("checkpoint consolidate " + dir + " --out " + linked);
+  EXPECT_EQ(r.code, 0) << r.out;
+  planted.expect_intact();
+  GPT d(tiny_gpt());
+  ck::load_safetensors_into(*d, linked, ck::SafetensorsLoadOptions().transpose_conv1d(true));
+  expect_same_parameters(*a, *d);
 
   r = cli("checkpoint consolidate " + dir + " --no-transpose --out " + (tmp / "ours.safetensors"));
   EXPECT_EQ(r.code, 0) << r.out;

@@ -23,6 +23,7 @@
 #include "shardtrain/train/task.h"
 #include "shardtrain/train/trainer.h"
 #include "shardtrain/data/tokens.h"
+#include "test_helpers.h"
 #include "shardtrain/models/gpt.h"
 #include "temp_dir.h"
 
@@ -533,7 +534,7 @@ void expect_export_matches(const std::string& dir, torch::nn::Module& model, int
     ASSERT_NE(f.find(p.key()), nullptr) << p.key();
     EXPECT_TRUE(torch::equal(f.read(p.key()), p.value())) << p.key();
   }
-  EXPECT_FALSE(fs::exists(checkpoint::exported_model_path(dir) + ".tmp"));
+  EXPECT_FALSE(shardtrain::testing::temporary_left_beside(checkpoint::exported_model_path(dir)));
 }
 }  // namespace
 
