@@ -35,6 +35,7 @@
 #include "shardtrain/train/plan.h"
 #include "shardtrain/train/schedule.h"
 #include "train/balance.h"
+#include "train/config_digest.h"
 #include "train/fused_adamw.h"
 #include "train/lora.h"
 #include "train/profile.h"
@@ -191,6 +192,9 @@ Trainer::Trainer(config::Config config, TrainTask task, std::shared_ptr<comm::Co
     : config_(std::move(config)), task_(std::move(task)), comm_(std::move(comm)) {
   ST_CHECK(task_.model && task_.loss_sum && task_.count_targets && task_.train_batch, ConfigError,
            "a TrainTask needs a model, loss_sum, count_targets and train_batch");
+  // Before any other collective: ranks started with different configs or
+  // files are refused, naming the first key that differs (config_digest.h).
+  detail::refuse_mismatched_ranks(*comm_, config_);
   const dist::ClusterEnv env = dist::ClusterEnv::detect();
   // The mesh first: everything below that speaks of data parallelism (the
   // batch plan, the strategy, the sampler's ranks) means its dp dimension.
