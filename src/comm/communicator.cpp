@@ -103,43 +103,58 @@ class WorkState {
 // a group's collectives in the same order, so they meet in the same order.
 class Worker {
  public:
-  Worker() : thread_([this] { loop(); }) {}
+  Worker() : state_(std::make_shared<State>()), thread_([s = state_] { loop(*s); }) {}
   ~Worker() {
     {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      state_->stop = true;
     }
-    cv_.notify_all();
-    thread_.join();
+    state_->cv.notify_all();
+    // A task that dropped the last reference to its own group ends here, on
+    // this very thread: joining itself would throw std::system_error (and
+    // terminate the process). The thread owns the state it still reads.
+    if (thread_.get_id() == std::this_thread::get_id()) {
+      thread_.detach();
+    } else {
+      thread_.join();
+    }
   }
   void push(std::function<void()> task) {
     {
-      std::lock_guard<std::mutex> lock(mutex_);
-      queue_.push_back(std::move(task));
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      state_->queue.push_back(std::move(task));
     }
-    cv_.notify_one();
+    state_->cv.notify_one();
   }
 
  private:
-  void loop() {
+  struct State {
+    std::mutex mutex;
+    std::condition_variable cv;
+    std::deque<std::function<void()>> queue;
+    bool stop = false;
+  };
+  static void loop(State& s) {
     for (;;) {
       std::function<void()> task;
       {
-        std::unique_lock<std::mutex> lock(mutex_);
-        cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stop requested and nothing left to run
-        task = std::move(queue_.front());
-        queue_.pop_front();
+        std::unique_lock<std::mutex> lock(s.mutex);
+        s.cv.wait(lock, [&s] { return s.stop || !s.queue.empty(); });
+        if (s.queue.empty()) return;  // stop requested and nothing left to run
+        task = std::move(s.queue.front());
+        s.queue.pop_front();
       }
-      task();
+      // Tasks report their own errors through their Work; nothing may leave
+      // this thread (that is std::terminate), whatever a failed op did.
+      try {
+        task();
+      } catch (...) {
+      }
     }
   }
 
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
-  bool stop_ = false;
-  std::thread thread_;  // last: starts after the members it uses exist
+  std::shared_ptr<State> state_;
+  std::thread thread_;  // last: starts after the state it uses exists
 };
 
 // Refreshes this rank's heartbeat key about every second from its own
@@ -656,31 +671,35 @@ Work run_collective(detail::Group& g, const char* op, Timeout timeout, bool asyn
   auto state = std::make_shared<detail::WorkState>();
   auto task = [&g, op, seq, timeout, state, body = std::move(body)] {
     std::exception_ptr error;
-    const std::string broken = g.broken_reason();
-    if (!broken.empty()) {
-      error = std::make_exception_ptr(CommError(str_cat(
-          op, " #", seq, " on group '", g.name, "' was not run: the group failed earlier (",
-          broken, "). Hint: restart the job; a failed collective leaves peers out of step.")));
-    } else {
-      const auto start = std::chrono::steady_clock::now();
-      try {
-        body(g.op_context(op, seq, timeout));
-      } catch (const TimeoutError& e) {
-        // A peer that never answered: name the ranks whose heartbeat stopped.
-        const std::string text = e.what() + g.suspects();
-        g.mark_broken(text);
-        error = std::make_exception_ptr(TimeoutError(text));
-      } catch (const std::exception& e) {
-        g.mark_broken(e.what());
-        error = std::current_exception();
+    try {
+      const std::string broken = g.broken_reason();
+      if (!broken.empty()) {
+        error = std::make_exception_ptr(CommError(str_cat(
+            op, " #", seq, " on group '", g.name, "' was not run: the group failed earlier (",
+            broken, "). Hint: restart the job; a failed collective leaves peers out of step.")));
+      } else {
+        const auto start = std::chrono::steady_clock::now();
+        try {
+          body(g.op_context(op, seq, timeout));
+        } catch (const TimeoutError& e) {
+          // A peer that never answered: name the ranks whose heartbeat stopped.
+          const std::string text = e.what() + g.suspects();
+          g.mark_broken(text);
+          error = std::make_exception_ptr(TimeoutError(text));
+        } catch (const std::exception& e) {
+          g.mark_broken(e.what());
+          error = std::current_exception();
+        }
+        // MPI cannot cancel a collective that failed: it may still write into
+        // the op's tensors (which `body` holds) when a late peer arrives, so
+        // they must outlive it. The group is broken; they are leaked.
+        if (error && g.mpi) (void)new std::function<void(const detail::OpContext&)>(body);
+        g.busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                         std::chrono::steady_clock::now() - start)
+                         .count();
       }
-      // MPI cannot cancel a collective that failed: it may still write into
-      // the op's tensors (which `body` holds) when a late peer arrives, so
-      // they must outlive it. The group is broken; they are leaked.
-      if (error && g.mpi) (void)new std::function<void(const detail::OpContext&)>(body);
-      g.busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                       std::chrono::steady_clock::now() - start)
-                       .count();
+    } catch (...) {
+      error = std::current_exception();  // never leave a Work unfinished
     }
     state->finish(error);
   };
@@ -874,6 +893,9 @@ Work run_p2p(detail::Group& g, const char* op, const at::Tensor& tensor, int pee
       g.mark_broken(e.what());
       error = std::current_exception();
       if (request) (void)new at::Tensor(tensor);  // MPI may still use it; see run_collective
+    } catch (...) {
+      error = std::current_exception();  // never leave a Work unfinished
+      if (request) (void)new at::Tensor(tensor);
     }
     state->finish(error);
   });

@@ -100,10 +100,13 @@ std::unique_ptr<RunDirLock> RunDirLock::acquire(const std::string& dir, bool reu
   return std::unique_ptr<RunDirLock>(new RunDirLock(fd, canonical));
 }
 
+// Also runs while an error unwinds the trainer, with the communication
+// threads still alive: it only releases the lock (first, so that it is
+// released whatever follows) and forgets the variable, allocating nothing.
 RunDirLock::~RunDirLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the lock
   const char* held = std::getenv(kRunLockEnv);
-  if (held != nullptr && dir_ == held) ::unsetenv(kRunLockEnv);
-  ::close(fd_);  // releases the lock
+  if (held != nullptr && std::strcmp(held, dir_.c_str()) == 0) ::unsetenv(kRunLockEnv);
 }
 
 bool run_dir_locked_above(const std::string& dir) {
