@@ -3,9 +3,12 @@
 
 #include <dlfcn.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <mutex>
 
+#include "core/file.h"
 #include "data/tokenizer_kinds.h"
 #include "shardtrain/core/error.h"
 
@@ -56,11 +59,37 @@ bool ends_with(const std::string& s, const std::string& tail) {
   return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }
 
+// Why `path`, which is there, cannot be read: a dangling link, a FIFO, a
+// device ("" when it is a readable regular file).
+std::string unreadable(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode) && ::stat(path.c_str(), &st) != 0 && errno == ENOENT) {
+    char target[4096];
+    const ssize_t n = ::readlink(path.c_str(), target, sizeof(target) - 1);
+    return "it is a dangling link (to '" + std::string(target, n > 0 ? static_cast<size_t>(n) : 0) + "', which does not exist)";
+  }
+  std::string why;
+  const int fd = ::shardtrain::detail::open_regular_for_reading(path, &why);
+  if (fd < 0) return why.empty() ? "it cannot be opened" : why;
+  ::close(fd);
+  return "";
+}
+
 // tokenizer.json, else tokenizer.model, in `dir`; "" when neither is there.
+// One that is there but cannot be read (a dangling link: a download that did
+// not finish) is a ConfigError, never passed over: under "auto" the run would
+// quietly fall back to the byte tokenizer.
 std::string find_in_dir(const std::string& dir) {
   const std::string base = ends_with(dir, "/") ? dir : dir + "/";
-  if (is_file(base + "tokenizer.json")) return base + "tokenizer.json";
-  if (is_file(base + "tokenizer.model")) return base + "tokenizer.model";
+  for (const char* name : {"tokenizer.json", "tokenizer.model"}) {
+    const std::string path = base + name;
+    struct stat st {};
+    if (::lstat(path.c_str(), &st) != 0 && errno == ENOENT) continue;
+    const std::string why = unreadable(path);
+    ST_CHECK(why.empty(), ConfigError, "the model directory's ", name, " cannot be read: '", path, "': ", why,
+             "; hint: fetch the model's tokenizer files again, or set data.tokenizer (--tokenizer) to another file or to bytes");
+    return path;
+  }
   return "";
 }
 
@@ -131,6 +160,12 @@ std::shared_ptr<const Tokenizer> load_tokenizer(const std::string& spec, const s
     ST_CHECK(!found.empty(), ConfigError, "tokenizer directory '", spec,
              "' holds neither tokenizer.json nor tokenizer.model (supported: a Hugging Face tokenizer.json with a BPE model, a SentencePiece tokenizer.model, \"bytes\", \"auto\"); hint: point --tokenizer at the model's directory or file");
     return detail::load_file(found);
+  }
+  struct stat st {};
+  if (::lstat(spec.c_str(), &st) == 0) {
+    const std::string why = detail::unreadable(spec);
+    ST_CHECK(why.empty(), ConfigError, "cannot read tokenizer '", spec, "': ", why,
+             "; hint: point --tokenizer / data.tokenizer at a regular tokenizer.json or tokenizer.model");
   }
   ST_CHECK(detail::is_file(spec), ConfigError, "tokenizer '", spec,
            "' is neither \"bytes\", \"auto\", a file nor a directory (supported: a Hugging Face tokenizer.json with a BPE model, a SentencePiece tokenizer.model, \"bytes\", \"auto\"); hint: check the path");

@@ -64,18 +64,20 @@ BpeModel::BpeModel(const json& model, const std::string& what) : serial_(next_se
   ST_CHECK(vocab.is_object(), ConfigError, what, ": model.vocab of a BPE model must be an object",
            "; hint: the tokenizer.json is malformed");
   vocab_.reserve(vocab.size());
-  int32_t max_id = -1;
+  by_id_.reserve(vocab.size());
+  bool usable = false;
   for (auto it = vocab.begin(); it != vocab.end(); ++it) {
-    const int32_t id = it.value().get<int32_t>();
-    vocab_.emplace(it.key(), id);
-    max_id = std::max(max_id, id);
+    const int32_t id = read_token_id(it.value(), what, "model.vocab '" + shorten(it.key()) + "'");
+    const auto [entry, added] = vocab_.emplace(it.key(), id);
+    if (!added) continue;
+    by_id_.emplace(id, &entry->first);  // two tokens with one id: the first (in key order) decodes
+    max_id_ = std::max(max_id_, id);
+    usable = usable || !it.key().empty();
   }
-  id_to_token_.resize(static_cast<size_t>(max_id + 1));
-  has_id_.assign(static_cast<size_t>(max_id + 1), 0);
-  for (const auto& [token, id] : vocab_) {
-    id_to_token_[static_cast<size_t>(id)] = token;
-    has_id_[static_cast<size_t>(id)] = 1;
-  }
+  // Without a token every character would be dropped, silently.
+  ST_CHECK(usable, ConfigError, what, ": model.vocab holds no token (", vocab.size(),
+           " entries, none a non-empty string), so every character of the text would be dropped",
+           "; hint: the tokenizer.json is damaged or not a BPE model's; re-download it");
   const std::string unk = null_or("unk_token", "");
   if (!unk.empty()) unk_id_ = token_to_id(unk);
 
@@ -124,8 +126,19 @@ std::optional<int32_t> BpeModel::token_to_id(std::string_view token) const {
 }
 
 const std::string* BpeModel::id_to_token(int32_t id) const {
-  if (id < 0 || id >= size() || !has_id_[static_cast<size_t>(id)]) return nullptr;
-  return &id_to_token_[static_cast<size_t>(id)];
+  const auto it = by_id_.find(id);
+  return it == by_id_.end() ? nullptr : it->second;
+}
+
+int32_t read_token_id(const json& v, const std::string& what, const std::string& entry) {
+  // An id is an index into the model's embedding: a float, a negative id or
+  // one past the int32 range would wrap or index outside it.
+  const bool integer = v.is_number_integer();
+  const bool in_range = integer && (v.is_number_unsigned() ? v.get<uint64_t>() <= uint64_t{kMaxTokenId}
+                                                           : v.get<int64_t>() >= 0 && v.get<int64_t>() <= kMaxTokenId);
+  ST_CHECK(in_range, ConfigError, what, ": ", entry, " has the id ", v.dump(), ", not an integer in 0..", kMaxTokenId,
+           "; hint: the tokenizer.json is damaged or hostile; re-download the model's tokenizer.json");
+  return static_cast<int32_t>(v.get<int64_t>());
 }
 
 void BpeModel::encode_word(std::string_view word, std::vector<int32_t>& out) const {

@@ -145,26 +145,44 @@ class StripDecoder : public Decoder {
 
 class ReplaceDecoder : public Decoder {
  public:
-  ReplaceDecoder(const json& pattern, std::string content, const std::string& what) : content_(std::move(content)) {
+  ReplaceDecoder(const json& pattern, std::string content, const std::string& what)
+      : content_(std::move(content)), what_(what) {
     if (pattern.contains("String")) {
       literal_ = pattern.at("String").get<std::string>();
     } else {
       regex_ = std::make_unique<Regex>(pattern.at("Regex").get<std::string>(), what);
     }
   }
+  // Bounded as the normalizers are (expansion_bound): the pieces together
+  // may grow to 16 times their size plus 4 KiB.
   void decode(std::vector<DecodePiece>& pieces) const override {
+    size_t in = 0;
+    for (const DecodePiece& p : pieces) in += p.text.size();
+    const size_t max_bytes = expansion_bound(in);
+    size_t total = 0;
+    const auto grow = [&](size_t bytes) {
+      total += bytes;
+      ST_CHECK(total <= max_bytes, ConfigError, what_, ": decoder Replace would make the decoded text longer than ",
+               max_bytes, " bytes (", kExpansionFactor, " times the tokens' size plus ", kExpansionSlack, " bytes)",
+               "; hint: this tokenizer.json expands text without bound; use the model's original tokenizer.json");
+    };
     for (DecodePiece& p : pieces) {
-      if (!regex_) {
-        if (!literal_.empty()) p.text = replace_all(p.text, literal_, content_);
-        continue;
-      }
       std::string out;
       size_t at = 0;
-      regex_->for_each_match(p.text, [&](size_t b, size_t e) {
+      const auto on_match = [&](size_t b, size_t e) {
+        grow(b - at + content_.size());
         out.append(p.text, at, b - at);
         out += content_;
         at = e;
-      });
+      };
+      if (regex_) {
+        regex_->for_each_match(p.text, on_match);
+      } else if (!literal_.empty()) {
+        for (size_t hit = p.text.find(literal_); hit != std::string::npos; hit = p.text.find(literal_, at)) {
+          on_match(hit, hit + literal_.size());
+        }
+      }
+      grow(p.text.size() - at);
       out.append(p.text, at, std::string::npos);
       p.text = std::move(out);
     }
@@ -174,6 +192,7 @@ class ReplaceDecoder : public Decoder {
   std::string literal_;
   std::unique_ptr<Regex> regex_;
   std::string content_;
+  std::string what_;
 };
 
 // The replacement becomes a space again; the first piece loses the space
@@ -219,7 +238,10 @@ std::unique_ptr<Decoder> make_decoder(const json& j, const std::string& what) {
   if (type == "Metaspace") {
     bool strip = j.value("add_prefix_space", true);
     if (j.contains("prepend_scheme")) strip = j.at("prepend_scheme").get<std::string>() != "never";
-    return std::make_unique<MetaspaceDecoder>(j.value("replacement", std::string("\xE2\x96\x81")), strip);
+    std::string replacement = j.value("replacement", std::string("\xE2\x96\x81"));
+    ST_CHECK(is_one_character(replacement), ConfigError, what, ": Metaspace decoder replacement \"", shorten(replacement),
+             "\" is not one character; hint: the tokenizer.json is malformed (the usual replacement is \"\xE2\x96\x81\")");
+    return std::make_unique<MetaspaceDecoder>(std::move(replacement), strip);
   }
   ST_CHECK(false, ConfigError, what, ": decoder type '", type, "' is not supported (supported: ", kSupported,
            "); hint: use a tokenizer.json without it or a tokenizer.model");

@@ -7,13 +7,20 @@
 // post-processor's template puts BOS/EOS around the result.
 // decode: ids to token strings (added tokens as written), the decoder chain,
 // then the pieces joined.
+//
+// Hostile files are refused at load (ConfigError naming the file and the
+// entry): every id, of the model, an added token or the post-processor, is an
+// integer in [0, 2 * (ids defined) + kIdSlack), so holes in the id space are
+// bounded and nothing is sized by an id the file made up; a normalizer may
+// grow a document only to expansion_bound(its size).
+#include <sys/stat.h>
 #include <utf8proc.h>
 
 #include <algorithm>
-#include <fstream>
-#include <sstream>
+#include <cerrno>
 #include <unordered_map>
 
+#include "core/file.h"
 #include "core/json.h"
 #include "data/tokenizer_bpe.h"
 #include "data/tokenizer_kinds.h"
@@ -26,6 +33,14 @@ namespace shardtrain::data::detail {
 namespace {
 
 using nlohmann::json;
+
+// Ids may leave holes, but the largest id + 1 (the vocabulary size a model
+// gets) is at most twice the number of ids the file defines plus this.
+constexpr int64_t kIdSlack = 1024;
+// tokenizer.json and tokenizer.model (the largest real ones are about 35 MB)
+// and tokenizer_config.json.
+constexpr long long kMaxTokenizerBytes = 1LL << 30;
+constexpr long long kMaxTokenizerConfigBytes = 64LL << 20;
 
 struct AddedToken {
   std::string content;
@@ -158,10 +173,12 @@ class HfTokenizer : public Tokenizer {
   std::string fingerprint() const override { return fingerprint_hex(kind(), digest_); }
 
  private:
-  void encode_stretch(std::string_view text, bool at_start, std::vector<int32_t>& out) const;
+  void encode_stretch(std::string_view text, bool at_start, size_t& budget, std::vector<int32_t>& out) const;
   void encode_words(std::string text, bool at_start, std::vector<int32_t>& out) const;
   std::optional<int32_t> config_token(const json* config, const char* key) const;
+  void check_id_bound() const;
   void read_post_processor(const json& p);
+  int32_t special_id(const json& v, const std::string& entry) const;
 
   std::string what_;
   std::unique_ptr<Normalizer> normalizer_;
@@ -199,7 +216,7 @@ HfTokenizer::HfTokenizer(const std::string& path, const json& j, const json* con
   for (const json& a : j.value("added_tokens", json::array())) {
     AddedToken t;
     t.content = a.at("content").get<std::string>();
-    t.id = a.at("id").get<int32_t>();
+    t.id = read_token_id(a.at("id"), path, "added_tokens '" + shorten(t.content) + "'");
     t.special = a.value("special", false);
     t.lstrip = a.value("lstrip", false);
     t.rstrip = a.value("rstrip", false);
@@ -210,6 +227,7 @@ HfTokenizer::HfTokenizer(const std::string& path, const json& j, const json* con
     vocab_size_ = std::max<int64_t>(vocab_size_, int64_t{t.id} + 1);
     added_.push_back(std::move(t));
   }
+  check_id_bound();
   // A normalized added token is matched in normalized text, so what is
   // looked for is its normalized content (as Hugging Face does); decode
   // still gives the content.
@@ -227,6 +245,29 @@ HfTokenizer::HfTokenizer(const std::string& path, const json& j, const json* con
   eos_ = config_token(config, "eos_token");
   if (!bos_ && !post_.prefix.empty()) bos_ = post_.prefix.front();
   if (!eos_ && !post_.suffix.empty()) eos_ = post_.suffix.back();
+}
+
+void HfTokenizer::check_id_bound() const {
+  int64_t defined = static_cast<int64_t>(model_->distinct_ids());
+  for (const auto& entry : added_by_id_) defined += model_->id_to_token(entry.first) == nullptr ? 1 : 0;
+  const int64_t bound = 2 * defined + kIdSlack;
+  if (vocab_size_ <= bound) return;
+  const int32_t largest = static_cast<int32_t>(vocab_size_ - 1);
+  const auto added = added_by_id_.find(largest);
+  const std::string entry = added != added_by_id_.end() ? "added_tokens '" + shorten(added_[added->second].content) + "'"
+                                                        : "model.vocab '" + shorten(*model_->id_to_token(largest)) + "'";
+  ST_CHECK(false, ConfigError, what_, ": ", entry, " has the id ", largest, ", but the file defines only ", defined,
+           " ids: ids must be below ", bound, " (twice the ids defined plus ", kIdSlack,
+           "), or most of the vocabulary would be holes",
+           "; hint: the tokenizer.json is damaged or hostile; re-download the model's tokenizer.json");
+}
+
+int32_t HfTokenizer::special_id(const json& v, const std::string& entry) const {
+  const int32_t id = read_token_id(v, what_, "post_processor " + entry);
+  ST_CHECK(added_by_id_.count(id) != 0 || model_->id_to_token(id) != nullptr, ConfigError, what_, ": post_processor ",
+           entry, " has the id ", id, ", which is no token of the vocabulary (", vocab_size_, " ids)",
+           "; hint: the tokenizer.json is damaged or hostile; re-download the model's tokenizer.json");
+  return id;
 }
 
 std::optional<int32_t> HfTokenizer::config_token(const json* config, const char* key) const {
@@ -255,11 +296,13 @@ void HfTokenizer::read_post_processor(const json& p) {
       const json& specials = p.at("special_tokens");
       ST_CHECK(specials.contains(name), ConfigError, what_, ": the post-processor's template names '", name,
                "' but special_tokens does not define it; hint: the tokenizer.json is malformed");
-      for (const json& id : specials.at(name).at("ids")) (after ? post_.suffix : post_.prefix).push_back(id.get<int32_t>());
+      for (const json& id : specials.at(name).at("ids")) {
+        (after ? post_.suffix : post_.prefix).push_back(special_id(id, "special_tokens '" + shorten(name) + "'"));
+      }
     }
   } else if (type == "RobertaProcessing" || type == "BertProcessing") {
-    post_.prefix.push_back(p.at("cls").at(1).get<int32_t>());
-    post_.suffix.push_back(p.at("sep").at(1).get<int32_t>());
+    post_.prefix.push_back(special_id(p.at("cls").at(1), "cls"));
+    post_.suffix.push_back(special_id(p.at("sep").at(1), "sep"));
   } else {
     // ByteLevel only fixes offsets: nothing to do on ids.
     ST_CHECK(type == "ByteLevel", ConfigError, what_, ": post-processor type '", type,
@@ -282,20 +325,26 @@ std::vector<int32_t> HfTokenizer::encode(std::string_view text, bool add_special
   if (add_special_tokens) ids = post_.prefix;
   std::vector<Segment> segments;
   raw_matcher_->split(text, segments);
+  // What normalization may write for the whole document, all stretches together.
+  size_t budget = expansion_bound(text.size());
   for (const Segment& s : segments) {
     if (s.token >= 0) {
       ids.push_back(added_[static_cast<size_t>(s.token)].id);
     } else {
-      encode_stretch(text.substr(s.begin, s.end - s.begin), s.begin == 0, ids);
+      encode_stretch(text.substr(s.begin, s.end - s.begin), s.begin == 0, budget, ids);
     }
   }
   if (add_special_tokens) ids.insert(ids.end(), post_.suffix.begin(), post_.suffix.end());
   return ids;
 }
 
-void HfTokenizer::encode_stretch(std::string_view text, bool at_start, std::vector<int32_t>& out) const {
+void HfTokenizer::encode_stretch(std::string_view text, bool at_start, size_t& budget,
+                                 std::vector<int32_t>& out) const {
   std::string normalized(text);
-  if (normalizer_) normalizer_->normalize(normalized);
+  if (normalizer_) {
+    normalizer_->normalize(normalized, budget);
+    budget -= std::min(budget, normalized.size());
+  }
   if (normalized_matcher_->empty()) {
     encode_words(std::move(normalized), at_start, out);
     return;
@@ -351,12 +400,11 @@ std::string HfTokenizer::decode(const std::vector<int32_t>& ids, bool skip_speci
 }  // namespace
 
 std::string read_tokenizer_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  ST_CHECK(in.good(), ConfigError, "cannot read tokenizer file '", path,
-           "'; hint: check the path given to --tokenizer / data.tokenizer");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  std::string text, why;
+  ST_CHECK(::shardtrain::detail::read_regular_file(path, kMaxTokenizerBytes, &text, &why), ConfigError,
+           "cannot read tokenizer file '", path, "': ", why,
+           "; hint: check the path given to --tokenizer / data.tokenizer");
+  return text;
 }
 
 uint64_t fnv1a(const std::string& data, uint64_t h) {
@@ -389,8 +437,14 @@ std::shared_ptr<const Tokenizer> load_hf_tokenizer(const std::string& path) {
   const std::string config_path = (slash == std::string::npos ? std::string() : path.substr(0, slash + 1)) + "tokenizer_config.json";
   json config;
   bool have_config = false;
-  if (std::ifstream probe(config_path); probe.good()) {
-    const std::string config_text = read_tokenizer_file(config_path);
+  // Absent is fine; anything there that is not a readable regular file (a
+  // FIFO, a device, a dangling link) is refused, never waited on.
+  struct stat st {};
+  if (::lstat(config_path.c_str(), &st) == 0 || errno != ENOENT) {
+    std::string config_text, why;
+    ST_CHECK(::shardtrain::detail::read_regular_file(config_path, kMaxTokenizerConfigBytes, &config_text, &why),
+             ConfigError, "cannot read '", config_path, "' beside the tokenizer.json: ", why,
+             "; hint: replace it with the model's tokenizer_config.json, or remove it (BOS/EOS then come from tokenizer.json)");
     try {
       config = ::shardtrain::detail::parse_json_text(config_text);
     } catch (const json::exception& e) {

@@ -10,6 +10,8 @@
 //   decoders        Sequence, ByteLevel, ByteFallback, Fuse, Strip, Replace,
 //                   Metaspace
 // Anything else is a ConfigError that names the type and this list.
+// Normalization is bounded (expansion_bound); a Metaspace replacement is one
+// character, as in Hugging Face's own format.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -20,10 +22,25 @@
 
 namespace shardtrain::data::detail {
 
+/// How long normalization may make a document of `n` bytes: at most
+/// kExpansionFactor times as long, plus kExpansionSlack bytes. Real
+/// normalizers stay far below (NFKD at most about 11 times, on a document of
+/// ligatures; Replace " " by "▁" 3 times); a hostile Replace that maps "a" to
+/// 200,000 characters is refused instead of growing the text until the OOM
+/// killer comes.
+constexpr size_t kExpansionFactor = 16;
+constexpr size_t kExpansionSlack = 4096;
+inline size_t expansion_bound(size_t n) { return n * kExpansionFactor + kExpansionSlack; }
+
 class Normalizer {
  public:
   virtual ~Normalizer() = default;
-  virtual void normalize(std::string& text) const = 0;
+  /// Normalizes `text` in place. A normalizer whose result would be longer
+  /// than `max_bytes` throws a ConfigError naming the file and itself, before
+  /// it builds that result.
+  virtual void normalize(std::string& text, size_t max_bytes) const = 0;
+  /// The same within the bound of a document of `text`'s size.
+  void normalize(std::string& text) const { normalize(text, expansion_bound(text.size())); }
 };
 
 /// A piece of text on its way to the model. `at_start`: the piece begins at

@@ -211,6 +211,10 @@ std::unique_ptr<PreTokenizer> make_pre_tokenizer(const json& j, const std::strin
       prepend = scheme == "always" ? P::Always : scheme == "first" ? P::First : P::Never;
     }
     std::string replacement = j.value("replacement", std::string("\xE2\x96\x81"));
+    // One character, as Hugging Face's format has it: a long one would
+    // multiply every space of the text.
+    ST_CHECK(is_one_character(replacement), ConfigError, what, ": Metaspace replacement \"", shorten(replacement),
+             "\" is not one character; hint: the tokenizer.json is malformed (the usual replacement is \"\xE2\x96\x81\")");
     return std::make_unique<MetaspacePreTokenizer>(std::move(replacement), prepend, j.value("split", true));
   }
   if (type == "Digits") {

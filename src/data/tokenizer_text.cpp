@@ -186,6 +186,14 @@ std::string replace_all(std::string_view s, std::string_view from, std::string_v
   return out;
 }
 
+std::string shorten(std::string_view s) {
+  constexpr size_t kMax = 40;
+  if (s.size() <= kMax) return std::string(s);
+  size_t cut = kMax;
+  while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xC0) == 0x80) --cut;  // not inside a character
+  return std::string(s.substr(0, cut)) + "...";
+}
+
 std::string regex_escape(std::string_view s) {
   std::string out;
   for (const char c : s) {

@@ -77,6 +77,14 @@ class Regex {
 /// `s` with every `from` replaced by `to` (`from` non-empty).
 std::string replace_all(std::string_view s, std::string_view from, std::string_view to);
 
+/// Whether `s` is exactly one UTF-8 character.
+inline bool is_one_character(std::string_view s) {
+  return !s.empty() && static_cast<size_t>(utf8_length(static_cast<unsigned char>(s[0]))) == s.size();
+}
+
+/// `s` cut to its first 40 bytes (whole characters) for a message.
+std::string shorten(std::string_view s);
+
 /// The PCRE2 form of a literal string (every metacharacter escaped).
 std::string regex_escape(std::string_view s);
 

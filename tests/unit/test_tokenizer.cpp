@@ -2,10 +2,15 @@
 // worked out by hand: BPE merges in both spellings, byte fallback, unk and
 // fuse_unk, added tokens (lstrip, rstrip, single_word), the template's
 // BOS/EOS and tokenizer_config.json, each pre-tokenizer behaviour,
-// normalizers, decoders, SentencePiece, "bytes"/"auto" and the errors.
+// normalizers, decoders, SentencePiece, "bytes"/"auto" and the errors,
+// and hostile files (ids, expansion, files that are not regular files),
+// refused by the rules docs/security.md states.
 // Parity with real tokenizers is tests/tokenizer/parity.cpp.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cstdlib>
 #include <fstream>
 
@@ -324,6 +329,222 @@ TEST(TokenizerLoad, ErrorsNameTheFileTheTypeAndWhatIsSupported) {
   write(dir / "garbage.model", "not a model");
   e = load_error(dir / "garbage.model");
   EXPECT_NE(e.find("not a SentencePiece model"), std::string::npos) << e;
+}
+
+// ---- hostile tokenizer.json files ------------------------------------------------------------
+// Each is refused at load with a ConfigError that names the file and the
+// entry. The bounds are the ones docs/security.md states: ids are integers in
+// [0, 2 * (ids defined) + 1024), a document may grow in normalization to
+// 16 times its size plus 4096 bytes.
+
+// The error loading `j` as DIR/tokenizer.json gives ("" when it loads).
+std::string hostile_error(const TempDir& dir, const json& j) {
+  write(dir / "tokenizer.json", j.dump());
+  try {
+    load_tokenizer(dir / "tokenizer.json");
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+void expect_names(const std::string& error, const std::vector<std::string>& parts) {
+  ASSERT_FALSE(error.empty()) << "loaded; expected an error naming " << parts.front();
+  for (const auto& part : parts) EXPECT_NE(error.find(part), std::string::npos) << "no '" << part << "' in: " << error;
+  EXPECT_EQ(error.find('\n'), std::string::npos) << "one line: " << error;
+}
+
+// Ten letters a..j with ids 0..9, no added tokens, nothing around the model.
+json ten_letters() {
+  json vocab = json::object();
+  for (int i = 0; i < 10; ++i) vocab[std::string(1, static_cast<char>('a' + i))] = i;
+  return json{{"added_tokens", json::array()},
+              {"normalizer", nullptr},
+              {"pre_tokenizer", nullptr},
+              {"post_processor", nullptr},
+              {"decoder", nullptr},
+              {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", json::array()}}}};
+}
+
+TEST(TokenizerHostile, NegativeIdsAreRefusedAtLoad) {
+  TempDir dir;
+  json j = small_tokenizer();
+  j["model"]["vocab"]["x"] = -5;  // today: id_to_token_[(size_t)-5], a SIGSEGV
+  expect_names(hostile_error(dir, j), {"tokenizer.json", "model.vocab 'x'", "-5"});
+  j = small_tokenizer();
+  j["added_tokens"][0]["id"] = -7;  // <s>: would reach the embedding as token -7
+  expect_names(hostile_error(dir, j), {"tokenizer.json", "added_tokens '<s>'", "-7"});
+}
+
+TEST(TokenizerHostile, IdsOutsideTheInt32RangeOrNotIntegersAreRefused) {
+  TempDir dir;
+  for (const json& id : {json(2147483647), json(int64_t{1} << 32), json(1.5), json("3")}) {
+    json j = small_tokenizer();
+    j["model"]["vocab"]["x"] = id;
+    expect_names(hostile_error(dir, j), {"tokenizer.json", "model.vocab 'x'", id.dump()});
+  }
+}
+
+TEST(TokenizerHostile, HolesInTheIdSpaceAreBounded) {
+  // 11 ids defined (a..j and one added token): every id must be below
+  // 2 * 11 + 1024 = 1046.
+  TempDir dir;
+  json j = ten_letters();
+  j["added_tokens"] = {{{"id", 1045}, {"content", "<big>"}, {"special", true}}};
+  write(dir / "tokenizer.json", j.dump());
+  const auto tok = load_tokenizer(dir / "tokenizer.json");
+  EXPECT_EQ(tok->vocab_size(), 1046);
+  EXPECT_EQ(tok->encode("a<big>j"), (Ids{0, 1045, 9}));
+  j["added_tokens"][0]["id"] = 1046;
+  expect_names(hostile_error(dir, j), {"tokenizer.json", "added_tokens '<big>'", "1046", "below 1046"});
+  // A model id far beyond its vocabulary: refused before anything is sized by it.
+  for (const int64_t id : {int64_t{100000000}, int64_t{400000000}}) {
+    j = ten_letters();
+    j["model"]["vocab"]["j"] = id;
+    expect_names(hostile_error(dir, j), {"tokenizer.json", "model.vocab 'j'", std::to_string(id), "below 1044"});
+  }
+}
+
+TEST(TokenizerHostile, PostProcessorIdsMustBeTokens) {
+  TempDir dir;
+  json j = small_tokenizer();
+  j["post_processor"]["special_tokens"]["<s>"]["ids"] = {-7};
+  expect_names(hostile_error(dir, j), {"tokenizer.json", "post_processor special_tokens '<s>'", "-7"});
+  j["post_processor"]["special_tokens"]["<s>"]["ids"] = {19};  // a hole: ids 16..19 are no token
+  expect_names(hostile_error(dir, j), {"tokenizer.json", "post_processor special_tokens '<s>'", "19", "no token"});
+  j["post_processor"] = {{"type", "RobertaProcessing"}, {"cls", {"<s>", -7}}, {"sep", {"</s>", 23}}};
+  expect_names(hostile_error(dir, j), {"tokenizer.json", "post_processor cls", "-7"});
+}
+
+TEST(TokenizerHostile, AVocabularyWithoutAUsableTokenIsRefused) {
+  TempDir dir;
+  json j = ten_letters();
+  j["model"]["vocab"] = json::object();  // today: every character silently dropped
+  expect_names(hostile_error(dir, j), {"tokenizer.json", "model.vocab", "no token"});
+  j["model"]["vocab"] = {{"", 0}};
+  expect_names(hostile_error(dir, j), {"tokenizer.json", "model.vocab", "no token"});
+}
+
+// ten_letters() whose normalizer replaces "a" by `content`.
+json replacing_a(const std::string& content) {
+  json j = ten_letters();
+  j["normalizer"] = {{"type", "Replace"}, {"pattern", {{"String", "a"}}}, {"content", content}};
+  return j;
+}
+
+TEST(TokenizerHostile, NormalizationGrowsADocumentOnlyToSixteenTimesItsSizePlus4096) {
+  TempDir dir;
+  const std::string hundred_a(100, 'a');  // may grow to 16 * 100 + 4096 = 5696 bytes
+  write(dir / "tokenizer.json", replacing_a(std::string(56, 'b')).dump());
+  EXPECT_EQ(load_tokenizer(dir / "tokenizer.json")->encode(hundred_a), Ids(5600, 1));  // 5600 b's
+  write(dir / "tokenizer.json", replacing_a(std::string(57, 'b')).dump());
+  try {
+    load_tokenizer(dir / "tokenizer.json")->encode(hundred_a);  // 5700 bytes
+    FAIL() << "a document of 100 bytes grew to 5700";
+  } catch (const ConfigError& e) {
+    expect_names(e.what(), {"tokenizer.json", "normalizer Replace of \"a\"", "5700 bytes long", "5696 bytes"});
+  }
+  // The file: "a" to 200,000 characters.
+  write(dir / "tokenizer.json", replacing_a(std::string(200000, 'b')).dump());
+  EXPECT_THROW(load_tokenizer(dir / "tokenizer.json")->encode(std::string(1000, 'a')), ConfigError);
+  // The same through a regex.
+  json j = replacing_a(std::string(200000, 'b'));
+  j["normalizer"]["pattern"] = {{"Regex", "a"}};
+  write(dir / "tokenizer.json", j.dump());
+  EXPECT_THROW(load_tokenizer(dir / "tokenizer.json")->encode(std::string(1000, 'a')), ConfigError);
+}
+
+TEST(TokenizerHostile, TheExpansionBoundIsPerDocumentNotPerStretch) {
+  // A 3000-byte Prepend on each stretch between added tokens: "b" alone
+  // (1 byte, bound 4112) grows to 3001 bytes; "b<s>b" (bound 16 * 5 + 4096 =
+  // 4176) would grow to 6002: its second stretch finds 4176 - 3001 = 1175
+  // bytes left.
+  TempDir dir;
+  json j = ten_letters();
+  j["normalizer"] = {{"type", "Prepend"}, {"prepend", std::string(3000, 'c')}};
+  j["added_tokens"] = {{{"id", 10}, {"content", "<s>"}, {"special", true}, {"normalized", false}}};
+  write(dir / "tokenizer.json", j.dump());
+  const auto tok = load_tokenizer(dir / "tokenizer.json");
+  EXPECT_EQ(tok->encode("b").size(), 3001u);
+  try {
+    tok->encode("b<s>b");
+    FAIL() << "a document of 5 bytes grew to 6002";
+  } catch (const ConfigError& e) {
+    expect_names(e.what(), {"tokenizer.json", "normalizer Prepend", "3001 bytes long", "1175 bytes"});
+  }
+}
+
+TEST(TokenizerHostile, MetaspaceReplacementIsOneCharacterAndDecoderReplaceIsBounded) {
+  TempDir dir;
+  for (const std::string& replacement : {std::string(), std::string("__"), std::string(100000, '_')}) {
+    json j = small_tokenizer();
+    j["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", replacement}, {"prepend_scheme", "always"}};
+    expect_names(hostile_error(dir, j), {"tokenizer.json", "Metaspace replacement", "not one character"});
+    j = small_tokenizer();
+    j["decoder"] = {{"type", "Metaspace"}, {"replacement", replacement}};
+    expect_names(hostile_error(dir, j), {"tokenizer.json", "Metaspace decoder replacement", "not one character"});
+  }
+  json j = ten_letters();
+  j["decoder"] = {{"type", "Replace"}, {"pattern", {{"String", "a"}}}, {"content", std::string(5000, 'b')}};
+  write(dir / "tokenizer.json", j.dump());
+  const auto tok = load_tokenizer(dir / "tokenizer.json");
+  try {
+    tok->decode({0});  // 1 byte may grow to 4112
+    FAIL() << "decoded 1 byte to 5000";
+  } catch (const ConfigError& e) {
+    expect_names(e.what(), {"tokenizer.json", "decoder Replace", "4112"});
+  }
+  j["decoder"]["content"] = std::string(4000, 'b');
+  write(dir / "tokenizer.json", j.dump());
+  EXPECT_EQ(load_tokenizer(dir / "tokenizer.json")->decode({0, 1}), std::string(4000, 'b') + "b");
+}
+
+// A test that would hang or read forever on a regression is killed instead
+// (SIGALRM), so it fails rather than holding ctest for its whole timeout.
+struct Deadline {
+  explicit Deadline(unsigned seconds) { ::alarm(seconds); }
+  ~Deadline() { ::alarm(0); }
+};
+
+TEST(TokenizerHostile, TokenizerConfigThatIsAFifoOrADeviceIsRefusedAtOnce) {
+  const Deadline deadline(30);
+  TempDir dir;
+  write(dir / "tokenizer.json", small_tokenizer().dump());
+  const std::string config = dir / "tokenizer_config.json";
+  ASSERT_EQ(::mkfifo(config.c_str(), 0600), 0);
+  expect_names(load_error(dir / "tokenizer.json"), {"tokenizer_config.json", "FIFO (named pipe), not a regular file"});
+  ::unlink(config.c_str());
+  ASSERT_EQ(::symlink("/dev/zero", config.c_str()), 0);
+  expect_names(load_error(dir / "tokenizer.json"), {"tokenizer_config.json", "character device"});
+  ::unlink(config.c_str());
+  ASSERT_EQ(::symlink((dir / "nowhere.json").c_str(), config.c_str()), 0);
+  expect_names(load_error(dir / "tokenizer.json"), {"tokenizer_config.json"});
+  ::unlink(config.c_str());
+  EXPECT_EQ(load_tokenizer(dir / "tokenizer.json")->kind(), "tokenizer.json");  // absent is fine
+}
+
+TEST(TokenizerHostile, AutoWithADanglingOrFifoTokenizerJsonIsAnError) {
+  const Deadline deadline(30);
+  TempDir dir;  // a model directory whose download did not finish
+  const std::string tokenizer = dir / "tokenizer.json";
+  ASSERT_EQ(::symlink((dir / "blobs/0123abcd").c_str(), tokenizer.c_str()), 0);
+  for (const std::string& spec : {std::string("auto"), dir.path()}) {
+    try {
+      load_tokenizer(spec, dir.path());
+      FAIL() << spec << ": loaded (today: the byte tokenizer, silently)";
+    } catch (const ConfigError& e) {
+      expect_names(e.what(), {"tokenizer.json", "dangling link", "blobs/0123abcd"});
+    }
+  }
+  ::unlink(tokenizer.c_str());
+  ASSERT_EQ(::mkfifo(tokenizer.c_str(), 0600), 0);
+  try {
+    load_tokenizer("auto", dir.path());
+    FAIL() << "a FIFO tokenizer.json loaded";
+  } catch (const ConfigError& e) {
+    expect_names(e.what(), {"tokenizer.json", "FIFO (named pipe), not a regular file"});
+  }
+  expect_names(load_error(tokenizer), {"tokenizer.json", "FIFO (named pipe), not a regular file"});
 }
 
 // ---- SentencePiece --------------------------------------------------------------------------
