@@ -417,18 +417,63 @@ T value_or(const nlohmann::json& j, const char* key, T fallback) {
   return it == j.end() || it->is_null() ? fallback : it->get<T>();
 }
 
+// config.json numbers, strictly, as the safetensors header's offsets are
+// read: an integer key takes an integer (or an integral float such as
+// 4096.0) of at least `min`; 2.9 is not truncated to 2 nor 1e30 cast to
+// whatever it becomes. A real key takes a finite number > 0 (a negative
+// rms_norm_eps or a rope_theta of 0 trains NaN).
+int64_t integer_of(const nlohmann::json& v, const char* key, int64_t min) {
+  int64_t x = 0;
+  bool ok = false;
+  if (v.is_number_unsigned()) {
+    ok = v.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX);
+    x = ok ? static_cast<int64_t>(v.get<uint64_t>()) : 0;
+  } else if (v.is_number_integer()) {
+    ok = true;
+    x = v.get<int64_t>();
+  } else if (v.is_number_float()) {
+    const double d = v.get<double>();
+    ok = std::isfinite(d) && d == std::floor(d) && std::fabs(d) <= 9.0e15;
+    x = ok ? static_cast<int64_t>(d) : 0;
+  }
+  ST_CHECK(ok && x >= min, ConfigError, "config.json: ", key, " is ", v.dump(), "; expected an integer >= ", min,
+           ". Hint: the model directory's config.json is damaged or not a model's");
+  return x;
+}
+
+int64_t integer_at(const nlohmann::json& j, const char* key, int64_t min) {
+  const auto it = j.find(key);
+  ST_CHECK(it != j.end() && !it->is_null(), ConfigError, "config.json has no ", key,
+           ". Hint: the model directory's config.json is damaged or not a model's");
+  return integer_of(*it, key, min);
+}
+
+int64_t integer_or(const nlohmann::json& j, const char* key, int64_t fallback, int64_t min) {
+  const auto it = j.find(key);
+  return it == j.end() || it->is_null() ? fallback : integer_of(*it, key, min);
+}
+
+double positive_or(const nlohmann::json& j, const char* key, double fallback) {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return fallback;
+  const double x = it->is_number() ? it->get<double>() : std::nan("");
+  ST_CHECK(std::isfinite(x) && x > 0.0, ConfigError, "config.json: ", key, " is ", it->dump(),
+           "; expected a finite number > 0. Hint: the model directory's config.json is damaged or not a model's");
+  return x;
+}
+
 void LlamaFamily::read_hf_config(const nlohmann::json& j, config::ModelConfig& m) const {
   const std::string model_type = j.at("model_type").get<std::string>();
   m.hf_model_type = model_type;
-  m.vocab_size = j.at("vocab_size").get<int64_t>();
-  m.n_embd = j.at("hidden_size").get<int64_t>();
-  m.n_layer = j.at("num_hidden_layers").get<int64_t>();
-  m.n_head = j.at("num_attention_heads").get<int64_t>();
-  m.n_kv_head = value_or<int64_t>(j, "num_key_value_heads", m.n_head);
-  m.head_dim = value_or<int64_t>(j, "head_dim", 0);
-  m.intermediate_size = j.at("intermediate_size").get<int64_t>();
-  m.rms_norm_eps = value_or<double>(j, "rms_norm_eps", 1e-6);
-  m.max_position_embeddings = value_or<int64_t>(j, "max_position_embeddings", 2048);
+  m.vocab_size = integer_at(j, "vocab_size", 1);
+  m.n_embd = integer_at(j, "hidden_size", 1);
+  m.n_layer = integer_at(j, "num_hidden_layers", 1);
+  m.n_head = integer_at(j, "num_attention_heads", 1);
+  m.n_kv_head = integer_or(j, "num_key_value_heads", m.n_head, 1);
+  m.head_dim = integer_or(j, "head_dim", 0, 0);
+  m.intermediate_size = integer_at(j, "intermediate_size", 1);
+  m.rms_norm_eps = positive_or(j, "rms_norm_eps", 1e-6);
+  m.max_position_embeddings = integer_or(j, "max_position_embeddings", 2048, 1);
   m.tie_word_embeddings = value_or<bool>(j, "tie_word_embeddings", false);
   m.mlp_bias = value_or<bool>(j, "mlp_bias", false);
   // Qwen2 always has q/k/v biases; Llama's attention_bias puts one on all four.
@@ -439,7 +484,7 @@ void LlamaFamily::read_hf_config(const nlohmann::json& j, config::ModelConfig& m
   ST_CHECK(act == "silu", ConfigError, "config.json: hidden_act '", act,
            "' is not supported; the llama family computes silu");
   if (model_type != "qwen2" || value_or<bool>(j, "use_sliding_window", false)) {
-    const int64_t window = value_or<int64_t>(j, "sliding_window", 0);
+    const int64_t window = integer_or(j, "sliding_window", 0, 0);
     ST_CHECK(window == 0 || window >= m.block_size, ConfigError, "config.json: sliding_window=", window,
              " is shorter than model.block_size=", m.block_size,
              "; sliding-window attention is not implemented: lower model.block_size to at most ", window);
@@ -447,7 +492,7 @@ void LlamaFamily::read_hf_config(const nlohmann::json& j, config::ModelConfig& m
   // rope_theta and rope_scaling, or the newer rope_parameters holding both.
   const nlohmann::json* rope = nullptr;
   if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) rope = &j["rope_parameters"];
-  m.rope_theta = value_or<double>(rope != nullptr ? *rope : j, "rope_theta", value_or<double>(j, "rope_theta", 10000.0));
+  m.rope_theta = positive_or(rope != nullptr ? *rope : j, "rope_theta", positive_or(j, "rope_theta", 10000.0));
   const nlohmann::json* scaling =
       rope != nullptr ? rope : (j.contains("rope_scaling") && j["rope_scaling"].is_object() ? &j["rope_scaling"] : nullptr);
   m.rope_scaling = train::RopeScaling::None;
@@ -457,10 +502,14 @@ void LlamaFamily::read_hf_config(const nlohmann::json& j, config::ModelConfig& m
              "' is not supported; supported: default, llama3");
     if (kind == "llama3") {
       m.rope_scaling = train::RopeScaling::Llama3;
-      m.rope_factor = scaling->at("factor").get<double>();
-      m.rope_low_freq_factor = scaling->at("low_freq_factor").get<double>();
-      m.rope_high_freq_factor = scaling->at("high_freq_factor").get<double>();
-      m.rope_original_max_position = scaling->at("original_max_position_embeddings").get<int64_t>();
+      m.rope_factor = positive_or(*scaling, "factor", std::nan(""));
+      m.rope_low_freq_factor = positive_or(*scaling, "low_freq_factor", std::nan(""));
+      m.rope_high_freq_factor = positive_or(*scaling, "high_freq_factor", std::nan(""));
+      m.rope_original_max_position = integer_at(*scaling, "original_max_position_embeddings", 1);
+      ST_CHECK(std::isfinite(m.rope_factor) && std::isfinite(m.rope_low_freq_factor) &&
+                   std::isfinite(m.rope_high_freq_factor) && m.rope_high_freq_factor > m.rope_low_freq_factor,
+               ConfigError, "config.json: llama3 rope scaling needs factor, low_freq_factor and high_freq_factor "
+               "(> low_freq_factor); got ", scaling->dump(), ". Hint: the model directory's config.json is damaged");
     }
   }
 }

@@ -3,6 +3,7 @@
 // directories written and read back. Parity with an independent
 // implementation is tests/models/llama_parity.py.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <torch/torch.h>
 
 #include <filesystem>
@@ -136,8 +137,65 @@ TEST(LlamaFamily, ConfigJsonErrorsNameTheKeyAndTheFamilies) {
   short_context["max_position_embeddings"] = 8;
   EXPECT_HAS(parse(short_context), "max_position_embeddings");
   EXPECT_HAS(parse(j, ", type: gpt"), "model.type");
+  // Values that would train NaN, and integers that are not (issue 47,
+  // item 5): each refused when the config is read, naming its key.
+  const auto refused = [&](const char* key, const nlohmann::json& value, const std::string& want) {
+    auto edited = j;
+    edited[key] = value;
+    const std::string m = parse(edited);
+    EXPECT_HAS(m, std::string("config.json: ") + key + " is " + want);
+  };
+  refused("rms_norm_eps", -1, "-1; expected a finite number > 0");
+  refused("rms_norm_eps", 0, "0; expected a finite number > 0");
+  refused("rope_theta", 0, "0; expected a finite number > 0");
+  refused("num_hidden_layers", 2.9, "2.9; expected an integer >= 1");
+  refused("hidden_size", 1e30, "1e+30; expected an integer >= 1");
+  refused("vocab_size", "64", "\"64\"; expected an integer >= 1");
+  refused("num_attention_heads", -4, "-4; expected an integer >= 1");
+  auto rope = j;
+  rope["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 4.0},
+                          {"high_freq_factor", 1.0}, {"original_max_position_embeddings", 32}};
+  EXPECT_HAS(parse(rope), "(> low_freq_factor)");
+  // An integral float is an integer.
+  auto integral = j;
+  integral["num_hidden_layers"] = 2.0;
+  write_json(tmp / "d/config.json", integral);
+  EXPECT_EQ(st::config::Config::parse("model: {type: auto, block_size: 16}\n", {"model.init_from=" + tmp / "d"})
+                .model.n_layer,
+            2);
   // No config.json: `auto` has nothing to read.
   EXPECT_HAS(config_error([] { st::config::Config::parse("model: {type: auto}\n"); }), "auto");
+}
+
+// `generate` runs train's fit check before it builds a model (issue 47,
+// item 5): 10^7 layers (356 GB of fp32 weights at this width) or hidden and
+// intermediate sizes of 2^20 (trillions of parameters) are a ConfigError
+// (exit 2) naming the sizes, not the OOM killer or a raw allocator error.
+// The command runs under a 8 GiB address-space limit, so that without the
+// check it fails fast instead of eating the machine.
+TEST(LlamaFamily, GenerateRefusesAModelThatCannotFit) {
+  st::testing::TempDir tmp("llama_fit");
+  write_dir(tmp / "d", tiny());
+  const auto j = read_json(tmp / "d/config.json");
+  struct rlimit limit {};
+  ASSERT_EQ(::getrlimit(RLIMIT_AS, &limit), 0);
+  const struct rlimit capped {rlim_t{8} << 30, limit.rlim_max};
+  ASSERT_EQ(::setrlimit(RLIMIT_AS, &capped), 0);
+  for (const bool wide : {false, true}) {
+    auto edited = j;
+    if (wide) {
+      edited["hidden_size"] = edited["intermediate_size"] = int64_t{1} << 20;
+      edited["head_dim"] = 16;
+    } else {
+      edited["num_hidden_layers"] = 10000000;
+    }
+    write_json(tmp / "d/config.json", edited);
+    const auto run = st::testing::cli("generate --checkpoint " + tmp / "d" + " --prompt ab --max-new-tokens 1");
+    EXPECT_EQ(run.code, 2) << run.out;
+    EXPECT_HAS(run.out, "the model cannot fit in memory");
+    EXPECT_EQ(run.out.find("DefaultCPUAllocator"), std::string::npos) << run.out;
+  }
+  ::setrlimit(RLIMIT_AS, &limit);
 }
 
 TEST(LlamaFamily, NumParametersMatchesTheModel) {

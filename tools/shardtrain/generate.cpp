@@ -25,6 +25,7 @@
 #include "shardtrain/models/causal_lm.h"
 #include "shardtrain/models/family.h"
 #include "shardtrain/models/hf_dir.h"
+#include "shardtrain/train/plan.h"
 #include "shardtrain/train/task.h"
 
 namespace shardtrain::cli {
@@ -94,6 +95,17 @@ config::Config checkpoint_config(ck::CheckpointReader& reader) {
 }
 
 std::shared_ptr<models::CausalLMImpl> build_lm(const config::Config& config, const std::string& from) {
+  // The fit check training runs, before a byte is allocated: a config.json
+  // of 100,000 layers or a hidden size of 2^20 is a ConfigError here, not
+  // the OOM killer. Generation holds the fp32 weights and one sequence's
+  // activations (at most 4,096 positions of it are counted).
+  config::Config fit = config;
+  fit.batch.global = fit.batch.micro = fit.batch.accumulate = 1;
+  fit.model.block_size = std::min<int64_t>(fit.model.block_size, 4096);
+  fit.model.init_from.clear();  // weights held whole, in fp32
+  fit.distributed.tensor_parallel(1);
+  fit.distributed.pipeline_parallel(1);
+  train::check_model_fits(fit, 1, 1);
   auto lm = std::dynamic_pointer_cast<models::CausalLMImpl>(
       models::family_of(config.model.type).build(config.model));
   ST_CHECK(lm != nullptr, ConfigError, "the model at '", from, "' is a '", enum_name(config.model.type),
