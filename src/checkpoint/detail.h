@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "shardtrain/checkpoint/checkpoint.h"
@@ -85,6 +86,8 @@ void fsync_dir(const std::string& dir);
 /// Writes `bytes` to `path` through a new temporary beside it
 /// (OutFile::beside), fsynced, then renamed over `path`.
 void write_file_atomically(const std::string& path, const std::string& bytes);
+/// The same for pieces written one after another (a header, then data).
+void write_file_atomically(const std::string& path, const std::vector<std::pair<const void*, size_t>>& pieces);
 /// `target.tmp.<12 random hex digits>`: a temporary name beside `target`
 /// that the caller must create exclusively (O_EXCL, a hard link).
 std::string temporary_name_beside(const std::string& target);

@@ -187,6 +187,12 @@ std::string temporary_name_beside(const std::string& target) {
 }
 
 std::unique_ptr<OutFile> OutFile::beside(const std::string& target, int64_t chunk_bytes) {
+  // A FIFO, a device or a directory named as the output is refused: the
+  // rename would put a file in its place (as root, over /dev/null too).
+  struct stat st {};
+  ST_CHECK(::lstat(target.c_str(), &st) != 0 || S_ISREG(st.st_mode) || S_ISLNK(st.st_mode), ConfigError,
+           "cannot write '", target, "': it is ", ::shardtrain::detail::file_kind(target),
+           ", not a regular file; nothing was written. Hint: name a new file, or a regular one to replace");
   // A name already taken (a planted file or link, a crashed writer's
   // leftover) is skipped, not reused: O_EXCL fails on it, and O_NOFOLLOW
   // keeps even a dangling link from being created through.
@@ -265,11 +271,15 @@ void fsync_dir(const std::string& dir) {
 }
 
 void write_file_atomically(const std::string& path, const std::string& bytes) {
+  write_file_atomically(path, {{bytes.data(), bytes.size()}});
+}
+
+void write_file_atomically(const std::string& path, const std::vector<std::pair<const void*, size_t>>& pieces) {
   std::unique_ptr<OutFile> f = OutFile::beside(path, int64_t{1} << 20);
   const std::string tmp = f->path();
   std::error_code ec;
   try {
-    f->write(bytes.data(), bytes.size());
+    for (const auto& [data, n] : pieces) f->write(data, n);
     f->close_and_sync();
     f.reset();
     fs::rename(tmp, path, ec);

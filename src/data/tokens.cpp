@@ -11,9 +11,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <random>
 
+#include "checkpoint/detail.h"
 #include "core/file.h"
 #include "shardtrain/core/error.h"
 #include "shuffle.h"
@@ -75,6 +75,10 @@ std::string ByteTokenizer::decode(const std::vector<int64_t>& ids) {
 
 // ---- token files ---------------------------------------------------------------------------
 
+// Token files are written as every output is (checkpoint/detail.h: a new
+// temporary beside the target, fsynced, renamed over it): a full disk is a
+// CheckpointError (exit 3) that leaves what `path` held, and a link planted
+// at `path` or beside it is never written through.
 void write_token_file(const std::string& path, const std::vector<uint16_t>& tokens) {
   ST_CHECK(tokens.size() <= static_cast<size_t>(INT32_MAX), ConfigError, "cannot write ",
            tokens.size(), " tokens to '", path,
@@ -83,15 +87,8 @@ void write_token_file(const std::string& path, const std::vector<uint16_t>& toke
   header[0] = kTokenFileMagic;
   header[1] = kTokenFileVersion;
   header[2] = static_cast<int32_t>(tokens.size());
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  ST_CHECK(out.good(), ConfigError, "cannot create token file '", path, "': ", std::strerror(errno),
-           "; hint: check that the directory exists and is writable");
-  out.write(reinterpret_cast<const char*>(header.data()), kHeaderBytes);
-  out.write(reinterpret_cast<const char*>(tokens.data()),
-            static_cast<std::streamsize>(tokens.size() * sizeof(uint16_t)));
-  out.close();
-  ST_CHECK(!out.fail(), ConfigError, "writing token file '", path, "' failed",
-           "; hint: check free disk space");
+  checkpoint::detail::write_file_atomically(
+      path, {{header.data(), kHeaderBytes}, {tokens.data(), tokens.size() * sizeof(uint16_t)}});
 }
 
 int write_token_file_v2(const std::string& path, const std::vector<int32_t>& tokens) {
@@ -114,15 +111,8 @@ int write_token_file_v2(const std::string& path, const std::vector<int32_t>& tok
   header[1] = kTokenFileVersionWide;
   header[2] = static_cast<int32_t>(tokens.size());
   header[3] = 4;  // token width in bytes
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  ST_CHECK(out.good(), ConfigError, "cannot create token file '", path, "': ", std::strerror(errno),
-           "; hint: check that the directory exists and is writable");
-  out.write(reinterpret_cast<const char*>(header.data()), kHeaderBytes);
-  out.write(reinterpret_cast<const char*>(tokens.data()),
-            static_cast<std::streamsize>(tokens.size() * sizeof(int32_t)));
-  out.close();
-  ST_CHECK(!out.fail(), ConfigError, "writing token file '", path, "' failed",
-           "; hint: check free disk space");
+  checkpoint::detail::write_file_atomically(
+      path, {{header.data(), kHeaderBytes}, {tokens.data(), tokens.size() * sizeof(int32_t)}});
   return 4;
 }
 

@@ -6,6 +6,8 @@
 #      verifies it), no temporary directory or file, metrics.jsonl whole lines.
 #   B. 1 rank; the final checkpoint fits but the model export does not: the
 #      checkpoint was written first and is complete, exit 3, no half model.
+#   C. `shardtrain tokenize --out` on a full disk: exit 3, the old token file
+#      intact; --out a FIFO refused; links planted at OUT.tmp and OUT.
 # Needs root to mount (CI runs as root); exits 77 (skipped) otherwise.
 # KEEP_LOGS=DIR copies the runs' logs there.
 #   train_full_disk.sh SHARDTRAIN_CLI SOURCE_DIR
@@ -103,3 +105,36 @@ no_temporaries "$disk/run"
 whole_metrics "$disk/run" 2
 [ ! -e "$disk/run/model.safetensors" ] || fail "B: a model file is there after its export failed"
 echo "B: export on a full disk: exit 3, the final checkpoint complete, no half model"
+
+# ---- C: `shardtrain tokenize --out` (issue 47, item 4) ----
+# The token file is written as every output is: a new temporary beside it
+# (O_EXCL | O_NOFOLLOW), renamed over it. On a full disk: exit 3, the old
+# file byte for byte, no temporary. A FIFO as --out is refused at once (it
+# used to hang); links planted at OUT.tmp and OUT are never written through.
+head -c 20000 "$src/data/corpus.txt" > "$work/small.txt"
+for i in 1 2 3 4 5 6 7 8; do cat "$src/data/corpus.txt"; done > "$work/big.txt"
+remount 1024
+"$cli" tokenize --tokenizer bytes --quiet --out "$disk/train.bin" "$work/small.txt" > "$work/c0.log" 2>&1 ||
+  { cat "$work/c0.log"; fail "C: tokenizing the small file"; }
+before=$(sha256sum < "$disk/train.bin")
+rc=0
+"$cli" tokenize --tokenizer bytes --quiet --out "$disk/train.bin" "$work/big.txt" > "$work/c.log" 2>&1 || rc=$?
+[ "$rc" -eq 3 ] || { cat "$work/c.log"; fail "C: exit code $rc on a full disk, expected 3"; }
+one_line_error "$work/c.log" "train.bin"
+[ "$(sha256sum < "$disk/train.bin")" = "$before" ] || fail "C: the old token file was damaged"
+no_temporaries "$disk"
+mkfifo "$work/out.fifo"
+rc=0
+timeout 20 "$cli" tokenize --tokenizer bytes --quiet --out "$work/out.fifo" "$work/small.txt" > "$work/c1.log" 2>&1 || rc=$?
+[ "$rc" -eq 2 ] || { cat "$work/c1.log"; fail "C: --out a FIFO: exit code $rc, expected 2"; }
+one_line_error "$work/c1.log" "is a FIFO (named pipe), not a regular file"
+[ -p "$work/out.fifo" ] || fail "C: the FIFO was replaced"
+echo precious > "$work/victim" && echo precious > "$work/victim2"
+ln -s "$work/victim" "$work/linked.bin.tmp" && ln -s "$work/victim2" "$work/linked.bin"
+"$cli" tokenize --tokenizer bytes --quiet --out "$work/linked.bin" "$work/small.txt" > "$work/c2.log" 2>&1 ||
+  { cat "$work/c2.log"; fail "C: tokenizing to a planted link"; }
+[ "$(cat "$work/victim")" = precious ] && [ "$(cat "$work/victim2")" = precious ] ||
+  fail "C: a file behind a planted link was written through"
+[ -f "$work/linked.bin" ] && [ ! -L "$work/linked.bin" ] || fail "C: --out is still the planted link"
+cmp -s "$work/linked.bin" "$disk/train.bin" || fail "C: the token file differs from the same input's on the tmpfs"
+echo "C: tokenize --out: full disk exit 3 with the old file intact; a FIFO refused; planted links not followed"
