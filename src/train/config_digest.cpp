@@ -150,21 +150,28 @@ std::string file_fingerprint(const std::string& path) {
 }
 
 ConfigEntries config_entries(const config::Config& config) {
+  // The files, by content: each rank may hold its copy under a path of its
+  // own (another mount point, a per-rank temporary), so their path keys
+  // only say whether a path is given.
+  const bool tokenizer_file = config.data.tokenizer != "bytes" && config.data.tokenizer != "auto";
+  const std::pair<const char*, std::string> files[] = {
+      {"data.train", config.data.train},
+      {"data.tokenizer", tokenizer_file ? config.data.tokenizer : std::string()},
+      {"model.init_from", config.model.init_from},
+      {"lora.init_from", config.lora.init_from()}};
   ConfigEntries entries;
   for (const config::detail::Key& key : config::detail::keys()) {
     const bool per_host = std::any_of(std::begin(kPerHostKeys), std::end(kPerHostKeys),
                                       [&](const char* k) { return key.path == k; });
-    if (!per_host) entries.emplace_back(key.path, key.write(config));
+    if (per_host) continue;
+    const auto* file = std::find_if(std::begin(files), std::end(files),
+                                    [&](const auto& f) { return key.path == f.first; });
+    const bool a_path = file != std::end(files) && !file->second.empty();
+    entries.emplace_back(key.path, a_path ? std::string("(a file)") : key.write(config));
   }
-  auto file = [&](const char* key, const std::string& path) {
-    if (!path.empty()) entries.emplace_back(str_cat("file ", key), file_fingerprint(path));
-  };
-  file("data.train", config.data.train);
-  if (config.data.tokenizer != "bytes" && config.data.tokenizer != "auto") {
-    file("data.tokenizer", config.data.tokenizer);
+  for (const auto& [key, path] : files) {
+    entries.emplace_back(str_cat("file ", key), path.empty() ? "(none)" : file_fingerprint(path));
   }
-  file("model.init_from", config.model.init_from);
-  file("lora.init_from", config.lora.init_from());
   return entries;
 }
 

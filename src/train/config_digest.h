@@ -10,7 +10,9 @@
 //      rank: kPerHostKeys) and adds one entry per file it reads (data.train,
 //      a tokenizer path, model.init_from, lora.init_from): its size and the
 //      SHA-256 of its content (of its first and last 4 MiB when it is larger
-//      than 8 MiB, so that a start never reads a large dataset twice);
+//      than 8 MiB, so that a start never reads a large dataset twice). Files
+//      are compared by content, not by path: ranks may hold their copies
+//      under paths of their own (another mount point, a per-rank temporary);
 //   2. all-gathers the SHA-256 of those entries (one small message);
 //   3. only when some rank's differs from rank 0's, all-gathers the entries
 //      themselves (each value cut to kMaxValueBytes) and names the first key
@@ -56,7 +58,10 @@ inline constexpr size_t kMaxValueBytes = 200;
 std::string file_fingerprint(const std::string& path);
 
 /// The entries of `config` (see the top of this file): key=value for every
-/// key but kPerHostKeys, then "file <key>" entries for the files it names.
+/// key but kPerHostKeys, then a "file <key>" entry for each file key
+/// (data.train, data.tokenizer, model.init_from, lora.init_from): its
+/// fingerprint, or "(none)". Files are compared by content, not by path: a
+/// file key given a path reads "(a file)" among the keys.
 ConfigEntries config_entries(const config::Config& config);
 
 /// The first difference between two ranks' entries: the first key of `a`

@@ -100,7 +100,17 @@ TEST(ConfigDigest, FilesAreComparedBySizeAndContent) {
   config::Config other = c;
   other.data.train = dir / "b.txt";
   ConfigEntries ea = config_entries(c), eb = config_entries(other);
-  // Paths aside (they differ too), the file entry is there and differs.
+  // The paths differ too, but files are compared by content: the first
+  // difference is the file's.
+  const auto by_content = first_difference(config_entries(c), config_entries(other));
+  ASSERT_TRUE(by_content.has_value());
+  EXPECT_EQ(by_content->key, "file data.train");
+  // A copy with the same bytes under another path (a per-rank temporary,
+  // another mount point) is the same data.
+  write_file(dir / "copy.txt", "hello\n");
+  config::Config copy = c;
+  copy.data.train = dir / "copy.txt";
+  EXPECT_FALSE(first_difference(config_entries(c), config_entries(copy)).has_value());
   auto file_entry = [](const ConfigEntries& e) {
     for (const auto& [k, v] : e) {
       if (k == "file data.train") return v;
