@@ -590,6 +590,8 @@ TEST(UntrustedFiles, JsonLinesAreReadThroughTheGuardedReader) {
   EXPECT_HAS(msg, "is a FIFO (named pipe), not a regular file");
   EXPECT_HAS(msg, fifo);
   // A link to /dev/zero: one endless line, refused before a byte is read.
+  // (A reader that waited on the FIFO would read it until memory ran out.)
+  if (HasFailure()) return;
   const std::string zero = tmp / "zero.jsonl";
   fs::create_symlink("/dev/zero", zero);
   try {
