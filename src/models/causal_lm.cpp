@@ -13,9 +13,15 @@ namespace shardtrain::models {
 
 namespace {
 
+// Below this temperature sampling is greedy. logits / 1e-300 are infinite
+// (the scalar is 0 in fp32) and their softmax NaN, which multinomial refused
+// with an untyped error; at 1e-4 a gap of 0.01 between two logits is already
+// e^100 between their probabilities, so nothing but the argmax is ever drawn.
+constexpr double kGreedyBelow = 1e-4;
+
 // logits [V] (fp32) -> the next token id, as the options say.
 int64_t sample(at::Tensor logits, const GenerateOptions& o, at::Generator& gen) {
-  if (o.temperature() == 0.0) return logits.argmax().item<int64_t>();
+  if (o.temperature() < kGreedyBelow) return logits.argmax().item<int64_t>();
   logits = logits / o.temperature();
   const double inf = std::numeric_limits<double>::infinity();
   if (o.top_k() > 0 && o.top_k() < logits.size(0)) {

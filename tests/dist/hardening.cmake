@@ -26,3 +26,10 @@ foreach(n 65 130)
   set_tests_properties(dist.shm_many_ranks.world${n} PROPERTIES TIMEOUT 300 RUN_SERIAL TRUE
                        ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=60;SHARDTRAIN_SHM_STAGE_BYTES=33280")
 endforeach()
+
+# The run directory stays locked between restart rounds: a second process
+# tries flock(2) on its lock file every millisecond while a rank is killed
+# and relaunched (--max-restarts 1), and never gets it until the job ends.
+add_test(NAME cli.run_lock_restart
+         COMMAND ${CMAKE_CURRENT_LIST_DIR}/run_lock_restart.sh ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
+set_tests_properties(cli.run_lock_restart PROPERTIES TIMEOUT 120 ENVIRONMENT "SHARDTRAIN_TIMEOUT_S=60")

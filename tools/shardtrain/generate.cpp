@@ -45,8 +45,9 @@ const char kUsage[] =
     "checkpoint directory (RUN_DIR/checkpoints/step-000120), a Hugging Face model\n"
     "directory (config.json and safetensors weights) or a .safetensors file with\n"
     "config.yaml beside it.\n"
-    "Defaults: prompt \"\\n\", 200 new tokens, temperature 0.8 (0: greedy), top-k 40\n"
-    "(0: all), top-p 1, seed 0, no stop token; generation keeps a key/value cache\n"
+    "Defaults: prompt \"\\n\", 200 new tokens (at most 1048576), temperature 0.8\n"
+    "(0, or anything below 1e-4: greedy), top-k 40 (0: all), top-p 1, seed 0,\n"
+    "no stop token; generation keeps a key/value cache\n"
     "(one token's forward per new token); --no-cache runs the whole context each time.\n"
     "--tokenizer: bytes, auto or a path, as data.tokenizer (default: the run's own;\n"
     "a Hugging Face directory's own tokenizer.json or tokenizer.model).\n"
@@ -54,6 +55,9 @@ const char kUsage[] =
     "(--chat-template llama3|chatml|qwen3|mistral|llama2, default: the run's\n"
     "data.chat_template, auto: recognised from tokenizer_config.json); generation\n"
     "stops at the end of the assistant's turn and only the reply is printed.\n";
+
+// The most tokens one `generate` may ask for (8 MiB of ids).
+constexpr int64_t kMaxNewTokens = int64_t{1} << 20;
 
 int64_t parse_int(const std::string& flag, const std::string& value) {
   size_t used = 0;
@@ -249,6 +253,14 @@ int generate_main(int argc, char** argv) {
   }
   ST_CHECK(!checkpoint.empty(), ConfigError, "--checkpoint PATH is required");
   ST_CHECK(options.max_new_tokens() >= 0, ConfigError, "--max-new-tokens must be >= 0");
+  // Every generated id is held until the end (and its text printed): 10^9 of
+  // them ran for days and grew without bound. A million tokens is hours of
+  // generation for any model this command runs; longer text is asked for in
+  // pieces, each continuing the last (--prompt).
+  ST_CHECK(options.max_new_tokens() <= kMaxNewTokens, ConfigError, "--max-new-tokens ",
+           options.max_new_tokens(), " is more than ", kMaxNewTokens,
+           " (every new token is held until the end); ask for at most that many and continue "
+           "from the output with --prompt");
   ST_CHECK(options.temperature() >= 0, ConfigError, "--temperature must be >= 0 (0: greedy)");
   ST_CHECK(options.top_p() > 0 && options.top_p() <= 1, ConfigError, "--top-p must be in (0, 1]");
 

@@ -64,7 +64,8 @@ class CausalLMImpl : public torch::nn::Module {
 
 struct GenerateOptions {
   ST_ARG(int64_t, max_new_tokens) = 200;
-  /// 0: greedy (always the most likely token); else logits / temperature.
+  /// 0 (or below 1e-4): greedy (always the most likely token); else
+  /// logits / temperature.
   ST_ARG(double, temperature) = 0.8;
   /// Keep the k most likely tokens; 0: all.
   ST_ARG(int64_t, top_k) = 0;
