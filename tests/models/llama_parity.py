@@ -57,17 +57,20 @@ from llama_ref import read_safetensors, load_hf_dir  # noqa: E402
 
 # The variants every check runs on. Each covers what the others do not:
 #   gqa_llama3: 4 heads over 2 key/value heads, untied head, Llama-3.1 rope
-#     scaling with an original context short enough to scale every band;
+#     scaling in every band: head_dim 16, rope_theta 100 and an original
+#     context of 64 give wavelengths 2 pi 100^(i/8) = 6.3, 11.2 (kept, under
+#     64/4), 19.9, 35.3, 62.8 (blended, 16 to 64) and 112, 199, 353 (divided
+#     by 8, over 64/1);
 #   tied_qwen2: Qwen2 (q/k/v biases), tied head, one key/value head, weights
 #     in 3 index shards;
 #   mistral_head_dim: Mistral, head_dim 24 != hidden / heads, BF16 files;
 #   biases: attention_bias and mlp_bias on every projection, rms_norm_eps 1e-2
 #     (large enough that an ignored epsilon shows).
 VARIANTS = {
-    "gqa_llama3": ["--num_key_value_heads", "2", "--rope_theta", "500000.0",
+    "gqa_llama3": ["--num_key_value_heads", "2", "--rope_theta", "100.0",
                    "--rope_scaling", json.dumps({"rope_type": "llama3", "factor": 8.0,
                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                 "original_max_position_embeddings": 32})],
+                                                 "original_max_position_embeddings": 64})],
     "tied_qwen2": ["--model_type", "qwen2", "--tie_word_embeddings", "true",
                    "--num_key_value_heads", "1", "--shards", "3", "--rope_theta", "1000000.0"],
     "mistral_head_dim": ["--model_type", "mistral", "--head_dim", "24", "--num_key_value_heads", "4",

@@ -19,6 +19,7 @@
 #include "shardtrain/models/hf_dir.h"
 #include "shardtrain/models/llama.h"
 #include "shardtrain/models/lora.h"
+#include "shardtrain/strategy/estimate.h"
 #include "shardtrain/train/plan.h"
 #include "temp_dir.h"
 #include "test_helpers.h"
@@ -196,6 +197,28 @@ TEST(LlamaFamily, GenerateRefusesAModelThatCannotFit) {
     EXPECT_EQ(run.out.find("DefaultCPUAllocator"), std::string::npos) << run.out;
   }
   ::setrlimit(RLIMIT_AS, &limit);
+}
+
+// With model.init_from a Hugging Face directory, what the input left unset
+// follows the directory: the family (model.type) and the tokenizer
+// (data.tokenizer: auto); what it set stays, and is checked against it
+// (issue 47, item 8). configs/default.yaml leaves both unset.
+TEST(LlamaFamily, InitFromDecidesTheTypeAndTokenizerLeftUnset) {
+  st::testing::TempDir tmp("llama_init");
+  write_dir(tmp / "d", tiny());
+  const std::string defaults = std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/default.yaml";
+  const auto cfg = st::config::Config::load(defaults, {"model.init_from=" + tmp / "d"});
+  EXPECT_EQ(cfg.model.type, ModelType::Llama);
+  EXPECT_EQ(cfg.data.tokenizer, "auto");
+  EXPECT_EQ(cfg.model.n_layer, 2);  // the directory's sizes, not the file's 4
+  const auto bytes = st::config::Config::load(defaults, {"model.init_from=" + tmp / "d", "data.tokenizer=bytes"});
+  EXPECT_EQ(bytes.data.tokenizer, "bytes");
+  EXPECT_HAS(config_error([&] { st::config::Config::load(defaults, {"model.init_from=" + tmp / "d", "model.type=gpt"}); }),
+             "model.type is gpt but");
+  // Without a directory nothing changes: a GPT on bytes.
+  const auto plain = st::config::Config::load(defaults);
+  EXPECT_EQ(plain.model.type, ModelType::Gpt);
+  EXPECT_EQ(plain.data.tokenizer, "bytes");
 }
 
 TEST(LlamaFamily, NumParametersMatchesTheModel) {
@@ -389,4 +412,103 @@ TEST(LlamaFamily, TensorParallelDegreesAreThoseTheConfigAccepts) {
   EXPECT_EQ(degrees(4, 6, "strategy: ddp, sequence_parallel: false", 4), (V{1, 2, 4}));
   EXPECT_EQ(degrees(4, 16, "strategy: single", 4), (V{1}));
   EXPECT_EQ(degrees(2, 16, "strategy: ddp", 8, "lora: {r: 4, quantize: nf4}\n"), (V{1}));
+}
+
+// Llama-3 rope scaling against the published rule, worked out by hand for
+// head_dim 16, rope_theta 100, an original context of 64, low_freq_factor 1,
+// high_freq_factor 4, factor 8 (issue 47, third pass). inv_i = 100^(-2i/16),
+// wavelength_i = 2*pi / inv_i: 6.283, 11.17, 19.87, 35.33, 62.83, 111.7, 198.7,
+// 353.3. Shorter than 64/4 = 16 is kept; longer than 64/1 = 64 is divided by
+// 8; between (i = 2, 3, 4) smooth = (64/wavelength - 1) / (4 - 1) and the
+// result is (1 - smooth) * inv / 8 + smooth * inv:
+//   i=2: inv 0.316228, smooth (3.22109 - 1)/3 = 0.740357 -> 0.0821010 + 0.234121... = 0.244385
+//   i=3: inv 0.177828, smooth (1.81134 - 1)/3 = 0.270447 -> 0.0162167 + 0.0480926   = 0.0643099
+//   i=4: inv 0.1,      smooth (1.01859 - 1)/3 = 0.006197 -> 0.0124225 + 0.0006197   = 0.0130423
+TEST(LlamaRope, Llama3ScalingMatchesThePublishedRuleInEveryBand) {
+  ModelConfig mc = tiny();
+  mc.n_embd = 64;
+  mc.n_head = 4;
+  mc.n_kv_head = 4;
+  mc.rope_theta = 100.0;
+  mc.rope_scaling = st::train::RopeScaling::Llama3;
+  mc.rope_factor = 8.0;
+  mc.rope_low_freq_factor = 1.0;
+  mc.rope_high_freq_factor = 4.0;
+  mc.rope_original_max_position = 64;
+  const auto c = m::LlamaConfig::from(mc);
+  ASSERT_EQ(c.head_dim, 16);
+  const std::vector<double> expected = {
+      1.0,                                   // kept (wavelength 6.28)
+      0.56234132519034908,                   // kept: 100^(-1/8)
+      0.24438459943539834,                   // blended
+      0.064309872427727100,                  // blended
+      0.013042256043820465,                  // blended
+      0.0070292665648793640,                 // 100^(-5/8) / 8
+      0.0039528470752104740,                 // 100^(-6/8) / 8
+      0.0022228492625486537,                 // 100^(-7/8) / 8
+  };
+  const auto inv = m::rope_inverse_frequencies(c).to(at::kDouble);
+  ASSERT_EQ(inv.numel(), 8);
+  for (int64_t i = 0; i < 8; ++i) {
+    EXPECT_NEAR(inv[i].item<double>(), expected[i], 1e-6 * expected[i]) << "frequency " << i;
+  }
+}
+
+// A model with its own head (tie_word_embeddings false) cannot take it from
+// a directory without lm_head.weight: refused, naming the tensor and the
+// directory, rather than keeping a random head. Only a tied model may omit
+// it (its head is the embedding).
+TEST(HfDir, AnUntiedModelWithoutLmHeadIsRefused) {
+  st::testing::TempDir tmp("llama");
+  const auto& family = m::family_of(ModelType::Llama);
+  ModelConfig c = tiny();
+  auto model = build(c);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& [name, t] : state(*model)) {
+    if (name != "lm_head.weight") tensors.emplace_back(name, t);
+  }
+  ASSERT_EQ(tensors.size() + 1, state(*model).size());
+  m::save_hf_dir(tmp / "headless", family.hf_config_json(c), tensors, &family, m::kDefaultMaxShardBytes);
+  auto other = build(c, 5);
+  const std::string msg = st::testing::checkpoint_error(
+      [&] { m::load_hf_weights(*other, std::make_shared<const m::HfWeights>(tmp / "headless"), family); });
+  EXPECT_HAS(msg, "missing from the files (1): lm_head.weight");
+  EXPECT_HAS(msg, tmp / "headless");
+  // Refused before anything was copied.
+  EXPECT_FALSE(torch::equal(other->named_parameters()["model.embed_tokens.weight"],
+                            model->named_parameters()["model.embed_tokens.weight"]));
+  // The same file is a whole tied model.
+  c.tie_word_embeddings = true;
+  auto tied = build(c, 5);
+  m::load_hf_weights(*tied, std::make_shared<const m::HfWeights>(tmp / "headless"), family);
+  EXPECT_TRUE(torch::equal(tied->named_parameters()["model.embed_tokens.weight"],
+                           model->named_parameters()["model.embed_tokens.weight"]));
+}
+
+// estimate for a LoRA run, in bytes worked out by hand from the parameter
+// counts of tiny() (fp32, no quantization, one rank, ddp): the frozen base
+// is held once with no gradient and no optimizer state (4 bytes a
+// parameter), the adapters as trained parameters (16 bytes: weight,
+// gradient, Adam's two moments).
+//   base: per layer q 32*32 + k 32*16 + v 32*16 + o 32*32 + gate, up 32*48
+//   each + down 48*32 + two norms 2*32 = 3072 + 4608 + 64 = 7744; two
+//   layers 15488, plus embed 64*32 = 2048, final norm 32, lm_head 32*64 =
+//   2048: 19616.
+//   adapters (r 4): 4 * (64 + 48 + 48 + 64 + 80 + 80 + 80) = 1856 a layer: 3712.
+//   ddp: 16 * 3712 + 4 * 19616 = 59392 + 78464 = 137856 bytes.
+TEST(LlamaFamily, LoraEstimateInBytesWorkedOutByHand) {
+  st::config::Config config = st::config::Config::parse("model: {type: llama}\n");
+  config.model = tiny();
+  config.lora.r(4);
+  const auto model = st::train::planning_model(config);
+  const auto in = st::train::estimate_input(config, *model, 1, 1);
+  EXPECT_EQ(in.num_params, 3712);
+  EXPECT_EQ(in.frozen_bytes, 4 * 19616);
+  int ddp = 0;
+  for (const auto& e : st::strategy::estimate_all(in)) {
+    if (e.strategy != "ddp") continue;
+    EXPECT_EQ(e.model_state_bytes, 137856.0);
+    ++ddp;
+  }
+  EXPECT_EQ(ddp, 1);
 }
