@@ -93,6 +93,42 @@ TEST(Lora, StepZeroEqualsTheBaseExactly) {
   }
 }
 
+// With lora.dropout > 0, evaluation is deterministic and is the merged
+// model's: every adapted weight W replaced by W + (alpha / r) B A, computed
+// here by hand on a second copy of the base (issue 47, third pass).
+TEST(Lora, DropoutIsOffInEvaluationWhichIsTheMergedModel) {
+  torch::manual_seed(2);
+  GPT model(tiny());
+  torch::manual_seed(2);
+  GPT merged(tiny());
+  apply_lora(*model, LoraOptions().r(4).alpha(8).dropout(0.5));
+  {
+    torch::NoGradGuard ng;
+    auto mine = merged->named_parameters();
+    int adapted = 0;
+    for (const auto& p : model->named_parameters()) {
+      const std::string suffix = ".lora_A.weight";
+      const auto at = p.key().rfind(suffix);
+      if (at == std::string::npos || at + suffix.size() != p.key().size()) continue;
+      const std::string layer = p.key().substr(0, at);
+      auto b = model->named_parameters()[layer + ".lora_B.weight"];
+      b.normal_();
+      mine[layer + ".weight"].add_(b.matmul(p.value()), /*alpha=*/8.0 / 4.0);
+      ++adapted;
+    }
+    ASSERT_GT(adapted, 0);
+  }
+  const auto idx = tokens();
+  model->eval();
+  merged->eval();
+  const auto first = model->forward(idx);
+  EXPECT_TRUE(torch::equal(model->forward(idx), first));
+  EXPECT_TRUE(torch::allclose(first, merged->forward(idx), 1e-4, 1e-5));
+  // Training mode does drop (otherwise this test would prove nothing).
+  model->train();
+  EXPECT_FALSE(torch::allclose(model->forward(idx).detach(), first, 1e-4, 1e-5));
+}
+
 TEST(Lora, AdaptersAreNamedAfterTheirLayerAndTheRestIsFrozen) {
   torch::manual_seed(2);
   GPT model(tiny());
@@ -642,6 +678,55 @@ TEST(LoraPeft, AdapterRoundTripGivesIdenticalLogits) {
     const auto idx = tokens();
     EXPECT_TRUE(torch::equal(model->forward(idx), again->forward(idx)));
   }
+}
+
+// Under lora.bias: all the biases train, so the PEFT adapter carries them:
+// the base plus the exported file, merged here by hand from the raw bytes
+// (W + (alpha / r) B A for each adapted layer, each bias replaced by the
+// file's), gives the trained model's logits (issue 47, third pass).
+TEST(LoraPeft, TrainedBiasesAreExportedAndReproduceTheLogits) {
+  st::testing::TempDir tmp("lora_bias");
+  const auto o = LoraOptions().r(4).alpha(8).train_bias(LoraBias::All);
+  GPT model = trained_lora_gpt(o);
+  int trained = 0;
+  {
+    torch::NoGradGuard ng;
+    for (auto& p : model->named_parameters()) {
+      if (!p.value().requires_grad() || p.key().find("lora_") != std::string::npos) continue;
+      p.value().add_(torch::randn_like(p.value()) * 0.1);  // as after training
+      ++trained;
+    }
+  }
+  ASSERT_GT(trained, 0);
+  m::save_peft_adapter(tmp / "a", state_of(*model), o, m::family_of(st::train::ModelType::Gpt));
+  const auto raw = read_raw(tmp / "a/adapter_model.safetensors");
+  torch::manual_seed(11);  // the same base as trained_lora_gpt
+  GPT merged(tiny(64));
+  auto params = merged->named_parameters();
+  const std::string prefix = m::kPeftGptPrefix;
+  int biases = 0;
+  {
+    torch::NoGradGuard ng;
+    for (auto it = raw.header.begin(); it != raw.header.end(); ++it) {
+      if (it.key() == "__metadata__") continue;
+      ASSERT_EQ(it.key().rfind(prefix, 0), 0u) << it.key();
+      const std::string name = it.key().substr(prefix.size());
+      const auto a_at = name.find(".lora_A.weight");
+      if (a_at != std::string::npos) {
+        const std::string layer = name.substr(0, a_at);
+        const auto b = raw_tensor(raw, prefix + layer + ".lora_B.weight");
+        params[layer + ".weight"].add_(b.matmul(raw_tensor(raw, it.key())), /*alpha=*/8.0 / 4.0);
+      } else if (name.size() > 5 && name.compare(name.size() - 5, 5, ".bias") == 0) {
+        params[name].copy_(raw_tensor(raw, it.key()));
+        ++biases;
+      }
+    }
+  }
+  EXPECT_EQ(biases, trained);
+  model->eval();
+  merged->eval();
+  const auto idx = tokens();
+  EXPECT_TRUE(torch::allclose(model->forward(idx), merged->forward(idx), 1e-4, 1e-5));
 }
 
 TEST(LoraPeft, AdapterForAnotherModelIsACheckpointError) {
