@@ -84,6 +84,13 @@ Config Config::parse(const std::string& yaml, const std::vector<std::string>& ov
   check_known_keys(source, root);
   Config config = read(source, root);
   validate(source, config);
+  // A Hugging Face directory decides what the input left unset: its family
+  // and its tokenizer (model.type and data.tokenizer become auto), as
+  // fine-tuning tools take them from the model they start from.
+  if (models::is_hf_dir(config.model.init_from)) {
+    if (!source.was_set("model.type")) config.model.type = train::ModelType::Auto;
+    if (!source.was_set("data.tokenizer")) config.data.tokenizer = "auto";
+  }
   // A Hugging Face directory's config.json sets the architecture, once.
   models::resolve_model_config(config.model);
   check_tensor_parallel(config);

@@ -172,6 +172,8 @@ class Source {
   void remember(const std::string& path, const YAML::Node& node) {
     seen_[path] = where(path, &node);
   }
+  /// Whether the input (the file or an override) set `path`.
+  bool was_set(const std::string& path) const { return seen_.count(path) > 0; }
   /// Where the first of `paths` that the input set came from (a section
   /// matches any key under it); the origin alone when all are defaults.
   std::string where_seen(const std::vector<std::string>& paths) const;

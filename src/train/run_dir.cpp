@@ -38,6 +38,20 @@ std::vector<std::string> foreign_entries(const std::string& dir) {
   return names;
 }
 
+// What a previous run of ours left in `dir` (its metrics, its checkpoints),
+// for the message; empty when there is none.
+std::string previous_run(const std::string& dir) {
+  std::error_code ec;
+  std::string found;
+  if (fs::exists(fs::path(dir) / "metrics.jsonl", ec)) found = "metrics.jsonl";
+  for (const auto& e : fs::directory_iterator(fs::path(dir) / "checkpoints", ec)) {
+    (void)e;
+    found += found.empty() ? "checkpoints/" : ", checkpoints/";
+    break;
+  }
+  return found;
+}
+
 std::string holder_line() {
   char host[256] = {0};
   if (::gethostname(host, sizeof(host) - 1) != 0) std::strcpy(host, "unknown");
@@ -89,6 +103,16 @@ std::unique_ptr<RunDirLock> RunDirLock::acquire(const std::string& dir, bool reu
              "to end (or stop it), or give this one another run.dir");
     ST_CHECK(false, IoError, "cannot lock the run directory '", dir, "': ", std::strerror(err),
              "; hint: run.dir must be on a file system that supports flock");
+  }
+  // A run directory of ours that a run already trained in (and that no job
+  // holds now): starting again would train from scratch over its model and
+  // append to its metrics.
+  const std::string previous = marked && !reuse ? previous_run(dir) : std::string();
+  if (!previous.empty()) {
+    ::close(fd);
+    ST_CHECK(false, ConfigError, "run.dir '", dir, "' holds a previous run (", previous,
+             "); hint: set checkpoint.resume: auto to continue it, run.overwrite: true to start over in it "
+             "(its checkpoints, model and metrics are replaced), or choose another run.dir");
   }
   const std::string line = holder_line();
   if (::ftruncate(fd, 0) != 0 ||

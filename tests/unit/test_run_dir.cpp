@@ -449,9 +449,8 @@ TEST(RunDirectoryLock, SomeoneElsesDirectoryIsRefusedUntouched) {
   EXPECT_EQ(line, "their config");
   EXPECT_FALSE(fs::exists(fs::path(run) / "metrics.jsonl"));
   EXPECT_FALSE(fs::exists(fs::path(run) / td::kRunLockFile));
-  // An empty directory is fine, and so is one shardtrain wrote.
+  // An empty directory is fine.
   fs::create_directories(tmp / "empty");
-  fit(mlp_job(tmp / "empty"));
   fit(mlp_job(tmp / "empty"));
   // Asked to, it writes there.
   auto c = mlp_job(run);
@@ -459,4 +458,33 @@ TEST(RunDirectoryLock, SomeoneElsesDirectoryIsRefusedUntouched) {
   fit(c);
   EXPECT_TRUE(fs::exists(fs::path(run) / "metrics.jsonl"));
   EXPECT_EQ(shardtrain::config::Config::parse("run: {overwrite: true}\n", {}, "t.yaml").run.overwrite, true);
+}
+
+// A run directory a run of ours already trained in is not trained over from
+// scratch by the next job: without checkpoint.resume or run.overwrite it is
+// refused, its metrics untouched; with either, the job goes on (issue 47,
+// item 8). The launcher's restart rounds are one job: they never ask again.
+TEST(RunDirectoryLock, AFinishedRunIsNotTrainedOverSilently) {
+  TempDir tmp;
+  const std::string run = tmp / "run";
+  auto first = mlp_job(run);
+  first.checkpoint.every_n_steps = 1;
+  fit(first);
+  const auto metrics_before = fs::file_size(fs::path(run) / "metrics.jsonl");
+  const std::string msg = fit_error(mlp_job(run));
+  EXPECT_NE(msg.find("holds a previous run (metrics.jsonl, checkpoints/)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("checkpoint.resume: auto"), std::string::npos) << msg;
+  EXPECT_EQ(fs::file_size(fs::path(run) / "metrics.jsonl"), metrics_before);
+  const auto cli_run = cli("train --set run.dir=" + run + " --set distributed.strategy=single");
+  EXPECT_EQ(cli_run.code, 2) << cli_run.out;
+  EXPECT_NE(cli_run.out.find("holds a previous run"), std::string::npos) << cli_run.out;
+  EXPECT_EQ(fs::file_size(fs::path(run) / "metrics.jsonl"), metrics_before);
+  auto resumed = mlp_job(run);
+  resumed.checkpoint.resume = "auto";
+  resumed.trainer.max_steps = 2;
+  fit(resumed);
+  EXPECT_GT(fs::file_size(fs::path(run) / "metrics.jsonl"), metrics_before);
+  auto again = mlp_job(run);
+  again.run.overwrite = true;
+  fit(again);
 }
