@@ -121,6 +121,9 @@ foreach(spec single ddpx2 zero1x2 full_shardx2)
   string(REPLACE "x2" "_x2" name ${spec})
   add_test(NAME models.llama.lora.${name} COMMAND ${LLAMA_PARITY} lora ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR} ${spec})
 endforeach()
+# lora.train_bias: all: the exported adapter with the base, in the reference,
+# is the trained model.
+add_test(NAME models.llama.lora_bias COMMAND ${LLAMA_PARITY} lora_bias ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR})
 add_test(NAME models.llama.lora.tp2 COMMAND ${LLAMA_PARITY} lora ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR} ddpx2:tp2)
 add_test(NAME models.llama.lora.pp2 COMMAND ${LLAMA_PARITY} lora ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR} ddpx2:pp2)
 add_test(NAME models.llama.lora.tp2_full_shard_x2_no_sequence_parallel

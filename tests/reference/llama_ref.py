@@ -405,7 +405,9 @@ def load_model(path, dtype=torch.float32):
 #                         F32 tensors "base_model.model.<module>.lora_A.weight"
 #                         [r, in_features] and "...lora_B.weight" [out_features, r]
 #                         for every adapted module, e.g.
-#                         base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight
+#                         base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight;
+#                         with "bias": "all", also every bias of the model
+#                         ("base_model.model.<module>.bias"), replacing the base's
 #
 # A module is adapted when its name equals a target or ends with "." + target
 # (PEFT's rule for a list; a string target_modules is a full-match regex).
@@ -483,8 +485,8 @@ def check_lora_config(config, where=""):
         raise ValueError(f"{where}r must be > 0, got {config['r']}")
     if config.get("fan_in_fan_out", False):
         raise ValueError(f"{where}fan_in_fan_out true is for Conv1D (GPT-2) layers, not Llama's Linear")
-    if config.get("bias", "none") != "none":
-        raise ValueError(f"{where}bias {config.get('bias')!r}: only 'none' is modelled")
+    if config.get("bias", "none") not in ("none", "all"):
+        raise ValueError(f"{where}bias {config.get('bias')!r}: only 'none' and 'all' are modelled")
     for k in ("use_dora", "rank_pattern", "alpha_pattern", "layers_to_transform", "modules_to_save"):
         if config.get(k):
             raise ValueError(f"{where}{k} {config[k]!r} is not modelled by this reference")
@@ -556,6 +558,12 @@ def load_adapter(model, path):
         if isinstance(mod, LoraLinear):
             own[f"{PEFT_PREFIX}{name}.lora_A.weight"] = mod.lora_A.weight
             own[f"{PEFT_PREFIX}{name}.lora_B.weight"] = mod.lora_B.weight
+    if config.get("bias", "none") == "all":
+        # PEFT's bias "all": every bias of the model trained, and the file
+        # holds each one under its PEFT name, replacing the base's.
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                own[f"{PEFT_PREFIX}{name}"] = p
     missing = [n for n in own if n not in tensors]
     unexpected = sorted(n for n in tensors if n not in own)
     mismatched = [f"{n} (file {list(tensors[n].shape)}, model {list(p.shape)})"

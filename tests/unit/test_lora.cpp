@@ -680,7 +680,7 @@ TEST(LoraPeft, AdapterRoundTripGivesIdenticalLogits) {
   }
 }
 
-// Under lora.bias: all the biases train, so the PEFT adapter carries them:
+// Under lora.train_bias: all the biases train, so the PEFT adapter carries them:
 // the base plus the exported file, merged here by hand from the raw bytes
 // (W + (alpha / r) B A for each adapted layer, each bias replaced by the
 // file's), gives the trained model's logits (issue 47, third pass).
