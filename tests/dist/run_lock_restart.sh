@@ -2,7 +2,7 @@
 # The run directory stays locked between restart rounds (issue 47, "Tests
 # from outside, third pass"). `shardtrain train --max-restarts 1` trains one
 # rank; after its first checkpoint the rank is SIGKILLed and the launcher
-# starts it again. Meanwhile a second process tries, every millisecond, to
+# starts it again. Meanwhile a second process tries, every 0.1 ms, to
 # take the run directory's lock file the way another job would (flock(2),
 # exclusive, non-blocking, on RUN_DIR/.shardtrain.lock). It must never get it
 # while the job lives, through the kill and the relaunch; once the job has
@@ -52,7 +52,7 @@ while not os.path.exists(stop) and running():
         pass
     os.close(fd)
     tries += 1
-    time.sleep(0.001)
+    time.sleep(0.0001)
 print("tries", tries, flush=True)
 EOF
 probe=$!
