@@ -29,14 +29,16 @@ void declare_run_model_data(std::vector<Key>& keys) {
       .key(ST_FIELD(seed), any("0 … 2^64−1"), "Seed for weights, data order and sampling.")
       .key(ST_FIELD(overwrite),
            "Write into a `run.dir` that already holds files shardtrain did not write (another "
-           "tool's output, someone's notes). Off: such a directory is refused unless resuming "
-           "(`checkpoint.resume` set); shardtrain marks the directories it writes with "
+           "tool's output, someone's notes), or that a finished or stopped run trained in (its "
+           "checkpoints, model and metrics are replaced). Off: such a directory is refused unless "
+           "resuming (`checkpoint.resume` set); shardtrain marks the directories it writes with "
            "`.shardtrain.lock`.");
 
   section(keys, "model", [](auto& c) -> auto& { return c.model; })
       .key(ST_FIELD(type),
            "Which model to build: a family of models/family.h, or `auto`: the family of the "
-           "Hugging Face directory `init_from` (its config.json's `model_type`).")
+           "Hugging Face directory `init_from` (its config.json's `model_type`). Left unset, "
+           "`auto` when `init_from` is such a directory, else `gpt`.")
       .key(ST_FIELD(n_layer), at_least(1), "gpt, llama: transformer blocks (decoder layers).")
       .key(ST_FIELD(n_head), at_least(1), "gpt, llama: attention heads per block.")
       .key(ST_FIELD(n_embd), at_least(1).allowing("≥ 1, a multiple of `n_head`"),
@@ -106,7 +108,8 @@ void declare_run_model_data(std::vector<Key>& keys) {
            "Alpaca instruction/input/output, or chat messages; docs/data.md).")
       .key(ST_FIELD(tokenizer), non_empty("`bytes`, `auto` or a path"),
            "`bytes`; `auto` (the tokenizer of the model directory `model.init_from`); or a path to "
-           "a tokenizer.json, a tokenizer.model or a directory holding one.")
+           "a tokenizer.json, a tokenizer.model or a directory holding one. Left unset, `auto` "
+           "when `model.init_from` is a Hugging Face directory, else `bytes`.")
       .key(ST_FIELD(chat_template),
            "Template for chat records: a built-in by name, or `auto` (recognised from the model "
            "directory's tokenizer_config.json).")

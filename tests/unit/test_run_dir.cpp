@@ -475,7 +475,11 @@ TEST(RunDirectoryLock, AFinishedRunIsNotTrainedOverSilently) {
   EXPECT_NE(msg.find("holds a previous run (metrics.jsonl, checkpoints/)"), std::string::npos) << msg;
   EXPECT_NE(msg.find("checkpoint.resume: auto"), std::string::npos) << msg;
   EXPECT_EQ(fs::file_size(fs::path(run) / "metrics.jsonl"), metrics_before);
-  const auto cli_run = cli("train --set run.dir=" + run + " --set distributed.strategy=single");
+  // (A tiny job, so that a regression that trains ends in seconds.)
+  const auto cli_run = cli("train --set run.dir=" + run + " --set distributed.strategy=single --set trainer.max_steps=1 "
+                           "--set model.n_layer=1 --set model.n_head=2 --set model.n_embd=16 --set model.block_size=8 "
+                           "--set batch.global=2 --set batch.micro=2 --set trainer.eval_every=0 "
+                           "--set trainer.sample_tokens=0 --set data.val_fraction=0");
   EXPECT_EQ(cli_run.code, 2) << cli_run.out;
   EXPECT_NE(cli_run.out.find("holds a previous run"), std::string::npos) << cli_run.out;
   EXPECT_EQ(fs::file_size(fs::path(run) / "metrics.jsonl"), metrics_before);
