@@ -17,7 +17,8 @@ measured run's shares are planned by then), the same model and global batch in e
 run: a GPT of 4 layers, width 256, block 128, global batch 32 in 2
 micro-steps, fp32. Writes the table into BENCHMARKS.md between
 <!-- balance:begin --> and <!-- balance:end -->. Environment: BUILD_DIR
-(default build), STEPS (default 60), WARM (default 20), REPEAT (default 1).
+(default build), STEPS (default 60), WARM (default 20), REPEAT (default 3: single runs on a
+VM drift by 10% within an hour).
 """
 import json
 import os
@@ -35,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.abspath(os.path.join(ROOT, os.environ.get("BUILD_DIR", "build"), "shardtrain"))
 STEPS = int(os.environ.get("STEPS", "60"))
 WARM = int(os.environ.get("WARM", "20"))
-REPEAT = int(os.environ.get("REPEAT", "1"))
+REPEAT = int(os.environ.get("REPEAT", "3"))
 CPU = "/sys/fs/cgroup/cpu"
 
 
