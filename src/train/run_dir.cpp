@@ -63,7 +63,7 @@ std::string holder_line() {
 
 }  // namespace
 
-std::unique_ptr<RunDirLock> RunDirLock::acquire(const std::string& dir, bool reuse) {
+std::unique_ptr<RunDirLock> RunDirLock::acquire(const std::string& dir, bool reuse, bool refuse_previous_run) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   ST_CHECK(!ec, IoError, "cannot create the run directory '", dir, "': ", ec.message(),
@@ -107,7 +107,7 @@ std::unique_ptr<RunDirLock> RunDirLock::acquire(const std::string& dir, bool reu
   // A run directory of ours that a run already trained in (and that no job
   // holds now): starting again would train from scratch over its model and
   // append to its metrics.
-  const std::string previous = marked && !reuse ? previous_run(dir) : std::string();
+  const std::string previous = refuse_previous_run && marked && !reuse ? previous_run(dir) : std::string();
   if (!previous.empty()) {
     ::close(fd);
     ST_CHECK(false, ConfigError, "run.dir '", dir, "' holds a previous run (", previous,

@@ -32,9 +32,11 @@ class RunDirLock {
   /// Creates `dir` if needed; refuses (ConfigError) a non-empty directory
   /// without shardtrain's mark unless `reuse` (resuming, run.overwrite); then
   /// takes the lock, refusing (ConfigError) while another job holds it, with
-  /// that job's host and PID. Sets kRunLockEnv for the processes this one
-  /// starts.
-  static std::unique_ptr<RunDirLock> acquire(const std::string& dir, bool reuse);
+  /// that job's host and PID. With `refuse_previous_run` (`shardtrain
+  /// train`), a directory a run already trained in (metrics.jsonl,
+  /// checkpoints) is refused too unless `reuse`. Sets kRunLockEnv for the
+  /// processes this one starts.
+  static std::unique_ptr<RunDirLock> acquire(const std::string& dir, bool reuse, bool refuse_previous_run = false);
   ~RunDirLock();
   RunDirLock(const RunDirLock&) = delete;
   RunDirLock& operator=(const RunDirLock&) = delete;

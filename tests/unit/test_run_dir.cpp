@@ -449,8 +449,10 @@ TEST(RunDirectoryLock, SomeoneElsesDirectoryIsRefusedUntouched) {
   EXPECT_EQ(line, "their config");
   EXPECT_FALSE(fs::exists(fs::path(run) / "metrics.jsonl"));
   EXPECT_FALSE(fs::exists(fs::path(run) / td::kRunLockFile));
-  // An empty directory is fine.
+  // An empty directory is fine, and so is one shardtrain wrote (to the
+  // Trainer: `shardtrain train` asks first, see below).
   fs::create_directories(tmp / "empty");
+  fit(mlp_job(tmp / "empty"));
   fit(mlp_job(tmp / "empty"));
   // Asked to, it writes there.
   auto c = mlp_job(run);
@@ -461,34 +463,29 @@ TEST(RunDirectoryLock, SomeoneElsesDirectoryIsRefusedUntouched) {
 }
 
 // A run directory a run of ours already trained in is not trained over from
-// scratch by the next job: without checkpoint.resume or run.overwrite it is
-// refused, its metrics untouched; with either, the job goes on (issue 47,
-// item 8). The launcher's restart rounds are one job: they never ask again.
+// scratch by the next `shardtrain train`: without checkpoint.resume or
+// run.overwrite it is refused, exit 2, its metrics untouched; with either
+// the job goes on (issue 47, item 8). The launcher's restart rounds are one
+// job: they never ask. (A tiny job, so that a regression ends in seconds.)
 TEST(RunDirectoryLock, AFinishedRunIsNotTrainedOverSilently) {
   TempDir tmp;
   const std::string run = tmp / "run";
-  auto first = mlp_job(run);
-  first.checkpoint.every_n_steps = 1;
-  fit(first);
+  const std::string job = "train --set run.dir=" + run + " --set distributed.strategy=single --set trainer.max_steps=1 "
+                          "--set model.n_layer=1 --set model.n_head=2 --set model.n_embd=16 --set model.block_size=8 "
+                          "--set batch.global=2 --set batch.micro=2 --set trainer.eval_every=0 "
+                          "--set trainer.sample_tokens=0 --set data.val_fraction=0 --set checkpoint.every_n_steps=1 "
+                          "--set data.train=" SHARDTRAIN_SOURCE_DIR "/data/corpus.txt";
+  auto r = cli(job);
+  ASSERT_EQ(r.code, 0) << r.out;
   const auto metrics_before = fs::file_size(fs::path(run) / "metrics.jsonl");
-  const std::string msg = fit_error(mlp_job(run));
-  EXPECT_NE(msg.find("holds a previous run (metrics.jsonl, checkpoints/)"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("checkpoint.resume: auto"), std::string::npos) << msg;
+  r = cli(job);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("holds a previous run (metrics.jsonl, checkpoints/)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("checkpoint.resume: auto"), std::string::npos) << r.out;
   EXPECT_EQ(fs::file_size(fs::path(run) / "metrics.jsonl"), metrics_before);
-  // (A tiny job, so that a regression that trains ends in seconds.)
-  const auto cli_run = cli("train --set run.dir=" + run + " --set distributed.strategy=single --set trainer.max_steps=1 "
-                           "--set model.n_layer=1 --set model.n_head=2 --set model.n_embd=16 --set model.block_size=8 "
-                           "--set batch.global=2 --set batch.micro=2 --set trainer.eval_every=0 "
-                           "--set trainer.sample_tokens=0 --set data.val_fraction=0");
-  EXPECT_EQ(cli_run.code, 2) << cli_run.out;
-  EXPECT_NE(cli_run.out.find("holds a previous run"), std::string::npos) << cli_run.out;
-  EXPECT_EQ(fs::file_size(fs::path(run) / "metrics.jsonl"), metrics_before);
-  auto resumed = mlp_job(run);
-  resumed.checkpoint.resume = "auto";
-  resumed.trainer.max_steps = 2;
-  fit(resumed);
+  r = cli(job + " --set checkpoint.resume=auto --set trainer.max_steps=2");
+  EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_GT(fs::file_size(fs::path(run) / "metrics.jsonl"), metrics_before);
-  auto again = mlp_job(run);
-  again.run.overwrite = true;
-  fit(again);
+  r = cli(job + " --set run.overwrite=true");
+  EXPECT_EQ(r.code, 0) << r.out;
 }

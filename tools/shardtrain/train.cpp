@@ -162,7 +162,7 @@ int train_main(int argc, char** argv) {
       !train::detail::run_dir_locked_above(config.run.dir)) {
     const std::string& resume = config.checkpoint.resume;
     run_lock = train::detail::RunDirLock::acquire(
-        config.run.dir, (!resume.empty() && resume != "never") || config.run.overwrite);
+        config.run.dir, (!resume.empty() && resume != "never") || config.run.overwrite, /*refuse_previous_run=*/true);
   }
   if (env.source == dist::EnvSource::Standalone) {
     int nproc = args.nproc >= 0 ? args.nproc : static_cast<int>(config.distributed.nproc_per_node());
