@@ -124,8 +124,23 @@ LmData sample_data(const config::DataConfig& c, const Tokenizer& tok, int64_t bl
     options.no_template = e.what();
   }
   options.train_on_inputs = c.train_on_inputs;
-  const std::vector<Sample> samples = load_samples(c.train, tok, options);
+  // Records with nothing to train on (a chat with no assistant turn, a
+  // prompt-only record under train_on_inputs false) are left out and
+  // counted: a step of only such rows has no target to divide by, and an
+  // evaluation of them is 0/0.
+  std::vector<Sample> samples = load_samples(c.train, tok, options);
+  const auto records = static_cast<int64_t>(samples.size());
+  samples.erase(std::remove_if(samples.begin(), samples.end(),
+                               [](const Sample& s) {
+                                 return std::none_of(s.trained.begin() + std::min<size_t>(1, s.trained.size()),
+                                                     s.trained.end(), [](uint8_t t) { return t != 0; });
+                               }),
+                samples.end());
   const auto n = static_cast<int64_t>(samples.size());
+  ST_CHECK(records == 0 || n > 0, ConfigError, "none of the ", records, " records of '", c.train,
+           "' has a token to train on (each is masked whole: a chat without an assistant turn, or a prompt "
+           "without a completion); hint: check the records, or set data.train_on_inputs: true to train on "
+           "the prompts too");
   int64_t n_val = 0;
   if (c.val_fraction > 0) {
     n_val = std::max<int64_t>(1, std::llround(static_cast<double>(n) * c.val_fraction));
@@ -149,6 +164,7 @@ LmData sample_data(const config::DataConfig& c, const Tokenizer& tok, int64_t bl
   d.stats.train_rows = train.count;
   d.stats.truncated = train.truncated;
   d.stats.dropped = train.dropped;
+  d.stats.untrained = records - n;
   d.stats.packing_efficiency = train.efficiency();
   d.stats.max_token = max_id(samples);
   d.train_batch = [sampler](int64_t step, int64_t j, int64_t micro, int rank, int world) {
@@ -187,6 +203,7 @@ std::string LmDataStats::summary() const {
   if (format == "jsonl") {
     s << ", " << truncated << " truncated, " << dropped << " dropped, packing efficiency "
       << std::round(packing_efficiency * 1000.0) / 10.0 << "%";
+    if (untrained > 0) s << "; " << untrained << " records with no token to train on left out";
   }
   return s.str();
 }

@@ -437,6 +437,38 @@ TEST(LmData, JsonlHoldsOutWholeRecordsAndCachesTheSamples) {
   EXPECT_NE(samples_cache_path(path, ToyTokenizer(), o), samples_cache_path(path, tok, o));
 }
 
+// Records with no token to train on (here chats without an assistant turn,
+// whose every token is masked) are left out at load and counted; only a
+// dataset of nothing else is refused (issue 47, item 3). 17 of 20 records
+// are such chats, so 3 train; with a held-out fifth, 1 of them is held out.
+TEST(LmData, RecordsWithNothingToTrainOnAreLeftOutAndCounted) {
+  TempDir dir;
+  ToyTokenizer tok(300, 301);
+  const std::string masked = R"({"messages": [{"role": "user", "content": "x"}]})" "\n";
+  std::string text;
+  for (int i = 0; i < 20; ++i) text += i % 7 == 3 ? records(1) : masked;
+  write(dir / "mostly.jsonl", text);
+  const LmData d = make_lm_data(jsonl_config(dir / "mostly.jsonl", 0), tok, 12, 1, 1, 0);
+  EXPECT_EQ(d.stats.train_samples, 3);
+  EXPECT_EQ(d.stats.untrained, 17);
+  EXPECT_NE(d.stats.summary().find("17 records with no token to train on left out"), std::string::npos)
+      << d.stats.summary();
+  // Every training row has a target to divide by.
+  for (int64_t step = 0; step < d.stats.train_rows; ++step) {
+    EXPECT_GT((d.train_batch(step, 0, 1, 0, 1).target != -100).sum().item<int64_t>(), 0) << step;
+  }
+  // The held-out split is of trainable records too: no 0/0 evaluation.
+  const LmData held = make_lm_data(jsonl_config(dir / "mostly.jsonl", 0.34), tok, 12, 1, 1, 0);
+  EXPECT_EQ(held.stats.train_samples + held.stats.val_samples, 3);
+  ASSERT_TRUE(held.eval_batch);
+  EXPECT_GT((held.eval_batch(0, 1, 0, 1).target != -100).sum().item<int64_t>(), 0);
+  std::string none;
+  for (int i = 0; i < 4; ++i) none += masked;
+  write(dir / "none.jsonl", none);
+  expect_config_error([&] { make_lm_data(jsonl_config(dir / "none.jsonl", 0), tok, 12, 1, 1, 0); },
+                      "none of the 4 records of");
+}
+
 TEST(LmData, Errors) {
   TempDir dir;
   ToyTokenizer tok;

@@ -30,6 +30,7 @@ struct LmDataStats {
   int64_t val_rows = 0;
   int64_t truncated = 0;       // jsonl: samples cut to the block (train and validation)
   int64_t dropped = 0;         // jsonl: samples left out
+  int64_t untrained = 0;       // jsonl: records with no trained target (no assistant turn), left out
   double packing_efficiency = 1.0;  // share of training positions that are not padding
   int64_t max_token = -1;      // largest id in the data, to check against the vocabulary
   /// One line for the start-up log.
