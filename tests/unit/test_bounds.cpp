@@ -138,22 +138,6 @@ void write_model_dir(const std::string& dir) {
   m::save_hf_dir(dir, family.hf_config_json(c), weights, &family, m::kDefaultMaxShardBytes);
 }
 
-// `shardtrain ARGS` killed after `seconds`: a bound that is missing makes
-// the command run on (exit 137), not the test hang.
-st::testing::CliRun cli_within(int seconds, const std::string& args) {
-  st::testing::CliRun r;
-  const std::string cmd =
-      "timeout -s KILL " + std::to_string(seconds) + " " + SHARDTRAIN_CLI_PATH + " " + args + " 2>&1";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
-  const int status = ::pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
-
 // --max-new-tokens 10^9 ran on, holding every id: more than 2^20 is a
 // ConfigError (exit 2) that names the bound, before any model is read.
 // --temperature 1e-300 was an untyped LibTorch error: it prints what
@@ -162,14 +146,14 @@ TEST(GenerateLimits, TooManyTokensAreRefusedATinyTemperatureIsGreedy) {
   st::testing::TempDir tmp("generate_limits");
   write_model_dir(tmp / "d");
   const std::string base = "generate --checkpoint " + tmp / "d" + " --prompt ab";
-  const auto huge = cli_within(20, base + " --max-new-tokens 1000000000");
+  const auto huge = st::testing::cli(base + " --max-new-tokens 1000000000", 20);
   EXPECT_EQ(huge.code, 2) << huge.out;
   EXPECT_HAS(huge.out, "--max-new-tokens 1000000000 is more than 1048576");
-  const auto at_bound = cli_within(20, base + " --max-new-tokens 1048577");
+  const auto at_bound = st::testing::cli(base + " --max-new-tokens 1048577", 20);
   EXPECT_EQ(at_bound.code, 2) << at_bound.out;
   const auto greedy = st::testing::cli(base + " --max-new-tokens 6 --temperature 0");
   ASSERT_EQ(greedy.code, 0) << greedy.out;
-  const auto tiny = cli_within(60, base + " --max-new-tokens 6 --temperature 1e-300");
+  const auto tiny = st::testing::cli(base + " --max-new-tokens 6 --temperature 1e-300", 60);
   EXPECT_EQ(tiny.code, 0) << tiny.out;
   EXPECT_EQ(tiny.out, greedy.out);
 }

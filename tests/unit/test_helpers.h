@@ -23,10 +23,13 @@ struct CliRun {
   std::string out;  // stdout and stderr together
 };
 
-/// Runs `shardtrain ARGS` (through the shell) and collects its output.
-inline CliRun cli(const std::string& args) {
+/// Runs `shardtrain ARGS` (through the shell) and collects its output;
+/// killed after `kill_after_s` seconds when given (exit 137), so that a
+/// bound that is missing fails the test instead of hanging it.
+inline CliRun cli(const std::string& args, int kill_after_s = 0) {
   CliRun r;
-  const std::string cmd = std::string(SHARDTRAIN_CLI_PATH) + " " + args + " 2>&1";
+  const std::string cmd = (kill_after_s > 0 ? "timeout -s KILL " + std::to_string(kill_after_s) + " " : std::string()) +
+                          SHARDTRAIN_CLI_PATH + " " + args + " 2>&1";
   FILE* p = ::popen(cmd.c_str(), "r");
   if (p == nullptr) return r;
   char buf[4096];

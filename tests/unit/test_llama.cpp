@@ -207,13 +207,16 @@ TEST(LlamaFamily, InitFromDecidesTheTypeAndTokenizerLeftUnset) {
   st::testing::TempDir tmp("llama_init");
   write_dir(tmp / "d", tiny());
   const std::string defaults = std::string(SHARDTRAIN_SOURCE_DIR) + "/configs/default.yaml";
-  const auto cfg = st::config::Config::load(defaults, {"model.init_from=" + tmp / "d"});
+  const auto cfg = st::config::Config::load(defaults, {"model.init_from=" + tmp / "d", "model.block_size=8"});
   EXPECT_EQ(cfg.model.type, ModelType::Llama);
   EXPECT_EQ(cfg.data.tokenizer, "auto");
   EXPECT_EQ(cfg.model.n_layer, 2);  // the directory's sizes, not the file's 4
-  const auto bytes = st::config::Config::load(defaults, {"model.init_from=" + tmp / "d", "data.tokenizer=bytes"});
+  const auto bytes =
+      st::config::Config::load(defaults, {"model.init_from=" + tmp / "d", "model.block_size=8", "data.tokenizer=bytes"});
   EXPECT_EQ(bytes.data.tokenizer, "bytes");
-  EXPECT_HAS(config_error([&] { st::config::Config::load(defaults, {"model.init_from=" + tmp / "d", "model.type=gpt"}); }),
+  EXPECT_HAS(config_error([&] {
+               st::config::Config::load(defaults, {"model.init_from=" + tmp / "d", "model.block_size=8", "model.type=gpt"});
+             }),
              "model.type is gpt but");
   // Without a directory nothing changes: a GPT on bytes.
   const auto plain = st::config::Config::load(defaults);

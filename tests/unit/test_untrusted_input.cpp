@@ -352,9 +352,10 @@ TEST(UntrustedCli, CountsBeyondTheirTypeAreRefused) {
   EXPECT_HAS(r.out, "distributed.threads_per_rank: got 2147483648");
 }
 
-// A raw LibTorch error that reaches main (here: sampling at a temperature so
-// low that the logits overflow to inf, and multinomial refuses the NaNs) is
-// one line; its backtrace only with SHARDTRAIN_DEBUG=1.
+// A raw LibTorch error that reaches main (here: sampling from a model whose
+// one step at a learning rate of 1e30 made its logits overflow, so that
+// multinomial refuses the NaNs) is one line; its backtrace only with
+// SHARDTRAIN_DEBUG=1.
 TEST(UntrustedCli, RawLibTorchErrorsAreOneLineWithTheBacktraceBehindDebug) {
   TempDir tmp;
   const std::string src = SHARDTRAIN_SOURCE_DIR;
@@ -364,7 +365,8 @@ TEST(UntrustedCli, RawLibTorchErrorsAreOneLineWithTheBacktraceBehindDebug) {
                            " --set trainer.eval_every=0 --set trainer.sample_tokens=0"
                            " --set model.n_layer=1 --set model.n_embd=32 --set model.n_head=2"
                            " --set model.block_size=16 --set batch.global=2 --set batch.micro=2"
-                           " --set batch.accumulate=null --set model.vocab_size=240");
+                           " --set batch.accumulate=null --set model.vocab_size=240"
+                           " --set optimizer.lr=1e30 --set schedule.warmup_steps=0");
   ASSERT_EQ(trained.code, 0) << trained.out;
   // A prompt byte beyond the vocabulary (255 >= 240) is bad input, not an
   // index error inside LibTorch.
@@ -372,7 +374,7 @@ TEST(UntrustedCli, RawLibTorchErrorsAreOneLineWithTheBacktraceBehindDebug) {
   EXPECT_EQ(beyond.code, 2) << beyond.out;
   EXPECT_HAS(beyond.out, "the prompt holds token 255 but the model's vocabulary has 240 tokens");
   const std::string generate =
-      "generate --checkpoint " + tmp.path() + " --prompt x --max-new-tokens 2 --temperature 1e-300";
+      "generate --checkpoint " + tmp.path() + " --prompt x --max-new-tokens 2";
   const auto plain = cli(generate);
   EXPECT_EQ(plain.code, 1) << plain.out;
   EXPECT_HAS(plain.out, "shardtrain generate: LibTorch error: ");
