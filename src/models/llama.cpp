@@ -453,13 +453,23 @@ int64_t integer_or(const nlohmann::json& j, const char* key, int64_t fallback, i
   return it == j.end() || it->is_null() ? fallback : integer_of(*it, key, min);
 }
 
-double positive_or(const nlohmann::json& j, const char* key, double fallback) {
-  const auto it = j.find(key);
-  if (it == j.end() || it->is_null()) return fallback;
-  const double x = it->is_number() ? it->get<double>() : std::nan("");
-  ST_CHECK(std::isfinite(x) && x > 0.0, ConfigError, "config.json: ", key, " is ", it->dump(),
+double positive_of(const nlohmann::json& v, const char* key) {
+  const double x = v.is_number() ? v.get<double>() : std::nan("");
+  ST_CHECK(std::isfinite(x) && x > 0.0, ConfigError, "config.json: ", key, " is ", v.dump(),
            "; expected a finite number > 0. Hint: the model directory's config.json is damaged or not a model's");
   return x;
+}
+
+double positive_at(const nlohmann::json& j, const char* key) {
+  const auto it = j.find(key);
+  ST_CHECK(it != j.end() && !it->is_null(), ConfigError, "config.json has no ", key,
+           ". Hint: the model directory's config.json is damaged or not a model's");
+  return positive_of(*it, key);
+}
+
+double positive_or(const nlohmann::json& j, const char* key, double fallback) {
+  const auto it = j.find(key);
+  return it == j.end() || it->is_null() ? fallback : positive_of(*it, key);
 }
 
 void LlamaFamily::read_hf_config(const nlohmann::json& j, config::ModelConfig& m) const {
@@ -502,14 +512,13 @@ void LlamaFamily::read_hf_config(const nlohmann::json& j, config::ModelConfig& m
              "' is not supported; supported: default, llama3");
     if (kind == "llama3") {
       m.rope_scaling = train::RopeScaling::Llama3;
-      m.rope_factor = positive_or(*scaling, "factor", std::nan(""));
-      m.rope_low_freq_factor = positive_or(*scaling, "low_freq_factor", std::nan(""));
-      m.rope_high_freq_factor = positive_or(*scaling, "high_freq_factor", std::nan(""));
+      m.rope_factor = positive_at(*scaling, "factor");
+      m.rope_low_freq_factor = positive_at(*scaling, "low_freq_factor");
+      m.rope_high_freq_factor = positive_at(*scaling, "high_freq_factor");
       m.rope_original_max_position = integer_at(*scaling, "original_max_position_embeddings", 1);
-      ST_CHECK(std::isfinite(m.rope_factor) && std::isfinite(m.rope_low_freq_factor) &&
-                   std::isfinite(m.rope_high_freq_factor) && m.rope_high_freq_factor > m.rope_low_freq_factor,
-               ConfigError, "config.json: llama3 rope scaling needs factor, low_freq_factor and high_freq_factor "
-               "(> low_freq_factor); got ", scaling->dump(), ". Hint: the model directory's config.json is damaged");
+      ST_CHECK(m.rope_high_freq_factor > m.rope_low_freq_factor, ConfigError,
+               "config.json: llama3 rope scaling needs high_freq_factor (> low_freq_factor); got ", scaling->dump(),
+               ". Hint: the model directory's config.json is damaged");
     }
   }
 }
