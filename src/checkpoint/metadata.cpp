@@ -241,7 +241,10 @@ void validate_file(const FileInfo& f, const std::string& where) {
            f.rank_state_bytes, " bytes) outside the file's ", f.bytes, " bytes");
 }
 
-void validate(Metadata& m, const std::string& where, Scope scope) {
+// The files: each known, each once, and (a whole checkpoint) one per rank and
+// the train state. Returns each file's index by name.
+std::unordered_map<std::string, size_t> validate_files(const Metadata& m, const std::string& where,
+                                                       Scope scope) {
   std::unordered_map<std::string, size_t> file_index;
   if (scope == Scope::OneRank) {
     ST_CHECK(m.files.size() == 1 && m.files[0].rank >= 0 && m.files[0].name == rank_file_name(m.files[0].rank),
@@ -270,6 +273,56 @@ void validate(Metadata& m, const std::string& where, Scope scope) {
     ST_CHECK(file_index.count(kTrainStateFile), CheckpointError, where, " lists no ",
              kTrainStateFile);
   }
+  return file_index;
+}
+
+// Each slice of tensor t (numel elements of esize bytes): in a rank file of
+// that rank, inside the tensor and inside the file.
+void validate_slices(const Metadata& m, const TensorInfo& t, const std::string& tw, int64_t numel,
+                     int64_t esize, const std::unordered_map<std::string, size_t>& file_index, Scope scope) {
+  for (const SliceInfo& s : t.slices) {
+    if (scope == Scope::Checkpoint) {
+      ST_CHECK(s.rank < m.world_size, CheckpointError, tw, ": 'rank' is ", s.rank,
+               "; expected a whole number in 0..", m.world_size - 1,
+               ". Hint: the metadata is damaged or not shardtrain's.");
+    }
+    auto it = file_index.find(s.file);
+    ST_CHECK(it != file_index.end() && m.files[it->second].rank >= 0, CheckpointError, tw,
+             " is stored in unknown file '", s.file, "'");
+    const FileInfo& f = m.files[it->second];
+    ST_CHECK(f.rank == s.rank, CheckpointError, tw, " has a slice of rank ", s.rank,
+             " in rank ", f.rank, "'s file '", s.file, "'");
+    ST_CHECK(s.offset <= numel - s.count, CheckpointError, tw, " has a slice [", s.offset,
+             ", +", s.count, ") outside its ", numel, " elements");
+    ST_CHECK(s.count <= f.bytes / esize && s.byte_offset <= f.bytes - s.count * esize,
+             CheckpointError, tw, " has a slice outside its file '", s.file, "'");
+  }
+}
+
+// Every element stored exactly once, as a save writes them: slices
+// sorted by offset tile [0, numel). A tensor without (all of) its data
+// would load as garbage or fail late; it is refused here, for load and
+// inspect alike. (Empty slices are never written.)
+void validate_tiling(TensorInfo& t, const std::string& tw, int64_t numel) {
+  std::sort(t.slices.begin(), t.slices.end(),
+            [](const SliceInfo& a, const SliceInfo& b) { return a.offset < b.offset; });
+  int64_t next = 0;
+  for (const auto& x : t.slices) {
+    ST_CHECK(x.count > 0, CheckpointError, tw, " has an empty slice on rank ", x.rank);
+    ST_CHECK(x.offset >= next, CheckpointError, tw, " has overlapping slices (rank ", x.rank,
+             " starts at element ", x.offset, ", before ", next, ")");
+    ST_CHECK(x.offset == next, CheckpointError, tw, " stores no data for elements ", next, "..",
+             x.offset - 1, " of ", numel, ". Hint: the metadata is damaged; load an older checkpoint.");
+    next = x.offset + x.count;
+  }
+  ST_CHECK(next == numel, CheckpointError, tw, " stores no data for elements ", next, "..",
+           numel - 1, " of ", numel,
+           next == 0 ? " (no data at all)" : "", ". Hint: the metadata is damaged; load an older "
+           "checkpoint.");
+}
+
+void validate(Metadata& m, const std::string& where, Scope scope) {
+  const std::unordered_map<std::string, size_t> file_index = validate_files(m, where, scope);
   std::set<std::string> names;
   for (TensorInfo& t : m.tensors) {
     const std::string tw = where + " tensor '" + cut(t.name) + "'";
@@ -284,43 +337,9 @@ void validate(Metadata& m, const std::string& where, Scope scope) {
     }
     int64_t total_bytes = 0;
     ST_CHECK(!mul_overflows(numel, esize, &total_bytes), CheckpointError, tw, " is too large");
-    for (const SliceInfo& s : t.slices) {
-      if (scope == Scope::Checkpoint) {
-        ST_CHECK(s.rank < m.world_size, CheckpointError, tw, ": 'rank' is ", s.rank,
-                 "; expected a whole number in 0..", m.world_size - 1,
-                 ". Hint: the metadata is damaged or not shardtrain's.");
-      }
-      auto it = file_index.find(s.file);
-      ST_CHECK(it != file_index.end() && m.files[it->second].rank >= 0, CheckpointError, tw,
-               " is stored in unknown file '", s.file, "'");
-      const FileInfo& f = m.files[it->second];
-      ST_CHECK(f.rank == s.rank, CheckpointError, tw, " has a slice of rank ", s.rank,
-               " in rank ", f.rank, "'s file '", s.file, "'");
-      ST_CHECK(s.offset <= numel - s.count, CheckpointError, tw, " has a slice [", s.offset,
-               ", +", s.count, ") outside its ", numel, " elements");
-      ST_CHECK(s.count <= f.bytes / esize && s.byte_offset <= f.bytes - s.count * esize,
-               CheckpointError, tw, " has a slice outside its file '", s.file, "'");
-    }
+    validate_slices(m, t, tw, numel, esize, file_index, scope);
     if (scope == Scope::OneRank) continue;
-    std::sort(t.slices.begin(), t.slices.end(),
-              [](const SliceInfo& a, const SliceInfo& b) { return a.offset < b.offset; });
-    // Every element stored exactly once, as a save writes them: slices
-    // sorted by offset tile [0, numel). A tensor without (all of) its data
-    // would load as garbage or fail late; it is refused here, for load and
-    // inspect alike. (Empty slices are never written.)
-    int64_t next = 0;
-    for (const auto& x : t.slices) {
-      ST_CHECK(x.count > 0, CheckpointError, tw, " has an empty slice on rank ", x.rank);
-      ST_CHECK(x.offset >= next, CheckpointError, tw, " has overlapping slices (rank ", x.rank,
-               " starts at element ", x.offset, ", before ", next, ")");
-      ST_CHECK(x.offset == next, CheckpointError, tw, " stores no data for elements ", next, "..",
-               x.offset - 1, " of ", numel, ". Hint: the metadata is damaged; load an older checkpoint.");
-      next = x.offset + x.count;
-    }
-    ST_CHECK(next == numel, CheckpointError, tw, " stores no data for elements ", next, "..",
-             numel - 1, " of ", numel,
-             next == 0 ? " (no data at all)" : "", ". Hint: the metadata is damaged; load an older "
-             "checkpoint.");
+    validate_tiling(t, tw, numel);
   }
 }
 

@@ -199,22 +199,16 @@ struct SafetensorsFile::Impl {
   }
 };
 
-SafetensorsFile::SafetensorsFile(const std::string& path) : impl_(std::make_unique<Impl>()) {
-  Impl& m = *impl_;
-  m.path = path;
-  const std::string where = "safetensors file '" + path + "'";
-  std::string why;
-  m.fd = ::shardtrain::detail::open_regular_for_reading(path, &why);
-  ST_CHECK(m.fd >= 0, CheckpointError, "cannot open ", where, ": ", why,
-           ". Hint: pass a .safetensors file");
-  struct stat st {};
-  ST_CHECK(::fstat(m.fd, &st) == 0, CheckpointError, "cannot stat ", where, ": ",
-           std::strerror(errno));
-  const int64_t size = st.st_size;
+namespace {
+
+// The header's JSON text, read from an open file of `size` bytes after its
+// 8-byte little-endian length; *data_start is where the data section begins.
+std::string read_header_text(int fd, int64_t size, const std::string& path, const std::string& where,
+                             int64_t* data_start) {
   ST_CHECK(size >= 8, CheckpointError, where, " has ", size,
            " bytes: too short for the 8-byte header length. Hint: it is not a safetensors file.");
   unsigned char len[8];
-  pread_exact(m.fd, len, 8, 0, path);
+  pread_exact(fd, len, 8, 0, path);
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | len[i];
   ST_CHECK(n >= 2 && n <= static_cast<uint64_t>(kMaxHeaderBytes) &&
@@ -223,69 +217,65 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : impl_(std::make_uniq
            " bytes (the header must be 2 .. 100 MB and fit in the file). Hint: the file is "
            "truncated or not a safetensors file.");
   std::string text(static_cast<size_t>(n), '\0');
-  pread_exact(m.fd, text.data(), text.size(), 8, path);
-  m.data_start = 8 + static_cast<int64_t>(n);
-  const int64_t data_bytes = size - m.data_start;
+  pread_exact(fd, text.data(), text.size(), 8, path);
+  *data_start = 8 + static_cast<int64_t>(n);
+  return text;
+}
 
-  Json header;
-  std::string problem;
-  ST_CHECK(::shardtrain::detail::parse_json(text, &header, &problem), CheckpointError, where,
-           ": the header is not valid JSON (", problem,
-           "). Hint: it is not a safetensors file, or it is damaged.");
-  ST_CHECK(header.is_object(), CheckpointError, where, ": the header is not a JSON object");
-  try {
-    for (const auto& [key, value] : header.items()) {
-      if (key == "__metadata__") {
-        ST_CHECK(value.is_object(), CheckpointError, where, ": __metadata__ is not an object");
-        for (const auto& [k, v] : value.items()) {
-          ST_CHECK(v.is_string(), CheckpointError, where, ": __metadata__ value '", k,
-                   "' is not a string");
-          m.metadata[k] = v.get<std::string>();
-        }
-        continue;
-      }
-      const std::string tw = where + " tensor '" + cut(key) + "'";
-      ST_CHECK(value.is_object() && value.contains("dtype") && value.contains("shape") &&
-                   value.contains("data_offsets"),
-               CheckpointError, tw, " needs dtype, shape and data_offsets");
-      SafetensorsEntry e;
-      e.name = key;
-      e.dtype = value.at("dtype").get<std::string>();
-      const int64_t es = dtype_bytes(e.dtype);
-      ST_CHECK(es > 0, CheckpointError, tw, " has unknown dtype '", cut(e.dtype),
-               "'; known: F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL");
-      // Whole numbers only: nlohmann would truncate 2.9 to 2 and read true as 1.
-      std::vector<int64_t> offsets;
-      ST_CHECK(json_int_list(value.at("shape"), &e.shape), CheckpointError, tw, " has shape ",
-               ::shardtrain::detail::json_excerpt(value.at("shape")), ": expected a list of whole numbers");
-      ST_CHECK(json_int_list(value.at("data_offsets"), &offsets) && offsets.size() == 2,
-               CheckpointError, tw, " has data_offsets ", ::shardtrain::detail::json_excerpt(value.at("data_offsets")),
-               ": expected [begin, end], two whole numbers");
-      e.begin = offsets[0];
-      e.end = offsets[1];
-      int64_t numel = 1;
-      for (int64_t d : e.shape) {
-        ST_CHECK(d >= 0 && !__builtin_mul_overflow(numel, d, &numel), CheckpointError, tw,
-                 " has an impossible shape ", shape_str(e.shape));
-      }
-      int64_t nbytes = 0;
-      ST_CHECK(!__builtin_mul_overflow(numel, es, &nbytes), CheckpointError, tw, " is too large");
-      ST_CHECK(e.begin >= 0 && e.begin <= e.end, CheckpointError, tw, " has data_offsets [",
-               e.begin, ", ", e.end, "]: begin must be >= 0 and <= end");
-      ST_CHECK(e.end - e.begin == nbytes, CheckpointError, tw, " has ", e.end - e.begin,
-               " bytes of data but ", e.dtype, " ", shape_str(e.shape), " needs ", nbytes);
-      ST_CHECK(e.end <= data_bytes, CheckpointError, tw, " has data_offsets [", e.begin, ", ",
-               e.end, "] beyond the ", data_bytes,
-               " bytes of data in the file: it is truncated or the header is wrong.");
-      m.index.emplace(e.name, m.entries.size());
-      m.entries.push_back(std::move(e));
-    }
-  } catch (const Json::exception& e) {
-    ST_CHECK(false, CheckpointError, where, ": malformed header entry (", e.what(), ")");
+// The header's __metadata__: an object of strings.
+void read_metadata(const Json& value, const std::string& where, std::map<std::string, std::string>& metadata) {
+  ST_CHECK(value.is_object(), CheckpointError, where, ": __metadata__ is not an object");
+  for (const auto& [k, v] : value.items()) {
+    ST_CHECK(v.is_string(), CheckpointError, where, ": __metadata__ value '", k,
+             "' is not a string");
+    metadata[k] = v.get<std::string>();
   }
-  // The tensors must tile the data section: no gaps, no overlaps, nothing after.
+}
+
+// One tensor's header entry: a known dtype, a shape of whole numbers, and
+// data offsets that hold exactly its bytes inside the data section.
+SafetensorsEntry read_entry(const std::string& key, const Json& value, const std::string& where,
+                            int64_t data_bytes) {
+  const std::string tw = where + " tensor '" + cut(key) + "'";
+  ST_CHECK(value.is_object() && value.contains("dtype") && value.contains("shape") &&
+               value.contains("data_offsets"),
+           CheckpointError, tw, " needs dtype, shape and data_offsets");
+  SafetensorsEntry e;
+  e.name = key;
+  e.dtype = value.at("dtype").get<std::string>();
+  const int64_t es = dtype_bytes(e.dtype);
+  ST_CHECK(es > 0, CheckpointError, tw, " has unknown dtype '", cut(e.dtype),
+           "'; known: F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL");
+  // Whole numbers only: nlohmann would truncate 2.9 to 2 and read true as 1.
+  std::vector<int64_t> offsets;
+  ST_CHECK(json_int_list(value.at("shape"), &e.shape), CheckpointError, tw, " has shape ",
+           ::shardtrain::detail::json_excerpt(value.at("shape")), ": expected a list of whole numbers");
+  ST_CHECK(json_int_list(value.at("data_offsets"), &offsets) && offsets.size() == 2,
+           CheckpointError, tw, " has data_offsets ", ::shardtrain::detail::json_excerpt(value.at("data_offsets")),
+           ": expected [begin, end], two whole numbers");
+  e.begin = offsets[0];
+  e.end = offsets[1];
+  int64_t numel = 1;
+  for (int64_t d : e.shape) {
+    ST_CHECK(d >= 0 && !__builtin_mul_overflow(numel, d, &numel), CheckpointError, tw,
+             " has an impossible shape ", shape_str(e.shape));
+  }
+  int64_t nbytes = 0;
+  ST_CHECK(!__builtin_mul_overflow(numel, es, &nbytes), CheckpointError, tw, " is too large");
+  ST_CHECK(e.begin >= 0 && e.begin <= e.end, CheckpointError, tw, " has data_offsets [",
+           e.begin, ", ", e.end, "]: begin must be >= 0 and <= end");
+  ST_CHECK(e.end - e.begin == nbytes, CheckpointError, tw, " has ", e.end - e.begin,
+           " bytes of data but ", e.dtype, " ", shape_str(e.shape), " needs ", nbytes);
+  ST_CHECK(e.end <= data_bytes, CheckpointError, tw, " has data_offsets [", e.begin, ", ",
+           e.end, "] beyond the ", data_bytes,
+           " bytes of data in the file: it is truncated or the header is wrong.");
+  return e;
+}
+
+// The tensors must tile the data section: no gaps, no overlaps, nothing after.
+void check_tiling(const std::vector<SafetensorsEntry>& entries, const std::string& where, int64_t data_bytes) {
   std::vector<const SafetensorsEntry*> sorted;
-  for (const auto& e : m.entries) sorted.push_back(&e);
+  for (const auto& e : entries) sorted.push_back(&e);
   std::sort(sorted.begin(), sorted.end(), [](const SafetensorsEntry* a, const SafetensorsEntry* b) {
     return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
   });
@@ -298,6 +288,45 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : impl_(std::make_uniq
   }
   ST_CHECK(next == data_bytes, CheckpointError, where, ": the tensors hold ", next,
            " bytes but the file has ", data_bytes, " bytes of data after the header");
+}
+
+}  // namespace
+
+SafetensorsFile::SafetensorsFile(const std::string& path) : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.path = path;
+  const std::string where = "safetensors file '" + path + "'";
+  std::string why;
+  m.fd = ::shardtrain::detail::open_regular_for_reading(path, &why);
+  ST_CHECK(m.fd >= 0, CheckpointError, "cannot open ", where, ": ", why,
+           ". Hint: pass a .safetensors file");
+  struct stat st {};
+  ST_CHECK(::fstat(m.fd, &st) == 0, CheckpointError, "cannot stat ", where, ": ",
+           std::strerror(errno));
+  const int64_t size = st.st_size;
+  const std::string text = read_header_text(m.fd, size, path, where, &m.data_start);
+  const int64_t data_bytes = size - m.data_start;
+
+  Json header;
+  std::string problem;
+  ST_CHECK(::shardtrain::detail::parse_json(text, &header, &problem), CheckpointError, where,
+           ": the header is not valid JSON (", problem,
+           "). Hint: it is not a safetensors file, or it is damaged.");
+  ST_CHECK(header.is_object(), CheckpointError, where, ": the header is not a JSON object");
+  try {
+    for (const auto& [key, value] : header.items()) {
+      if (key == "__metadata__") {
+        read_metadata(value, where, m.metadata);
+        continue;
+      }
+      SafetensorsEntry e = read_entry(key, value, where, data_bytes);
+      m.index.emplace(e.name, m.entries.size());
+      m.entries.push_back(std::move(e));
+    }
+  } catch (const Json::exception& e) {
+    ST_CHECK(false, CheckpointError, where, ": malformed header entry (", e.what(), ")");
+  }
+  check_tiling(m.entries, where, data_bytes);
 }
 
 SafetensorsFile::~SafetensorsFile() = default;

@@ -42,52 +42,52 @@ void check_batch(const Source& s, const BatchConfig& b) {
   }
 }
 
-}  // namespace detail
+namespace {
 
-BatchPlan Config::resolve_batch(int world_size) const {
-  using detail::checked_mul;
-  using shardtrain::detail::str_cat;
+// The world size and each batch number given: whole numbers of at least one.
+void check_resolvable(const BatchConfig& b, int world_size) {
   if (world_size < 1) {
     throw ConfigError(str_cat("batch: world_size ", world_size,
                               " is not a number of ranks; it must be >= 1"));
   }
-  const BatchConfig& b = batch;
   const auto check_positive = [&](const char* name, const std::optional<int64_t>& v) {
     if (v && *v < 1) {
       throw ConfigError(str_cat("batch.", name, ": got ", *v, ", expected an integer >= 1 or null; ",
-                                detail::kDocsHint));
+                                kDocsHint));
     }
   };
   check_positive("global", b.global);
   check_positive("micro", b.micro);
   check_positive("accumulate", b.accumulate);
-  const int64_t world = world_size;
+}
 
-  if (b.global && b.micro && b.accumulate) {
-    int64_t per_world = 0;
-    int64_t product = 0;
-    const bool fits = checked_mul(*b.micro, *b.accumulate, per_world) &&
-                      checked_mul(per_world, world, product);
-    if (!fits || product != *b.global) {
-      throw ConfigError(str_cat(
-          "batch: batch.micro × batch.accumulate × world_size = ", *b.micro, " × ", *b.accumulate,
-          " × ", world, " = ", fits ? std::to_string(product) : std::string("(overflow)"),
-          " ≠ batch.global=", *b.global,
-          "; give only two of the three (set one to null) and the third is derived"));
-    }
-    return {*b.global, *b.micro, *b.accumulate};
+// All three given: they must agree at this world size.
+BatchPlan all_three(const BatchConfig& b, int64_t world) {
+  int64_t per_world = 0;
+  int64_t product = 0;
+  const bool fits = checked_mul(*b.micro, *b.accumulate, per_world) &&
+                    checked_mul(per_world, world, product);
+  if (!fits || product != *b.global) {
+    throw ConfigError(str_cat(
+        "batch: batch.micro × batch.accumulate × world_size = ", *b.micro, " × ", *b.accumulate,
+        " × ", world, " = ", fits ? std::to_string(product) : std::string("(overflow)"),
+        " ≠ batch.global=", *b.global,
+        "; give only two of the three (set one to null) and the third is derived"));
   }
-  // Measured load balancing splits each micro-step's rows by the ranks'
-  // shares, so the global batch need not divide by the world: accumulate is
-  // as given (or the fewest micro-steps of batch.micro rows per rank), micro
-  // the even share rounded up (a rank may get none).
-  if (distributed.load_balance() == train::LoadBalance::Measured && b.global && !(b.micro && b.accumulate)) {
-    int64_t unit = 0;
-    const int64_t accumulate = b.accumulate ? *b.accumulate
-                               : checked_mul(*b.micro, world, unit) ? (*b.global + unit - 1) / unit
-                                                                    : 1;
-    return {*b.global, (*b.global + accumulate * world - 1) / (accumulate * world), accumulate};
-  }
+  return {*b.global, *b.micro, *b.accumulate};
+}
+
+// Measured load balancing: the global batch and accumulate or micro given.
+BatchPlan measured_shares(const BatchConfig& b, int64_t world) {
+  int64_t unit = 0;
+  const int64_t accumulate = b.accumulate ? *b.accumulate
+                             : checked_mul(*b.micro, world, unit) ? (*b.global + unit - 1) / unit
+                                                                  : 1;
+  return {*b.global, (*b.global + accumulate * world - 1) / (accumulate * world), accumulate};
+}
+
+// Two of the three given: the third derived, when the two divide evenly.
+BatchPlan derive_third(const BatchConfig& b, int64_t world) {
   if (b.global && b.micro) {
     int64_t unit = 0;
     if (!checked_mul(*b.micro, world, unit) || *b.global % unit != 0) {
@@ -119,11 +119,30 @@ BatchPlan Config::resolve_batch(int world_size) const {
     }
     return {global, *b.micro, *b.accumulate};
   }
-  throw ConfigError(str_cat("batch: got ", detail::batch_text(b),
+  throw ConfigError(str_cat("batch: got ", batch_text(b),
                             ", expected at least two of batch.global, batch.micro and "
                             "batch.accumulate (global = micro × accumulate × world_size "
                             "derives the third); ",
-                            detail::kDocsHint));
+                            kDocsHint));
+}
+
+}  // namespace
+
+}  // namespace detail
+
+BatchPlan Config::resolve_batch(int world_size) const {
+  const BatchConfig& b = batch;
+  detail::check_resolvable(b, world_size);
+  const int64_t world = world_size;
+  if (b.global && b.micro && b.accumulate) return detail::all_three(b, world);
+  // Measured load balancing splits each micro-step's rows by the ranks'
+  // shares, so the global batch need not divide by the world: accumulate is
+  // as given (or the fewest micro-steps of batch.micro rows per rank), micro
+  // the even share rounded up (a rank may get none).
+  if (distributed.load_balance() == train::LoadBalance::Measured && b.global && !(b.micro && b.accumulate)) {
+    return detail::measured_shares(b, world);
+  }
+  return detail::derive_third(b, world);
 }
 
 }  // namespace shardtrain::config

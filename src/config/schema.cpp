@@ -420,8 +420,12 @@ const Key* find_key(const std::string& path) {
   return nullptr;
 }
 
-void check_relations(const Source& s, const Config& c) {
-  const ModelConfig& m = c.model;
+namespace {
+
+using strategy::StrategyKind;
+
+// The model's shape: heads that divide the width, rope factors in order.
+void check_model(const Source& s, const ModelConfig& m) {
   s.require(m.n_embd % m.n_head == 0 || m.head_dim > 0, "model.n_embd", std::to_string(m.n_embd),
             str_cat("a multiple of model.n_head=", m.n_head,
                     " (each head gets n_embd / n_head channels; llama: or set model.head_dim)"),
@@ -437,9 +441,10 @@ void check_relations(const Source& s, const Config& c) {
             str_cat("a number > model.rope_low_freq_factor=", format_double(m.rope_low_freq_factor),
                     " with rope_scaling llama3"),
             {"model.rope_low_freq_factor", "model.rope_scaling"});
+}
 
-  check_batch(s, c.batch);
-
+// A decaying schedule ends at or below the rate it starts from.
+void check_schedule(const Source& s, const Config& c) {
   const ScheduleConfig& sc = c.schedule;
   if (sc.name != train::LrSchedule::Constant) {
     s.require(sc.min_lr <= c.optimizer.lr, "schedule.min_lr", format_double(sc.min_lr),
@@ -447,7 +452,10 @@ void check_relations(const Source& s, const Config& c) {
                       enum_name(sc.name), " schedule decays from lr down to min_lr)"),
               {"optimizer.lr", "schedule.name"});
   }
+}
 
+// Early stopping needs evaluations, and data held out for them.
+void check_early_stopping(const Source& s, const Config& c) {
   if (c.trainer.early_stopping.enabled) {
     s.require(c.trainer.eval_every > 0, "trainer.early_stopping.enabled", "true",
               "false while trainer.eval_every=0: early stopping needs evaluations; set "
@@ -457,9 +465,10 @@ void check_relations(const Source& s, const Config& c) {
               "false while data.val_fraction=0: early stopping needs held-out data",
               {"data.val_fraction"});
   }
+}
 
-  using strategy::StrategyKind;
-  const DistributedConfig& d = c.distributed;
+// The strategy: how many processes it runs, and whether it keeps a separate copy.
+void check_strategy(const Source& s, const DistributedConfig& d) {
   s.require(d.strategy() != StrategyKind::Single || d.nproc_per_node() <= 1,
             "distributed.nproc_per_node", std::to_string(d.nproc_per_node()),
             "auto or 1 with distributed.strategy=single (it runs one process); use "
@@ -473,6 +482,11 @@ void check_relations(const Source& s, const Config& c) {
                     ": a separate gathered copy needs zero1 or fsdp (fsdp with sharding no_shard "
                     "is ddp through that path); or use precision bf16-mixed"),
             {"distributed.strategy"});
+}
+
+// Tensor parallelism: more than one process, on one host, over an even sequence shard.
+void check_tensor_parallel(const Source& s, const Config& c) {
+  const DistributedConfig& d = c.distributed;
   const int64_t tp = d.tensor_parallel();
   s.require(tp <= 1 || d.strategy() != StrategyKind::Single, "distributed.tensor_parallel",
             std::to_string(tp), "1 with distributed.strategy=single (one process); use ddp, zero1 or fsdp",
@@ -488,6 +502,11 @@ void check_relations(const Source& s, const Config& c) {
                     " under sequence parallelism (each rank holds block_size / tensor_parallel tokens); or "
                     "set distributed.sequence_parallel: false"),
             {"model.block_size", "distributed.sequence_parallel"});
+}
+
+// Pipeline parallelism: more than one process, and stages the model can be cut into.
+void check_pipeline_parallel(const Source& s, const Config& c) {
+  const DistributedConfig& d = c.distributed;
   const int64_t pp = d.pipeline_parallel();
   s.require(pp <= 1 || d.strategy() != StrategyKind::Single, "distributed.pipeline_parallel",
             std::to_string(pp), "1 with distributed.strategy=single (one process); use ddp, zero1 or fsdp",
@@ -504,8 +523,12 @@ void check_relations(const Source& s, const Config& c) {
   s.require(pp <= 1 || d.pipeline_split().empty() || d.pipeline_split().back() < c.model.n_layer,
             "distributed.pipeline_split", std::to_string(d.pipeline_split().empty() ? 0 : d.pipeline_split().back()),
             str_cat("layer indices below model.n_layer=", c.model.n_layer), {"model.n_layer"});
-  // A base each rank quantizes on its own block has no whole quantized form
-  // to write: it is left out of checkpoints and read again from its file.
+}
+
+// A base each rank quantizes on its own block has no whole quantized form
+// to write: it is left out of checkpoints and read again from its file.
+void check_quantized_base(const Source& s, const Config& c) {
+  const int64_t tp = c.distributed.tensor_parallel();
   const bool quantized = c.lora.r() > 0 && c.lora.quantize() != models::LoraQuantize::None;
   s.require(tp <= 1 || !quantized || (!c.model.init_from.empty() && !c.checkpoint.save_frozen_base),
             "distributed.tensor_parallel", std::to_string(tp),
@@ -513,12 +536,30 @@ void check_relations(const Source& s, const Config& c) {
                     " unless model.init_from names the base and checkpoint.save_frozen_base is false (each "
                     "rank quantizes its own block, so checkpoints reference the base file instead of holding it)"),
             {"lora.quantize", "model.init_from", "checkpoint.save_frozen_base"});
+}
+
+// module_type wrapping names at least one type.
+void check_wrapping(const Source& s, const DistributedConfig& d) {
   s.require(d.auto_wrap_policy() != strategy::AutoWrapPolicy::ModuleType ||
                 !d.wrap_module_types().empty(),
             "distributed.wrap_module_types", "[]",
             "at least one module type name with distributed.auto_wrap_policy=module_type, "
             "e.g. [BlockImpl]; for a single unit use auto_wrap_policy none",
             {"distributed.auto_wrap_policy"});
+}
+
+}  // namespace
+
+void check_relations(const Source& s, const Config& c) {
+  check_model(s, c.model);
+  check_batch(s, c.batch);
+  check_schedule(s, c);
+  check_early_stopping(s, c);
+  check_strategy(s, c.distributed);
+  check_tensor_parallel(s, c);
+  check_pipeline_parallel(s, c);
+  check_quantized_base(s, c);
+  check_wrapping(s, c.distributed);
 }
 
 }  // namespace shardtrain::config::detail

@@ -144,6 +144,80 @@ struct Live {
   std::vector<WeightNode> weight_nodes;  // zero_bubble, after the input half
 };
 
+// The step's last weight work synchronises gradients over the
+// data-parallel ranks; whatever another of this rank's stages
+// accumulated earlier is reduced with it (finish_gradient_sync).
+int last_weight_work_of(const std::vector<PipeAction>& actions) {
+  int last_weight_work = -1;
+  for (size_t i = 0; i < actions.size(); ++i) {
+    if (actions[i].op != PipeOp::Forward && actions[i].op != PipeOp::BackwardInput) last_weight_work = static_cast<int>(i);
+  }
+  return last_weight_work;
+}
+
+// zero_bubble's input half on a stage past the first: the gradient of the
+// stage's input alone, keeping what reaches the nodes that also feed weights.
+at::Tensor backward_input(Live& l, torch::autograd::Engine& engine) {
+  const Edge input = torch::autograd::impl::gradient_edge(l.input);
+  const Edge root = torch::autograd::impl::gradient_edge(l.output);
+  GraphSplit split(root.function, input.function.get());
+  l.weight_nodes = split.weight_nodes();
+  for (WeightNode& w : l.weight_nodes) w.node->add_pre_hook(std::make_unique<KeepGrads>(w.grads));
+  const variable_list root_grad{l.output_grad.defined() ? l.output_grad : at::ones_like(l.output)};
+  return engine.execute({root}, root_grad, /*keep_graph=*/true, /*create_graph=*/false,
+                        /*accumulate_grad=*/false, {input})[0];
+}
+
+// zero_bubble's weight half on a stage past the first: each node again, for
+// its weights alone, from what reached it; then each weight's sum through its
+// accumulator (and the hooks of the data-parallel strategy on it).
+void backward_weight(const Live& l, torch::autograd::Engine& engine) {
+  std::vector<std::pair<Edge, at::Tensor>> sums;
+  std::unordered_map<const Node*, size_t> index;
+  for (const WeightNode& w : l.weight_nodes) {
+    torch::autograd::edge_list roots;
+    variable_list grads;
+    for (size_t k = 0; k < w.grads->size(); ++k) {
+      if (!(*w.grads)[k].defined()) continue;
+      roots.emplace_back(w.node, static_cast<uint32_t>(k));
+      grads.push_back((*w.grads)[k]);
+    }
+    if (roots.empty()) continue;
+    const variable_list got = engine.execute(roots, grads, /*keep_graph=*/true, /*create_graph=*/false,
+                                             /*accumulate_grad=*/false, w.accumulators);
+    for (size_t k = 0; k < got.size(); ++k) {
+      if (!got[k].defined()) continue;
+      const Node* acc = w.accumulators[k].function.get();
+      const auto it = index.find(acc);
+      if (it == index.end()) {
+        index[acc] = sums.size();
+        sums.emplace_back(w.accumulators[k], got[k]);
+      } else {
+        sums[it->second].second = sums[it->second].second + got[k];
+      }
+    }
+  }
+  // One pass for all of them: the strategy sees one backward.
+  torch::autograd::edge_list accumulators;
+  variable_list grads;
+  for (const auto& [acc, g] : sums) {
+    accumulators.push_back(acc);
+    grads.push_back(g);
+  }
+  if (!accumulators.empty()) {
+    engine.execute(accumulators, grads, /*keep_graph=*/false, /*create_graph=*/false,
+                   /*accumulate_grad=*/true);
+  }
+}
+
+// An action's span on the step's clock (t0), from its start to now.
+void record_span(PipelineStepStats& stats, const PipeAction& a, Clock::time_point t0, Clock::time_point start) {
+  const double end_s = seconds_since(t0);
+  const double start_s = std::chrono::duration<double>(start - t0).count();
+  stats.busy_s += end_s - start_s;
+  stats.spans.push_back({a, start_s, end_s});
+}
+
 }  // namespace
 
 struct Pipeline::Impl {
@@ -182,6 +256,28 @@ struct Pipeline::Impl {
   }
   uint32_t tag(int s, int micro, int micro_batches) const {
     return static_cast<uint32_t>(s * micro_batches + micro);
+  }
+
+  // What action `a` waits for: a forward past the first stage, the previous
+  // stage's activation; a backward before the last, the next stage's gradient.
+  void receive(const PipeAction& a, Live& l, int micro_batches) const {
+    const int s = a.stage;
+    if (a.op == PipeOp::Forward && s > 0) {
+      const auto [link, peer] = from_previous(s);
+      l.input = recv_from_stage(*link, peer, tag(s, a.micro, micro_batches)).requires_grad_(true);
+    }
+    if ((a.op == PipeOp::Backward || a.op == PipeOp::BackwardInput) && !last(s)) {
+      const auto [link, peer] = from_next(s);
+      l.output_grad = recv_from_stage(*link, peer, tag(s, a.micro, micro_batches));
+    }
+  }
+
+  // What action `a` computed, on to the next stage (forward) or the previous one (backward).
+  StageSend send(const PipeAction& a, const at::Tensor& to_send, int micro_batches) const {
+    const int s = a.stage;
+    const bool forward = a.op == PipeOp::Forward;
+    const auto [link, peer] = forward ? to_next(s) : to_previous(s);
+    return send_to_stage(*link, to_send, peer, tag(forward ? s + 1 : s - 1, a.micro, micro_batches));
   }
 
   at::Tensor forward(int s, const at::Tensor& input, const data::Batch& b, const PipelineStepFns& fns) {
@@ -262,13 +358,7 @@ PipelineStepStats Pipeline::run_step(const std::vector<data::Batch>& window, con
   Impl& d = *impl_;
   const int m = static_cast<int>(window.size());
   const std::vector<PipeAction>& actions = d.schedule_for(m);
-  // The step's last weight work synchronises gradients over the
-  // data-parallel ranks; whatever another of this rank's stages
-  // accumulated earlier is reduced with it (finish_gradient_sync).
-  int last_weight_work = -1;
-  for (size_t i = 0; i < actions.size(); ++i) {
-    if (actions[i].op != PipeOp::Forward && actions[i].op != PipeOp::BackwardInput) last_weight_work = static_cast<int>(i);
-  }
+  const int last_weight_work = last_weight_work_of(actions);
 
   PipelineStepStats stats;
   const auto t0 = Clock::now();
@@ -281,14 +371,7 @@ PipelineStepStats Pipeline::run_step(const std::vector<data::Batch>& window, con
     const int s = a.stage;
     Live& l = live[{s, a.micro}];
     // Receive first (waiting is not work), then compute.
-    if (a.op == PipeOp::Forward && s > 0) {
-      const auto [link, peer] = d.from_previous(s);
-      l.input = recv_from_stage(*link, peer, d.tag(s, a.micro, m)).requires_grad_(true);
-    }
-    if ((a.op == PipeOp::Backward || a.op == PipeOp::BackwardInput) && !d.last(s)) {
-      const auto [link, peer] = d.from_next(s);
-      l.output_grad = recv_from_stage(*link, peer, d.tag(s, a.micro, m));
-    }
+    d.receive(a, l, m);
     const auto start = Clock::now();
     at::Tensor to_send;  // to the next stage (forward) or the previous one (backward)
     switch (a.op) {
@@ -313,14 +396,7 @@ PipelineStepStats Pipeline::run_step(const std::vector<data::Batch>& window, con
       }
       case PipeOp::BackwardInput: {
         if (s == 0) break;  // nothing to send back: the whole backward is weight work
-        const Edge input = torch::autograd::impl::gradient_edge(l.input);
-        const Edge root = torch::autograd::impl::gradient_edge(l.output);
-        GraphSplit split(root.function, input.function.get());
-        l.weight_nodes = split.weight_nodes();
-        for (WeightNode& w : l.weight_nodes) w.node->add_pre_hook(std::make_unique<KeepGrads>(w.grads));
-        const variable_list root_grad{l.output_grad.defined() ? l.output_grad : at::ones_like(l.output)};
-        to_send = engine.execute({root}, root_grad, /*keep_graph=*/true, /*create_graph=*/false,
-                                 /*accumulate_grad=*/false, {input})[0];
+        to_send = backward_input(l, engine);
         break;
       }
       case PipeOp::BackwardWeight: {
@@ -328,59 +404,14 @@ PipelineStepStats Pipeline::run_step(const std::vector<data::Batch>& window, con
         if (s == 0) {
           torch::autograd::backward({l.output}, {l.output_grad});
         } else {
-          // Each node again, for its weights alone, from what reached it;
-          // then each weight's sum through its accumulator (and the hooks
-          // of the data-parallel strategy on it).
-          std::vector<std::pair<Edge, at::Tensor>> sums;
-          std::unordered_map<const Node*, size_t> index;
-          for (const WeightNode& w : l.weight_nodes) {
-            torch::autograd::edge_list roots;
-            variable_list grads;
-            for (size_t k = 0; k < w.grads->size(); ++k) {
-              if (!(*w.grads)[k].defined()) continue;
-              roots.emplace_back(w.node, static_cast<uint32_t>(k));
-              grads.push_back((*w.grads)[k]);
-            }
-            if (roots.empty()) continue;
-            const variable_list got = engine.execute(roots, grads, /*keep_graph=*/true, /*create_graph=*/false,
-                                                     /*accumulate_grad=*/false, w.accumulators);
-            for (size_t k = 0; k < got.size(); ++k) {
-              if (!got[k].defined()) continue;
-              const Node* acc = w.accumulators[k].function.get();
-              const auto it = index.find(acc);
-              if (it == index.end()) {
-                index[acc] = sums.size();
-                sums.emplace_back(w.accumulators[k], got[k]);
-              } else {
-                sums[it->second].second = sums[it->second].second + got[k];
-              }
-            }
-          }
-          // One pass for all of them: the strategy sees one backward.
-          torch::autograd::edge_list accumulators;
-          variable_list grads;
-          for (const auto& [acc, g] : sums) {
-            accumulators.push_back(acc);
-            grads.push_back(g);
-          }
-          if (!accumulators.empty()) {
-            engine.execute(accumulators, grads, /*keep_graph=*/false, /*create_graph=*/false,
-                           /*accumulate_grad=*/true);
-          }
+          backward_weight(l, engine);
         }
         live.erase({s, a.micro});
         break;
       }
     }
-    const double end_s = seconds_since(t0);
-    const double start_s = std::chrono::duration<double>(start - t0).count();
-    stats.busy_s += end_s - start_s;
-    stats.spans.push_back({a, start_s, end_s});
-    if (to_send.defined()) {
-      const bool forward = a.op == PipeOp::Forward;
-      const auto [link, peer] = forward ? d.to_next(s) : d.to_previous(s);
-      sends.push_back(send_to_stage(*link, to_send, peer, d.tag(forward ? s + 1 : s - 1, a.micro, m)));
-    }
+    record_span(stats, a, t0, start);
+    if (to_send.defined()) sends.push_back(d.send(a, to_send, m));
   }
   for (StageSend& send : sends) send.wait();
   stats.span_s = seconds_since(t0);

@@ -78,9 +78,8 @@ void read_config(Run& run) {
   }
 }
 
-Run load_run(const std::string& dir) {
-  Run run;
-  run.dir = dir;
+// metrics.jsonl of a run directory, refused with a hint when `dir` is not one.
+std::string read_metrics(const std::string& dir) {
   std::error_code ec;
   ST_CHECK(fs::is_directory(dir, ec), ConfigError, "'", dir,
            "' is not a directory; give a run directory (the run.dir of a training run)");
@@ -91,66 +90,82 @@ Run load_run(const std::string& dir) {
   std::string text, why;
   ST_CHECK(::shardtrain::detail::read_regular_file(metrics, kMaxMetricsBytes, &text, &why), IoError,
            "cannot read ", metrics, ": ", why, "; check the file and its permissions");
+  return text;
+}
+
+// The legend's label: the directory's own name, also for "runs/a/" or ".".
+std::string run_name(const std::string& dir) {
+  std::error_code ec;
   fs::path name = fs::path(dir).lexically_normal();
   if (name.filename().empty()) name = name.parent_path();
-  run.name = name.filename().string();
-  if (run.name.empty() || run.name == ".") run.name = fs::absolute(dir, ec).lexically_normal().filename().string();
+  std::string out = name.filename().string();
+  if (out.empty() || out == ".") out = fs::absolute(dir, ec).lexically_normal().filename().string();
+  return out;
+}
 
-  double skipped_total = 0.0;
-  std::istringstream lines(text);
-  std::string line;
-  while (std::getline(lines, line)) {
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    const nlohmann::json row = ::shardtrain::detail::parse_json_or_discarded(line);
-    if (!row.is_object()) {
-      ++run.unreadable;
-      continue;
+// The per-rank series of a step line (peak RSS, compute seconds, shares).
+void add_rank_series(Run& run, const nlohmann::json& row, double step) {
+  for (const char* key : {"peak_rss_mb_ranks", "compute_s_ranks", "shares"}) {
+    const auto ranks = row.find(key);
+    if (ranks == row.end() || !ranks->is_array()) continue;
+    auto& series = run.ranks[key];
+    if (series.size() < ranks->size()) series.resize(ranks->size());
+    for (size_t r = 0; r < ranks->size(); ++r) {
+      const auto& v = (*ranks)[r];
+      if (v.is_number() && std::isfinite(v.get<double>())) series[r].push_back({step, v.get<double>()});
     }
-    const double step = number(row, "step");
-    if (!std::isfinite(step)) {
-      ++run.unreadable;
-      continue;
-    }
-    const auto add = [&](const std::string& key, double value) {
-      if (std::isfinite(value)) run.series[key].push_back({step, value});
-    };
-    if (row.contains("eval_loss")) {
-      add("eval_loss", number(row, "eval_loss"));
-      continue;
-    }
-    if (!row.contains("loss")) continue;
-    ++run.steps;
-    for (const char* key : {"loss", "lr", "grad_norm", "loss_scale", "tokens_per_s"}) {
-      add(key, number(row, key));
-    }
-    if (row.contains("skipped")) {
-      skipped_total += std::max(0.0, number(row, "skipped"));
-      add("skipped", skipped_total);
-    }
-    add("comm_hidden", 100.0 * detail::comm_hidden(number(row, "comm_busy_s"),
-                                                   number(row, "comm_exposed_s")));
-    for (const char* key : {"peak_rss_mb_ranks", "compute_s_ranks", "shares"}) {
-      const auto ranks = row.find(key);
-      if (ranks == row.end() || !ranks->is_array()) continue;
-      auto& series = run.ranks[key];
-      if (series.size() < ranks->size()) series.resize(ranks->size());
-      for (size_t r = 0; r < ranks->size(); ++r) {
-        const auto& v = (*ranks)[r];
-        if (v.is_number() && std::isfinite(v.get<double>())) series[r].push_back({step, v.get<double>()});
-      }
-    }
-    if (!row.contains("peak_rss_mb_ranks")) {
-      add("peak_rss_mb", number(row, "peak_rss_mb"));  // older runs: the largest rank's only
-    }
-    if (row.contains("strategy") && row["strategy"].is_string()) run.strategy = row["strategy"];
-    if (row.contains("precision") && row["precision"].is_string()) run.precision = row["precision"];
-    const double ws = number(row, "world_size");
-    if (std::isfinite(ws)) run.world_size = static_cast<int64_t>(ws);
   }
-  read_config(run);
-  const std::string timeline = (fs::path(dir) / "pipeline_timeline.json").string();
+}
+
+// One line of metrics.jsonl: an evaluation, a training step, or neither
+// (counted as unreadable when it is not a JSON object with a step).
+// skipped_total: the skipped steps summed over the lines so far.
+void add_metrics_line(Run& run, const std::string& line, double& skipped_total) {
+  const nlohmann::json row = ::shardtrain::detail::parse_json_or_discarded(line);
+  if (!row.is_object()) {
+    ++run.unreadable;
+    return;
+  }
+  const double step = number(row, "step");
+  if (!std::isfinite(step)) {
+    ++run.unreadable;
+    return;
+  }
+  const auto add = [&](const std::string& key, double value) {
+    if (std::isfinite(value)) run.series[key].push_back({step, value});
+  };
+  if (row.contains("eval_loss")) {
+    add("eval_loss", number(row, "eval_loss"));
+    return;
+  }
+  if (!row.contains("loss")) return;
+  ++run.steps;
+  for (const char* key : {"loss", "lr", "grad_norm", "loss_scale", "tokens_per_s"}) {
+    add(key, number(row, key));
+  }
+  if (row.contains("skipped")) {
+    skipped_total += std::max(0.0, number(row, "skipped"));
+    add("skipped", skipped_total);
+  }
+  add("comm_hidden", 100.0 * detail::comm_hidden(number(row, "comm_busy_s"),
+                                                 number(row, "comm_exposed_s")));
+  add_rank_series(run, row, step);
+  if (!row.contains("peak_rss_mb_ranks")) {
+    add("peak_rss_mb", number(row, "peak_rss_mb"));  // older runs: the largest rank's only
+  }
+  if (row.contains("strategy") && row["strategy"].is_string()) run.strategy = row["strategy"];
+  if (row.contains("precision") && row["precision"].is_string()) run.precision = row["precision"];
+  const double ws = number(row, "world_size");
+  if (std::isfinite(ws)) run.world_size = static_cast<int64_t>(ws);
+}
+
+// pipeline_timeline.json when the run wrote one; left null when it is not
+// an object with a list of ranks.
+void read_timeline(Run& run) {
+  std::error_code ec;
+  const std::string timeline = (fs::path(run.dir) / "pipeline_timeline.json").string();
   if (fs::exists(timeline, ec)) {
-    std::string json;
+    std::string json, why;
     if (::shardtrain::detail::read_regular_file(timeline, kMaxMetricsBytes, &json, &why)) {
       run.timeline = ::shardtrain::detail::parse_json_or_discarded(json);
       if (!run.timeline.is_object() || !run.timeline.contains("ranks") || !run.timeline["ranks"].is_array()) {
@@ -158,6 +173,23 @@ Run load_run(const std::string& dir) {
       }
     }
   }
+}
+
+Run load_run(const std::string& dir) {
+  Run run;
+  run.dir = dir;
+  const std::string text = read_metrics(dir);
+  run.name = run_name(dir);
+
+  double skipped_total = 0.0;
+  std::istringstream lines(text);
+  std::string line;
+  while (std::getline(lines, line)) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    add_metrics_line(run, line, skipped_total);
+  }
+  read_config(run);
+  read_timeline(run);
   return run;
 }
 
