@@ -362,11 +362,14 @@ void HfTokenizer::encode_stretch(std::string_view text, bool at_start, size_t& b
 
 void HfTokenizer::encode_words(std::string text, bool at_start, std::vector<int32_t>& out) const {
   if (text.empty()) return;
-  thread_local std::vector<PreToken> pieces;
-  pieces.clear();
-  pieces.push_back(PreToken{std::move(text), at_start});
-  if (pre_tokenizer_) pre_tokenizer_->pre_tokenize(pieces);
-  for (const PreToken& p : pieces) model_->encode_word(p.text, out);
+  if (!pre_tokenizer_) {
+    model_->encode_word(text, out);
+    return;
+  }
+  // Each word is encoded as soon as it is cut: a long document is never held
+  // as millions of pieces.
+  pre_tokenizer_->pre_tokenize(PreToken{std::move(text), at_start},
+                               [this, &out](PreToken&& p) { model_->encode_word(p.text, out); });
 }
 
 std::string HfTokenizer::decode(const std::vector<int32_t>& ids, bool skip_special_tokens) const {

@@ -16,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -50,11 +51,17 @@ struct PreToken {
   bool at_start = false;
 };
 
+/// Where a pre-tokenizer hands its pieces, one at a time, in order.
+using PreTokenSink = std::function<void(PreToken&&)>;
+
 class PreTokenizer {
  public:
   virtual ~PreTokenizer() = default;
-  /// Replaces `pieces` by their splits (in order).
-  virtual void pre_tokenize(std::vector<PreToken>& pieces) const = 0;
+  /// Cuts `piece` and hands each of its pieces to `emit` as soon as it is
+  /// known, in order. Nothing is collected: a document of 50 MB on one line
+  /// costs its own bytes and one piece at a time, not a vector of millions
+  /// of strings.
+  virtual void pre_tokenize(PreToken piece, const PreTokenSink& emit) const = 0;
 };
 
 /// A token on its way back to text; `added`: an added token's content

@@ -44,47 +44,65 @@ bool joins_previous(Behavior behavior, bool prev_match, bool cur_match) {
 
 // Cuts `piece` at the matches of `regex` as Hugging Face's
 // NormalizedString::split does with `behavior`; `invert` swaps the roles of
-// matches and the text between them.
+// matches and the text between them. The text is covered by runs (the
+// matches and the text between them, empty ones left out); a run starts a
+// piece or extends the last one, and a piece is handed on once the next
+// one starts: nothing is collected, however long `piece` is.
 void split_piece(const PreToken& piece, const Regex& regex, Behavior behavior, bool invert,
-                 std::vector<PreToken>& out) {
+                 const PreTokenSink& emit) {
   const std::string& s = piece.text;
-  // Runs covering s: the matches and the text between them (empty ones left out).
-  struct Run {
-    size_t begin, end;
-    bool match;
+  bool open = false;  // a piece [begin, end) is being built
+  size_t begin = 0, end = 0;
+  bool has_prev = false, prev_match = false;  // the run before (Removed ones too)
+  const auto flush = [&] {
+    if (open) emit(PreToken{s.substr(begin, end - begin), piece.at_start && begin == 0});
+    open = false;
   };
-  thread_local std::vector<Run> runs;
-  runs.clear();
+  const auto run = [&](size_t b, size_t e, bool match) {
+    const bool joins = has_prev && open && joins_previous(behavior, prev_match, match);
+    has_prev = true;
+    prev_match = match;
+    if (behavior == Behavior::Removed && match) return;
+    if (joins) {
+      end = e;
+      return;
+    }
+    flush();
+    open = true;
+    begin = b;
+    end = e;
+  };
   size_t at = 0;
   regex.for_each_match(s, [&](size_t b, size_t e) {
-    if (b > at) runs.push_back({at, b, invert});
-    if (e > b) runs.push_back({b, e, !invert});
+    if (b > at) run(at, b, invert);
+    if (e > b) run(b, e, !invert);
     at = e;
   });
-  if (at < s.size()) runs.push_back({at, s.size(), invert});
-
-  // Pieces as [begin, end): a run starts one or extends the last.
-  thread_local std::vector<std::pair<size_t, size_t>> spans;
-  spans.clear();
-  for (size_t i = 0; i < runs.size(); ++i) {
-    if (behavior == Behavior::Removed && runs[i].match) continue;
-    if (i > 0 && !spans.empty() && joins_previous(behavior, runs[i - 1].match, runs[i].match)) {
-      spans.back().second = runs[i].end;
-    } else {
-      spans.emplace_back(runs[i].begin, runs[i].end);
-    }
-  }
-  for (const auto& [b, e] : spans) out.push_back(PreToken{s.substr(b, e - b), piece.at_start && b == 0});
+  if (at < s.size()) run(at, s.size(), invert);
+  flush();
 }
 
 class SequencePreTokenizer : public PreTokenizer {
  public:
   explicit SequencePreTokenizer(std::vector<std::unique_ptr<PreTokenizer>> parts) : parts_(std::move(parts)) {}
-  void pre_tokenize(std::vector<PreToken>& pieces) const override {
-    for (const auto& p : parts_) p->pre_tokenize(pieces);
-  }
+  void pre_tokenize(PreToken piece, const PreTokenSink& emit) const override { stage(0, std::move(piece), emit); }
 
  private:
+  // Part `i` cuts `piece`; each of its pieces goes through the parts after it.
+  void stage(size_t i, PreToken piece, const PreTokenSink& emit) const {
+    if (i == parts_.size()) {
+      emit(std::move(piece));
+      return;
+    }
+    struct Next {
+      const SequencePreTokenizer* self;
+      size_t i;
+      const PreTokenSink* emit;
+    } next{this, i + 1, &emit};
+    // One pointer captured: the sink stays within std::function's own storage.
+    parts_[i]->pre_tokenize(std::move(piece), [n = &next](PreToken&& p) { n->self->stage(n->i, std::move(p), *n->emit); });
+  }
+
   std::vector<std::unique_ptr<PreTokenizer>> parts_;
 };
 
@@ -96,11 +114,8 @@ class SplitPreTokenizer : public PreTokenizer {
                what),
         behavior_(behavior),
         invert_(invert) {}
-  void pre_tokenize(std::vector<PreToken>& pieces) const override {
-    std::vector<PreToken> out;
-    out.reserve(pieces.size() * 4);
-    for (const PreToken& p : pieces) split_piece(p, regex_, behavior_, invert_, out);
-    pieces = std::move(out);
+  void pre_tokenize(PreToken piece, const PreTokenSink& emit) const override {
+    split_piece(piece, regex_, behavior_, invert_, emit);
   }
 
  private:
@@ -116,25 +131,20 @@ class ByteLevelPreTokenizer : public PreTokenizer {
   ByteLevelPreTokenizer(bool add_prefix_space, bool use_regex, const std::string& what)
       : add_prefix_space_(add_prefix_space),
         regex_(use_regex ? std::make_unique<Regex>(kGpt2Pattern, what) : nullptr) {}
-  void pre_tokenize(std::vector<PreToken>& pieces) const override {
-    if (add_prefix_space_) {
-      for (PreToken& p : pieces) {
-        // An empty piece stays empty (Hugging Face's prepend does nothing there).
-        if (!p.text.empty() && p.text[0] != ' ') p.text.insert(0, 1, ' ');
-      }
-    }
+  void pre_tokenize(PreToken piece, const PreTokenSink& emit) const override {
+    // An empty piece stays empty (Hugging Face's prepend does nothing there).
+    if (add_prefix_space_ && !piece.text.empty() && piece.text[0] != ' ') piece.text.insert(0, 1, ' ');
+    const PreTokenSink map = [&emit](PreToken&& p) {
+      const ByteMap& bytes = byte_map();
+      std::string mapped;
+      mapped.reserve(p.text.size() * 2);
+      for (const char c : p.text) mapped += bytes.byte_to_utf8[static_cast<unsigned char>(c)];
+      emit(PreToken{std::move(mapped), p.at_start});
+    };
     if (regex_) {
-      std::vector<PreToken> out;
-      out.reserve(pieces.size() * 4);
-      for (const PreToken& p : pieces) split_piece(p, *regex_, Behavior::Isolated, false, out);
-      pieces = std::move(out);
-    }
-    const ByteMap& map = byte_map();
-    std::string mapped;
-    for (PreToken& p : pieces) {
-      mapped.clear();
-      for (const char c : p.text) mapped += map.byte_to_utf8[static_cast<unsigned char>(c)];
-      p.text.swap(mapped);
+      split_piece(piece, *regex_, Behavior::Isolated, false, map);
+    } else {
+      map(std::move(piece));
     }
   }
 
@@ -150,29 +160,25 @@ class MetaspacePreTokenizer : public PreTokenizer {
   enum class Prepend { Always, First, Never };
   MetaspacePreTokenizer(std::string replacement, Prepend prepend, bool split)
       : replacement_(std::move(replacement)), prepend_(prepend), split_(split) {}
-  void pre_tokenize(std::vector<PreToken>& pieces) const override {
-    std::vector<PreToken> out;
-    for (PreToken& p : pieces) {
-      if (p.text.empty()) continue;
-      std::string s = replace_all(p.text, " ", replacement_);
-      const bool starts = s.compare(0, replacement_.size(), replacement_) == 0;
-      if (!starts && (prepend_ == Prepend::Always || (prepend_ == Prepend::First && p.at_start))) {
-        s.insert(0, replacement_);
-      }
-      if (!split_) {
-        out.push_back(PreToken{std::move(s), p.at_start});
-        continue;
-      }
-      // MergedWithNext on the replacement.
-      size_t begin = 0;
-      for (size_t hit = s.find(replacement_, 1); hit != std::string::npos;
-           hit = s.find(replacement_, hit + replacement_.size())) {
-        if (hit > begin) out.push_back(PreToken{s.substr(begin, hit - begin), p.at_start && begin == 0});
-        begin = hit;
-      }
-      if (begin < s.size()) out.push_back(PreToken{s.substr(begin), p.at_start && begin == 0});
+  void pre_tokenize(PreToken piece, const PreTokenSink& emit) const override {
+    if (piece.text.empty()) return;
+    std::string s = replace_all(piece.text, " ", replacement_);
+    const bool starts = s.compare(0, replacement_.size(), replacement_) == 0;
+    if (!starts && (prepend_ == Prepend::Always || (prepend_ == Prepend::First && piece.at_start))) {
+      s.insert(0, replacement_);
     }
-    pieces = std::move(out);
+    if (!split_) {
+      emit(PreToken{std::move(s), piece.at_start});
+      return;
+    }
+    // MergedWithNext on the replacement.
+    size_t begin = 0;
+    for (size_t hit = s.find(replacement_, 1); hit != std::string::npos;
+         hit = s.find(replacement_, hit + replacement_.size())) {
+      if (hit > begin) emit(PreToken{s.substr(begin, hit - begin), piece.at_start && begin == 0});
+      begin = hit;
+    }
+    if (begin < s.size()) emit(PreToken{s.substr(begin), piece.at_start && begin == 0});
   }
 
  private:

@@ -91,29 +91,46 @@ void write_token_file(const std::string& path, const std::vector<uint16_t>& toke
       path, {{header.data(), kHeaderBytes}, {tokens.data(), tokens.size() * sizeof(uint16_t)}});
 }
 
-int write_token_file_v2(const std::string& path, const std::vector<int32_t>& tokens) {
+int write_token_runs(const std::string& path, std::vector<std::vector<int32_t>>& runs) {
+  size_t count = 0;
   int32_t largest = 0;
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    ST_CHECK(tokens[i] >= 0, InvalidArgument, "write_token_file_v2: token ", i, " is ", tokens[i],
-             "; token ids are never negative");
-    largest = std::max(largest, tokens[i]);
+  for (const auto& run : runs) {
+    for (size_t i = 0; i < run.size(); ++i) {
+      ST_CHECK(run[i] >= 0, InvalidArgument, "write_token_file_v2: token ", count + i, " is ", run[i],
+               "; token ids are never negative");
+      largest = std::max(largest, run[i]);
+    }
+    count += run.size();
   }
-  if (largest < 65536) {
-    // Version 1: every reader of llm.c's layout takes it.
-    write_token_file(path, std::vector<uint16_t>(tokens.begin(), tokens.end()));
-    return 2;
-  }
-  ST_CHECK(tokens.size() <= static_cast<size_t>(INT32_MAX), ConfigError, "cannot write ",
-           tokens.size(), " tokens to '", path,
+  ST_CHECK(count <= static_cast<size_t>(INT32_MAX), ConfigError, "cannot write ", count, " tokens to '", path,
            "': the token-file header holds an int32 count; hint: split the data into shards");
+  // Version 1 (every reader of llm.c's layout takes it) when the ids fit.
+  const bool narrow = largest < 65536;
   std::vector<int32_t> header(kHeaderWords, 0);
   header[0] = kTokenFileMagic;
-  header[1] = kTokenFileVersionWide;
-  header[2] = static_cast<int32_t>(tokens.size());
-  header[3] = 4;  // token width in bytes
-  checkpoint::detail::write_file_atomically(
-      path, {{header.data(), kHeaderBytes}, {tokens.data(), tokens.size() * sizeof(int32_t)}});
-  return 4;
+  header[1] = narrow ? kTokenFileVersion : kTokenFileVersionWide;
+  header[2] = static_cast<int32_t>(count);
+  if (!narrow) header[3] = 4;  // token width in bytes
+  std::vector<std::pair<const void*, size_t>> pieces{{header.data(), kHeaderBytes}};
+  for (auto& run : runs) {
+    if (narrow) {
+      // In place, front to back: id i's two bytes land at 2i, never past
+      // the four bytes of an id not yet read.
+      auto* bytes = reinterpret_cast<unsigned char*>(run.data());
+      for (size_t i = 0; i < run.size(); ++i) {
+        const auto id = static_cast<uint16_t>(run[i]);
+        std::memcpy(bytes + 2 * i, &id, sizeof id);
+      }
+    }
+    pieces.emplace_back(run.data(), run.size() * (narrow ? sizeof(uint16_t) : sizeof(int32_t)));
+  }
+  checkpoint::detail::write_file_atomically(path, pieces);
+  return narrow ? 2 : 4;
+}
+
+int write_token_file_v2(const std::string& path, const std::vector<int32_t>& tokens) {
+  std::vector<std::vector<int32_t>> runs{tokens};
+  return write_token_runs(path, runs);
 }
 
 // ---- token sources ---------------------------------------------------------------------------

@@ -24,3 +24,10 @@ target_compile_definitions(test_tokenizer PRIVATE MAKE_SPM_MODEL_PATH="$<TARGET_
 # line each (a negative id was a SIGSEGV).
 add_test(NAME tokenizer.cli.hostile COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/hostile_cli.sh ${SHARDTRAIN_CLI})
 set_tests_properties(tokenizer.cli.hostile PROPERTIES TIMEOUT 120)
+
+# `shardtrain tokenize` on one 24 MiB line: the right tokens within about 3
+# bytes of memory per input byte (pre-tokenized pieces are encoded as they
+# are cut, not collected first).
+add_test(NAME tokenizer.cli.long_document
+         COMMAND python3 ${CMAKE_CURRENT_LIST_DIR}/long_document.py ${SHARDTRAIN_CLI})
+set_tests_properties(tokenizer.cli.long_document PROPERTIES TIMEOUT 300)

@@ -168,10 +168,8 @@ TEST(TokenizerBpe, ContinuingSubwordPrefixAndEndOfWordSuffix) {
 
 std::vector<std::string> pre_tokenize(const json& j, const std::string& text, bool at_start = true) {
   const auto p = make_pre_tokenizer(j, "test");
-  std::vector<PreToken> pieces{PreToken{text, at_start}};
-  p->pre_tokenize(pieces);
   std::vector<std::string> out;
-  for (const auto& piece : pieces) out.push_back(piece.text);
+  p->pre_tokenize(PreToken{text, at_start}, [&out](PreToken&& piece) { out.push_back(piece.text); });
   return out;
 }
 

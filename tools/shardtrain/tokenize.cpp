@@ -141,7 +141,7 @@ int tokenize_main(int argc, char** argv) {
     return 0;
   }
   const auto tokenizer = data::load_tokenizer(o.tokenizer);
-  const std::vector<std::string> docs = read_documents(o.inputs);
+  std::vector<std::string> docs = read_documents(o.inputs);
   int64_t total_bytes = 0;
   for (const auto& d : docs) total_bytes += static_cast<int64_t>(d.size());
 
@@ -161,6 +161,7 @@ int tokenize_main(int argc, char** argv) {
         for (size_t i; (i = next++) < docs.size();) {
           ids[i] = tokenizer->encode(docs[i], o.add_special);
           done_bytes += static_cast<int64_t>(docs[i].size());
+          std::string().swap(docs[i]);  // its text is no longer needed
           ++done;
         }
       } catch (...) {
@@ -186,23 +187,20 @@ int tokenize_main(int argc, char** argv) {
   const double encode_s = seconds_since(t0);
   if (!o.quiet) std::fprintf(stderr, "\n");
 
-  // ---- concatenate in input order, EOS between documents; write.
+  // ---- write in input order, EOS between documents (at the end of each
+  // but the last), from the documents' own vectors.
   const std::optional<int32_t> eos = o.eos ? tokenizer->eos_id() : std::nullopt;
   size_t count = 0;
-  for (const auto& v : ids) count += v.size() + 1;
-  std::vector<int32_t> all;
-  all.reserve(count);
   for (size_t i = 0; i < ids.size(); ++i) {
-    if (i > 0 && eos) all.push_back(*eos);
-    all.insert(all.end(), ids[i].begin(), ids[i].end());
-    std::vector<int32_t>().swap(ids[i]);
+    if (eos && i + 1 < ids.size()) ids[i].push_back(*eos);
+    count += ids[i].size();
   }
-  ST_CHECK(!all.empty(), ConfigError, "the inputs hold no tokens (", docs.size(),
+  ST_CHECK(count > 0, ConfigError, "the inputs hold no tokens (", docs.size(),
            " documents, all empty); hint: check the INPUT files");
-  const int width = data::write_token_file_v2(o.out, all);
+  const int width = data::write_token_runs(o.out, ids);
   std::printf("tokenize: %zu documents, %zu tokens, %.2f MB of text in %.2f s: %.2f MB/s on %d threads "
               "(%s tokenizer, vocabulary %lld, EOS %s) -> %s (%d-byte tokens)\n",
-              docs.size(), all.size(), total_bytes / 1e6, encode_s, encode_s > 0 ? total_bytes / 1e6 / encode_s : 0.0,
+              docs.size(), count, total_bytes / 1e6, encode_s, encode_s > 0 ? total_bytes / 1e6 / encode_s : 0.0,
               threads, tokenizer->kind().c_str(), static_cast<long long>(tokenizer->vocab_size()),
               eos ? std::to_string(*eos).c_str() : "none", o.out.c_str(), width);
   return 0;

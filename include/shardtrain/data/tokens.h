@@ -38,6 +38,11 @@ void write_token_file(const std::string& path, const std::vector<uint16_t>& toke
 /// version 2 with 4-byte tokens. Negative ids are an InvalidArgument.
 /// Returns the token width written (2 or 4).
 int write_token_file_v2(const std::string& path, const std::vector<int32_t>& tokens);
+/// The same for tokens given as consecutive runs (`shardtrain tokenize`'s
+/// documents), written from the runs' own memory: a version-1 file narrows
+/// each run to uint16 in place, so the runs hold garbage afterwards. The
+/// tokens cost their 4 bytes each and nothing more.
+int write_token_runs(const std::string& path, std::vector<std::vector<int32_t>>& runs);
 
 /// A read-only sequence of token ids. Token files are read with pread as
 /// tokens are asked for (a file truncated meanwhile is an IoError naming it,
