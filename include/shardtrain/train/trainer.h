@@ -39,6 +39,9 @@ struct PipelineStepStats;
 namespace shardtrain::checkpoint {
 struct LoadResult;
 }
+namespace shardtrain::dist {
+struct ClusterEnv;
+}
 
 namespace shardtrain::train {
 namespace detail {
@@ -107,7 +110,60 @@ class Trainer {
   std::string precision_description() const;
 
  private:
+  // ---- set-up, in the constructor's order (train/trainer.cpp)
+  // The mesh, its data-parallel group, the batch plan and this rank's threads.
+  void set_up_mesh(const dist::ClusterEnv& env);
+  // Each data-parallel rank's share of a step's batch, and where it runs.
+  void set_up_load_balance(const dist::ClusterEnv& env);
+  // precision `auto` decided (measured on a bf16 CPU) and the plugin built.
+  void set_up_precision();
+  // distributed.pipeline_parallel > 1: this rank's stages.
+  void set_up_pipeline();
+  // LoRA, the tensor-parallel split, the strategy over what is left, and the
+  // optimizer over what the strategy made of the parameters.
+  void set_up_strategy(const dist::ClusterEnv& env);
+  // The schedule checked, and a warning naming the bubble when the window
+  // holds fewer micro-batches than there are pipeline ranks.
+  void check_pipeline_schedule();
+  void set_up_callbacks();
+
+  // ---- one optimizer step (train/step.cpp): run_step calls the phases below in order.
+  // The step's micro-batches and what normalises their loss.
+  struct Window {
+    std::vector<data::Batch> batches;
+    int64_t total_targets = 0;     // over every data-parallel rank
+    int64_t local_samples = 0;     // this rank's rows
+    double normaliser = 0.0;       // data-parallel ranks over total_targets
+    double tp_busy_before = 0.0;   // the tensor-parallel group's busy seconds at the start
+  };
+  // What forward and backward over a window give.
+  struct WindowWork {
+    double loss_sum = 0.0;   // this rank's summed loss (before normalisation)
+    double compute_s = 0.0;  // this rank's compute, less its waits in collectives
+    double busy_s = 0.0;     // pipeline: this rank's stages' work
+    double span_s = 0.0;     // pipeline: the schedule's span on this rank
+    bool timed = false;      // compute_s measured by the runner (a pipeline's stages)
+  };
   void run_step();
+  // 1. data: the window's micro-batches and the global target count.
+  Window data_window(int64_t step);
+  // 2. compute: forward and backward over the window, then the gradients' sync.
+  WindowWork forward_backward(const Window& window);
+  // How a window runs, chosen once in the constructor: micro-steps one after
+  // another, or the pipeline's schedule.
+  WindowWork micro_steps(const Window& window);
+  WindowWork pipeline_window(const Window& window);
+  WindowWork (Trainer::*run_window_)(const Window&) = &Trainer::micro_steps;
+  // 3. step: unscale and check, clip, the learning rate, the optimizer.
+  //    Returns whether the step was skipped (fp16 overflow).
+  bool optimizer_step(int64_t step);
+  // 4. metrics: one all-gather of every rank's figures, then the record.
+  void record_metrics(const Window& window, const WindowWork& work, bool skipped, double step_time);
+  void parallel_metrics(const at::Tensor& per_rank, const Window& window, Metrics& m);
+  void run_metrics(bool skipped, Metrics& m);
+  // 5. control: what comes after the step (log, evaluate, save, stop), agreed by every rank.
+  void plan_next_step();
+
   // What the pipeline's stages need from this trainer (backward_root is the step's).
   parallel::PipelineStepFns pipeline_fns();
   // Collective: the step's pipeline work per rank, to <run.dir>/pipeline_timeline.json (rank 0).
@@ -123,6 +179,21 @@ class Trainer {
   void for_each_callback(const std::function<void(Callback&)>& f);
   // OR-s the control flags over ranks so every rank acts alike.
   void agree_on_control();
+
+  // ---- fit (train/trainer.cpp)
+  // Where fit stands: the steps last saved and evaluated (-1: none).
+  struct FitMarks {
+    int64_t saved_at = -1;
+    int64_t evaluated_at = -1;
+  };
+  // checkpoint.resume as fit applies it ("" for a fresh start).
+  std::string resume_spec() const;
+  // Steps until trainer.max_steps or a stop, with the cadences' evaluations and saves.
+  void train_steps(FitMarks& marks);
+  // After the loop: the final evaluation, checkpoint and export.
+  void finish_fit(FitMarks& marks);
+  void evaluate_now(FitMarks& marks);
+  void checkpoint_now(FitMarks& marks);
   // After an evaluation: tracks the best checkpoint.monitor value.
   void note_evaluation();
   // Collective: parameters and optimizer state from checkpoint `dir`.
@@ -137,8 +208,10 @@ class Trainer {
   // its data-parallel group: the ranks that see different data.
   std::unique_ptr<comm::DeviceMesh> mesh_;
   std::shared_ptr<comm::Communicator> dp_;
-  // distributed.pipeline_parallel > 1: this rank's stages and their executor.
+  // distributed.pipeline_parallel > 1: this rank's stages and their executor,
+  // and what its last step did (for the timeline).
   std::unique_ptr<parallel::Pipeline> pipeline_;
+  std::unique_ptr<parallel::PipelineStepStats> pipeline_stats_;
   std::unique_ptr<precision::Precision> precision_;
   std::unique_ptr<strategy::Strategy> strategy_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
