@@ -660,6 +660,11 @@ double Communicator::busy_seconds() const { return static_cast<double>(group_->b
 
 uint64_t Communicator::sequence_number() const { return group_->seq.load(); }
 
+Communicator::PathCounts Communicator::path_counts() const {
+  if (!group_->shm) return {};
+  return {group_->shm->in_place_ops(), group_->shm->staged_ops()};
+}
+
 namespace {
 
 // Runs one collective: inline for a world of one, else on the group's

@@ -339,6 +339,9 @@ void ShmChannel::combine(const void* own, void* out, int64_t count, DType dtype,
 // Step k: copy each peer's piece k out of its own slot, stage piece k+1.
 void ShmChannel::all_gather(const OpContext& oc, void* buf, int64_t numel, DType dtype) {
   char* data = static_cast<char*>(buf);
+  if (static_cast<size_t>(numel) * element_size(dtype) >= kInPlaceBytes && all_gather_in_place(oc, data, numel, dtype)) {
+    return;
+  }
   const Pieces pc = pieces(numel, dtype);
   const auto stage_own = [&](int64_t k) {
     std::memcpy(slot(rank_, k, rank_), data + pc.offset_of(pc.mine, k),
@@ -356,6 +359,10 @@ void ShmChannel::reduce_scatter(const OpContext& oc, const void* in, void* out, 
                                 DType dtype, ReduceOp op) {
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
+  if (static_cast<size_t>(numel) * element_size(dtype) >= kInPlaceBytes &&
+      reduce_scatter_in_place(oc, src, dst, numel, dtype, op)) {
+    return;
+  }
   const Pieces pc = pieces(numel, dtype);
   pipeline(oc, pc.count, [&] { stage_for_peers(pc, 0, src); }, [&](int64_t k) {
     const int64_t count = pc.elements_in(pc.mine, k);
@@ -401,25 +408,17 @@ std::shared_ptr<ShmChannel::Region> ShmChannel::region_holding(const char* buf, 
   return nullptr;
 }
 
-// Every rank says which allocation and offset its buffer is at and waits
-// for the others to say theirs; all see the same answers, so all take the
-// same path. On this one, rank r combines its shard_range from every
-// rank's buffer (its own values, then the peers' in rank order, as the
-// staged path does) a chunk at a time and copies the chunk into each
-// peer's buffer while it is in cache; the ranges are disjoint, so no two
-// ranks touch the same bytes. A closing barrier keeps every buffer as it
-// is until all ranks are done. Each byte is read once and written once, as
-// by one memcpy per rank.
-bool ShmChannel::all_reduce_in_place(const OpContext& oc, char* buf, int64_t numel, DType dtype, ReduceOp op) {
-  const size_t es = element_size(dtype);
-  const std::shared_ptr<Region> region = region_holding(buf, static_cast<size_t>(numel) * es);
-  const uint64_t id = region ? region->id : 0;
-  const int64_t offset = region ? buf - region->mine() : -1;
-  region_id(rank_).store(id, std::memory_order_relaxed);
-  region_offset(rank_).store(offset, std::memory_order_relaxed);
+std::shared_ptr<ShmChannel::Region> ShmChannel::agree_on_region(const OpContext& oc, const char* buf, size_t bytes,
+                                                                int64_t* offset) {
+  std::shared_ptr<Region> region = region_holding(buf, bytes);
+  *offset = region ? buf - region->mine() : -1;
+  region_id(rank_).store(region ? region->id : 0, std::memory_order_relaxed);
+  region_offset(rank_).store(*offset, std::memory_order_relaxed);
   publish();
   wait_all(oc, phase_);
-  // Rank 0's answer against everyone's: the same test on every rank.
+  // Rank 0's answer against everyone's: the same test on every rank. (No
+  // rank writes its answer again before every rank has passed a later
+  // barrier of this op: each path below has one.)
   const uint64_t first_id = region_id(0).load(std::memory_order_relaxed);
   const int64_t first_offset = region_offset(0).load(std::memory_order_relaxed);
   bool same = first_id != 0;
@@ -427,8 +426,22 @@ bool ShmChannel::all_reduce_in_place(const OpContext& oc, char* buf, int64_t num
     same = region_id(p).load(std::memory_order_relaxed) == first_id &&
            region_offset(p).load(std::memory_order_relaxed) == first_offset;
   }
-  if (!same) return false;
+  ++(same ? in_place_ops_ : staged_ops_);
+  return same ? region : nullptr;
+}
 
+// All ranks take the same path (agree_on_region). On this one, rank r
+// combines its shard_range from every rank's buffer (its own values, then
+// the peers' in rank order, as the staged path does) a chunk at a time and
+// copies the chunk into each peer's buffer while it is in cache; the ranges
+// are disjoint, so no two ranks touch the same bytes. A closing barrier
+// keeps every buffer as it is until all ranks are done. Each byte is read
+// once and written once, as by one memcpy per rank.
+bool ShmChannel::all_reduce_in_place(const OpContext& oc, char* buf, int64_t numel, DType dtype, ReduceOp op) {
+  const size_t es = element_size(dtype);
+  int64_t offset = 0;
+  const std::shared_ptr<Region> region = agree_on_region(oc, buf, static_cast<size_t>(numel) * es, &offset);
+  if (!region) return false;
   const ShardRange mine = shard_range(numel, size_, rank_);
   const auto per = static_cast<int64_t>(kInPlaceChunkBytes / es);
   for (int64_t lo = 0; lo < mine.count; lo += per) {
@@ -439,6 +452,45 @@ bool ShmChannel::all_reduce_in_place(const OpContext& oc, char* buf, int64_t num
     for (int p = 0; p < size_; ++p) {
       if (p != rank_) std::memcpy(region->of(p) + at, own, static_cast<size_t>(count) * es);
     }
+  }
+  publish();
+  wait_all(oc, phase_);
+  return true;
+}
+
+// Rank r combines its shard_range straight from every rank's input (its
+// own values, then the peers' in rank order: the staged path's order and
+// bits) into `out`, which may be that range of its own input: no rank
+// writes where another reads. The closing barrier keeps every input as it
+// is until all ranks have read theirs.
+bool ShmChannel::reduce_scatter_in_place(const OpContext& oc, const char* in, char* out, int64_t numel, DType dtype,
+                                         ReduceOp op) {
+  const size_t es = element_size(dtype);
+  int64_t offset = 0;
+  const std::shared_ptr<Region> region = agree_on_region(oc, in, static_cast<size_t>(numel) * es, &offset);
+  if (!region) return false;
+  const ShardRange mine = shard_range(numel, size_, rank_);
+  const size_t at = static_cast<size_t>(offset) + static_cast<size_t>(mine.offset) * es;
+  if (mine.count > 0) combine(region->mine() + at, out, mine.count, dtype, op, [&](int p) { return region->of(p) + at; });
+  publish();
+  wait_all(oc, phase_);
+  return true;
+}
+
+// Every rank's shard is in its own buffer (agree_on_region's barrier is
+// past); rank r copies each peer's shard out of that peer's buffer, where
+// the peer never writes during the op. The closing barrier keeps each
+// shard as it is until all ranks have copied it.
+bool ShmChannel::all_gather_in_place(const OpContext& oc, char* buf, int64_t numel, DType dtype) {
+  const size_t es = element_size(dtype);
+  int64_t offset = 0;
+  const std::shared_ptr<Region> region = agree_on_region(oc, buf, static_cast<size_t>(numel) * es, &offset);
+  if (!region) return false;
+  for (int p = 0; p < size_; ++p) {
+    const ShardRange theirs = shard_range(numel, size_, p);
+    if (p == rank_ || theirs.count == 0) continue;
+    const size_t at = static_cast<size_t>(offset) + static_cast<size_t>(theirs.offset) * es;
+    std::memcpy(region->mine() + at, region->of(p) + at, static_cast<size_t>(theirs.count) * es);
   }
   publish();
   wait_all(oc, phase_);

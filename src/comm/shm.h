@@ -52,12 +52,22 @@ class ShmChannel {
   /// its shard_range reading the peers' buffers where they are and writes
   /// the result into every rank's buffer: no staging.
   void all_reduce(const OpContext& oc, void* buf, int64_t numel, DType dtype, ReduceOp op);
-  /// In place: `buf` (numel elements) holds this rank's shard_range.
+  /// In place: `buf` (numel elements) holds this rank's shard_range. When
+  /// every rank's `buf` lies at the same place in memory from allocate(),
+  /// each rank copies the peers' shards out of their buffers: no staging.
   void all_gather(const OpContext& oc, void* buf, int64_t numel, DType dtype);
   /// `out` receives the reduction of every rank's shard_range of `in`;
-  /// `out` may be that range of `in` itself.
+  /// `out` may be that range of `in` itself. When every rank's `in` lies at
+  /// the same place in memory from allocate(), each rank reads its range
+  /// from the peers' inputs where they are: no staging.
   void reduce_scatter(const OpContext& oc, const void* in, void* out, int64_t numel, DType dtype,
                       ReduceOp op);
+  /// How many all_reduce, reduce_scatter and all_gather calls of at least
+  /// kInPlaceBytes took the in-place path, and how many were staged because
+  /// some rank's buffer was not in allocated memory (or not at the same
+  /// place). Smaller ones are staged without asking and counted in neither.
+  int64_t in_place_ops() const { return in_place_ops_.load(std::memory_order_relaxed); }
+  int64_t staged_ops() const { return staged_ops_.load(std::memory_order_relaxed); }
   /// `buf` (numel elements) on every rank receives group rank `root`'s.
   void broadcast(const OpContext& oc, void* buf, int64_t numel, DType dtype, int root);
   /// Returns once every rank of the group has entered it.
@@ -106,16 +116,25 @@ class ShmChannel {
   /// pieces: small enough to stay in cache from the rank that stages one to
   /// the rank that reads it.
   static constexpr size_t kPieceBytes = size_t{256} << 10;
-  /// All-reduces of at least this many bytes first agree whether every
-  /// rank's buffer is in allocated memory (an extra barrier, which smaller
-  /// ones, staged in cache anyway, do not pay).
+  /// All-reduces, reduce-scatters and all-gathers of at least this many
+  /// bytes first agree whether every rank's buffer is in allocated memory
+  /// (an extra barrier, which smaller ones, staged in cache anyway, do not
+  /// pay).
   static constexpr size_t kInPlaceBytes = size_t{256} << 10;
   /// Elements combined per pass of the in-place path: the rank's piece and
   /// the result stay in cache while they are copied to the peers.
   static constexpr size_t kInPlaceChunkBytes = size_t{64} << 10;
-  // The in-place all_reduce; false (on every rank alike) when the buffers
-  // are not all at the same place of one allocation.
+  // Every rank says which allocation and offset its buffer is at and waits
+  // for the others: the region holding `buf` (and the offset) when every
+  // rank's is at the same place of one allocation, else null on every rank
+  // alike. Counts the answer in path_counts().
+  std::shared_ptr<Region> agree_on_region(const OpContext& oc, const char* buf, size_t bytes, int64_t* offset);
+  // The in-place paths; false (on every rank alike) when the buffers are
+  // not all at the same place of one allocation.
   bool all_reduce_in_place(const OpContext& oc, char* buf, int64_t numel, DType dtype, ReduceOp op);
+  bool reduce_scatter_in_place(const OpContext& oc, const char* in, char* out, int64_t numel, DType dtype,
+                               ReduceOp op);
+  bool all_gather_in_place(const OpContext& oc, char* buf, int64_t numel, DType dtype);
   std::shared_ptr<Region> region_holding(const char* buf, size_t bytes) const;
   void publish();
   // A wait spins (up to 100 µs, unless the ranks outnumber the CPUs) before
@@ -135,6 +154,8 @@ class ShmChannel {
   uint64_t regions_made_ = 0;  // allocate() calls so far, the same on every rank
   mutable std::mutex regions_mutex_;  // allocate() runs on the communication thread, releases anywhere
   mutable std::vector<std::weak_ptr<Region>> regions_;
+  std::atomic<int64_t> in_place_ops_{0};
+  std::atomic<int64_t> staged_ops_{0};
 };
 
 struct ShmChannel::Region {

@@ -346,6 +346,7 @@ void DDPStrategy::setup(torch::nn::Module& model, std::shared_ptr<comm::Communic
   remove_hooks();
   hooks_ = std::move(handles);
   reducer_ = std::move(reducer);
+  paths_at_finish_ = comm_->path_counts();  // the first step counts its own collectives only
   params_ = reducer_->params();
 }
 
@@ -365,6 +366,10 @@ void DDPStrategy::finish_gradient_sync() {
   busy_at_finish_ = busy;
   stats_.reduced_bytes = reducer_->bytes() - bytes_at_finish_;
   bytes_at_finish_ = reducer_->bytes();
+  const comm::Communicator::PathCounts paths = comm_->path_counts();
+  stats_.in_place_ops = paths.in_place - paths_at_finish_.in_place;
+  stats_.staged_ops = paths.staged - paths_at_finish_.staged;
+  paths_at_finish_ = paths;
 }
 
 double DDPStrategy::clip_grad_norm(double max_norm) {

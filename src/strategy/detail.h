@@ -147,6 +147,7 @@ class DDPStrategy final : public Strategy {
   CommStats stats_;
   double busy_at_finish_ = 0.0;
   int64_t bytes_at_finish_ = 0;
+  comm::Communicator::PathCounts paths_at_finish_;
 
   void remove_hooks();
 };

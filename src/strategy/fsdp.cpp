@@ -165,6 +165,7 @@ void ShardedStrategy::setup(torch::nn::Module& model, const comm::DeviceMesh& me
   }
   make_groups(mesh);
   build_units(model);
+  paths_at_finish_ = comm_paths();  // the first step counts its own collectives only
   model_ = &model;
   gatherer_ = std::make_unique<UnitGatherer>(units_, flats_, shard_comm_.get(),
                                              options_.limit_all_gathers(), clock_);
@@ -253,8 +254,17 @@ void ShardedStrategy::build_flat(size_t u, std::vector<FlatMember> params, bool 
     return is_deferred(p.var);
   });
   const bool shard_only = deferred && !units_[u].persistent;
+  // Flats that stay whole for the run (ZeRO-1's and NO_SHARD's parameters
+  // and gradients) live in memory every data-parallel rank maps
+  // (Communicator::allocate): the all-reduce of a gradient and the
+  // all-gather of the parameters after a step then read the peers' buffers
+  // in place, with no staging copies. Flats that come and go per unit
+  // (FULL_SHARD, SHARD_GRAD_OP) stay in flat_memory's pool: allocate is
+  // collective and holds its memory for the run, which those modes free.
+  const bool shared = !mode_.shard_params && at::isFloatingType(fl.compute_dtype);
   // A unit read as shards releases `full` before anything uses it.
-  fl.full = flat_empty(l.padded, fl.compute_dtype, /*populate=*/!shard_only);
+  fl.full = shared ? world_->allocate(l.padded, fl.compute_dtype)
+                   : flat_empty(l.padded, fl.compute_dtype, /*populate=*/!shard_only);
   if (shard_only) {
     // Only this rank's shard is read; the unit starts sharded, so no rank
     // ever holds the whole model.
@@ -281,8 +291,15 @@ void ShardedStrategy::build_flat(size_t u, std::vector<FlatMember> params, bool 
   fl.params = std::move(params);
 
   if (trainable) {
-    // Whole gradients kept across steps (all-reduced) exist from the start.
-    if (!mode_.shard_grads) fl.adopt_grads();
+    // Whole gradients kept across steps (all-reduced) exist from the start,
+    // zero-filled and shared with the peers as the parameters are.
+    if (!mode_.shard_grads) {
+      if (shared) {
+        fl.grad_full = world_->allocate(l.padded, fl.compute_dtype);
+        fl.grad_unwritten.assign(fl.params.size(), true);
+      }
+      fl.adopt_grads();
+    }
     fl.grad_shard_is_view = !mode_.shard_grads && fl.compute_dtype == dtype;
     fl.grad_shard = fl.grad_shard_is_view ? fl.grad_full.narrow(0, l.shard_offset, l.shard_numel)
                                           : populated_empty(l.shard_numel, dtype).zero_();
@@ -480,8 +497,15 @@ void ShardedStrategy::finish_gradient_sync() {
   }
   // Finish to finish: this step's gathers, reductions and waits.
   const double busy = comm_busy();
-  last_stats_ = {busy - busy_at_finish_, clock_.exposed_s, clock_.reduced_bytes, clock_.gathered_bytes};
+  const comm::Communicator::PathCounts paths = comm_paths();
+  last_stats_ = {busy - busy_at_finish_,
+                 clock_.exposed_s,
+                 clock_.reduced_bytes,
+                 clock_.gathered_bytes,
+                 paths.in_place - paths_at_finish_.in_place,
+                 paths.staged - paths_at_finish_.staged};
   busy_at_finish_ = busy;
+  paths_at_finish_ = paths;
   clock_.exposed_s = 0.0;
   clock_.reduced_bytes = clock_.gathered_bytes = 0;
   if (!gatherer_->order_frozen()) {
@@ -524,6 +548,17 @@ double ShardedStrategy::comm_busy() const {
   double s = shard_comm_ ? shard_comm_->busy_seconds() : 0.0;
   if (replica_comm_ && replica_comm_ != shard_comm_) s += replica_comm_->busy_seconds();
   return s;
+}
+
+comm::Communicator::PathCounts ShardedStrategy::comm_paths() const {
+  comm::Communicator::PathCounts sum;
+  for (const auto* c : {shard_comm_.get(), replica_comm_ != shard_comm_ ? replica_comm_.get() : nullptr}) {
+    if (c == nullptr) continue;
+    const comm::Communicator::PathCounts p = c->path_counts();
+    sum.in_place += p.in_place;
+    sum.staged += p.staged;
+  }
+  return sum;
 }
 
 // ---- optimizer side and state -------------------------------------------------------------

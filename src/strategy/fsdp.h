@@ -111,6 +111,8 @@ class ShardedStrategy final : public Strategy {
   void check_units_called();
   bool primary_params() const;
   double comm_busy() const;
+  // The path counts of the shard and replica groups together.
+  comm::Communicator::PathCounts comm_paths() const;
   std::vector<ShardedTensor> in_model_order(bool trainable_only, bool optimizer_views) const;
   void need_setup(const char* what) const;
 
@@ -142,6 +144,7 @@ class ShardedStrategy final : public Strategy {
   int64_t forward_tick_ = 0;
   int64_t order_hash_ = 0;  // of the flats reduced since the last finish, in launch order
   double busy_at_finish_ = 0.0;
+  comm::Communicator::PathCounts paths_at_finish_;
   CommStats last_stats_;
 };
 

@@ -282,6 +282,8 @@ void Trainer::run_metrics(bool skipped, Metrics& m) {
   m.set("comm_exposed_s", cs.exposed_s);
   m.set("comm_reduced_bytes", cs.reduced_bytes);
   m.set("comm_gathered_bytes", cs.gathered_bytes);
+  m.set("comm_in_place_ops", cs.in_place_ops);
+  m.set("comm_staged_ops", cs.staged_ops);
   m.set("precision", precision_->name());
   m.set("loss_scale", precision_->loss_scale());
   m.set("skipped", static_cast<int64_t>(skipped ? 1 : 0));

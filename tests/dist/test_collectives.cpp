@@ -337,6 +337,85 @@ TEST(Allocated, BuffersThatDifferByRankAreStillReduced) {
   }
 }
 
+// reduce_scatter from allocated input and all_gather into allocated output
+// (whole, or a slice at the same place on every rank) read the peers'
+// buffers in place: the staged result to the bit, the fp64 reduction on
+// exact values, and (where the group shares memory) the op counted as in
+// place, while the same op on ordinary tensors is counted as staged. A
+// path that silently always fell back would show in the counts.
+TEST(Allocated, ReduceScatterAndAllGatherInPlaceGiveTheStagedResultToTheBit) {
+  const int n = world().size(), rank = world().rank();
+  const int64_t shared = shares_memory(world()) ? 1 : 0;
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kInt}) {
+    const int64_t at_threshold = (int64_t{256} << 10) / static_cast<int64_t>(c10::elementSize(dtype));
+    for (int64_t numel : {int64_t{0}, int64_t{1}, int64_t{7}, 5 * int64_t{n} + 1, at_threshold - 1, at_threshold,
+                          at_threshold * 3 + 2 * n + 1}) {
+      const ShardRange mine = shard_range(numel, n, rank);
+      const bool large = numel >= at_threshold;
+      for (auto op : kOps) {
+        if (op == ReduceOp::Avg && !is_float(dtype)) continue;
+        const auto opts = ReduceScatterOptions().op(op);
+        const at::Tensor values = uneven_values(numel, rank, dtype);
+        at::Tensor staged = at::empty({mine.count}, values.options());
+        auto before = world().path_counts();
+        world().reduce_scatter(values, staged, opts);
+        auto after = world().path_counts();
+        EXPECT_EQ(after.staged - before.staged, large ? shared : 0) << "ordinary input " << label(dtype, numel, op);
+        // Into a fresh shard, and into the input's own range.
+        at::Tensor big = world().allocate(numel + 9, dtype);
+        at::Tensor in = big.narrow(0, 5, numel);
+        in.copy_(values);
+        at::Tensor out = at::empty({mine.count}, values.options());
+        before = world().path_counts();
+        world().reduce_scatter(in, out, opts);
+        after = world().path_counts();
+        EXPECT_EQ(after.in_place - before.in_place, large ? shared : 0) << "allocated input " << label(dtype, numel, op);
+        EXPECT_EQ(after.staged - before.staged, 0) << "allocated input " << label(dtype, numel, op);
+        EXPECT_TRUE(at::equal(out, staged)) << "reduce_scatter, slice " << label(dtype, numel, op);
+        EXPECT_EQ(big.narrow(0, 0, 5).count_nonzero().item<int64_t>(), 0) << label(dtype, numel, op);
+        at::Tensor whole = world().allocate(numel, dtype);
+        whole.copy_(values);
+        at::Tensor own = whole.narrow(0, mine.offset, mine.count);
+        world().reduce_scatter(whole, own, opts);
+        EXPECT_TRUE(at::equal(own, staged)) << "reduce_scatter into its own range " << label(dtype, numel, op);
+        // And against the reduction computed here in fp64, not by any path.
+        at::Tensor exact = world().allocate(numel, dtype);
+        exact.copy_(contribution(numel, rank, dtype));
+        at::Tensor exact_out = at::empty({mine.count}, values.options());
+        world().reduce_scatter(exact, exact_out, opts);
+        expect_close(exact_out, expected_reduction(numel, dtype, op).narrow(0, mine.offset, mine.count),
+                     "allocated reduce_scatter " + label(dtype, numel, op));
+      }
+      // all_gather: each rank's shard is its rank's values over its range.
+      const at::Tensor expected = at::empty({numel}, at::TensorOptions().dtype(dtype));
+      for (int p = 0; p < n; ++p) {
+        const ShardRange r = shard_range(numel, n, p);
+        expected.narrow(0, r.offset, r.count).copy_(uneven_values(numel, p, dtype).narrow(0, r.offset, r.count));
+      }
+      const at::Tensor shard = expected.narrow(0, mine.offset, mine.count).clone();
+      at::Tensor staged = at::empty({numel}, shard.options());
+      auto before = world().path_counts();
+      world().all_gather(shard, staged);
+      auto after = world().path_counts();
+      EXPECT_EQ(after.staged - before.staged, large ? shared : 0) << "ordinary output " << label(dtype, numel, ReduceOp::Sum);
+      EXPECT_TRUE(at::equal(staged, expected)) << "staged all_gather " << numel;
+      at::Tensor big = world().allocate(numel + 9, dtype);
+      at::Tensor out = big.narrow(0, 3, numel);
+      out.narrow(0, mine.offset, mine.count).copy_(shard);
+      before = world().path_counts();
+      world().all_gather(out.narrow(0, mine.offset, mine.count), out);  // the shard already in place
+      after = world().path_counts();
+      EXPECT_EQ(after.in_place - before.in_place, large ? shared : 0) << "allocated output " << numel;
+      EXPECT_TRUE(at::equal(out, expected)) << "all_gather into a slice, input in place " << numel;
+      EXPECT_EQ(big.narrow(0, 0, 3).count_nonzero().item<int64_t>(), 0) << numel;
+      EXPECT_EQ(big.narrow(0, numel + 3, 6).count_nonzero().item<int64_t>(), 0) << numel;
+      at::Tensor whole = world().allocate(numel, dtype);
+      world().all_gather(shard, whole);  // copied into its range first
+      EXPECT_TRUE(at::equal(whole, expected)) << "all_gather into a whole allocation " << numel;
+    }
+  }
+}
+
 TEST(PointToPoint, RingExchangeWithoutDeadlock) {
   if (world().size() < 2) GTEST_SKIP() << "needs two ranks";
   const int n = world().size(), r = world().rank();

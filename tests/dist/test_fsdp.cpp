@@ -36,6 +36,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <fstream>
+#include <numeric>
 
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/core/error.h"
@@ -428,6 +429,82 @@ TEST(Sharded, UserWrapPredicate) {
   EXPECT_EQ(units[0].second, 48 * 48 + 48 + 2);  // l2 and the root's own parameters
   EXPECT_EQ(units[1].first, "l1");
   EXPECT_EQ(units[2].first, "l3");
+}
+
+namespace {
+
+// Two Linear(256, 256) units: 65,792 parameters (263,168 bytes) each, above
+// the 256 KB from which shared-memory collectives ask for the in-place path.
+struct WideImpl : torch::nn::Module {
+  WideImpl() {
+    a = register_module("a", torch::nn::Linear(256, 256));
+    b = register_module("b", torch::nn::Linear(256, 256));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = unit_forward(a, [&] { return torch::tanh(a(x)); });
+    return unit_forward(b, [&] { return b(h); });
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(Wide);
+
+}  // namespace
+
+// ZeRO-1 and NO_SHARD keep their flats whole for the run, in memory every
+// data-parallel rank maps (Communicator::allocate). Where the ranks share
+// memory, a step's gradient all-reduces (and ZeRO-1's parameter all-gathers
+// after the step before) read the peers' buffers in place and none is
+// staged: the strategy's comm_stats count them. Elsewhere (a world of one,
+// mpirun) both counts stay zero. Either way the parameters are, to the
+// bit, those of a reference that all-reduces ordinary gradient tensors
+// (in a group of their own: the staged path) and takes the same SGD steps,
+// up to the order of the sums (which rank adds first follows the shards).
+TEST(Sharded, WholeFlatsOfZero1AndNoShardReduceAndGatherInPlace) {
+  const bool shared = g_world->endpoint().find("through shared memory") != std::string::npos;
+  std::vector<int> everyone(static_cast<size_t>(world_size()));
+  std::iota(everyone.begin(), everyone.end(), 0);
+  const auto ref_group = g_world->new_group(everyone);
+  for (const char* mode : {"zero1", "no_shard"}) {
+    Case c;
+    c.name = std::string(mode) == "zero1" ? "zero1" : "fsdp";
+    c.sharding = std::string(mode) == "zero1" ? "full_shard" : mode;
+    torch::manual_seed(7);
+    Wide model, ref;
+    {
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < model->parameters().size(); ++i) ref->parameters()[i].copy_(model->parameters()[i]);
+    }
+    auto strategy = strategy::make_strategy(options_for(c));
+    strategy->setup(*model, g_world);
+    std::vector<torch::Tensor> shards;
+    for (const auto& p : strategy->optimizer_parameters()) shards.push_back(p.local);
+    torch::optim::SGD opt(shards, torch::optim::SGDOptions(0.1));
+    torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
+    for (int step = 0; step < 3; ++step) {
+      torch::manual_seed(100 + 10 * step + rank());
+      const torch::Tensor x = torch::randn({4, 256});
+      model->forward(x).square().mean().backward();
+      strategy->finish_gradient_sync();
+      const strategy::CommStats stats = strategy->comm_stats();
+      // Two flats reduced; from the second step on ZeRO-1 also gathered both.
+      const int64_t ops = 2 + (c.name == "zero1" && step > 0 && world_size() > 1 ? 2 : 0);
+      EXPECT_EQ(stats.in_place_ops, shared ? ops : 0) << mode << " step " << step;
+      EXPECT_EQ(stats.staged_ops, 0) << mode << " step " << step;
+      strategy->optimizer_step(opt);
+      opt.zero_grad();
+
+      ref->forward(x).square().mean().backward();
+      for (auto& p : ref->parameters()) ref_group->all_reduce(p.grad(), AllReduceOptions().op(ReduceOp::Avg));
+      ref_opt.step();
+      ref_opt.zero_grad();
+    }
+    // After the steps: full_state_dict's own gathers would count in a step.
+    for (const auto& [name, value] : strategy->full_state_dict()) {
+      if (rank() == 0) {
+        EXPECT_TRUE(torch::allclose(value, ref->named_parameters()[name], 1e-6, 1e-7)) << mode << " " << name;
+      }
+    }
+  }
 }
 
 namespace {

@@ -211,7 +211,7 @@ TEST(KvStore, TokensAreFreshAndHex) {
 
 // ---- the handshake from both sides ------------------------------------------------------
 // What each side must send is computed here with OpenSSL directly, from the
-// protocol (src/comm/kv_store.cpp, "the wire"): the store greets with
+// protocol (src/comm/kv_store_wire.h): the store greets with
 // "STSTORE1" and a 32-byte challenge; the client answers
 // HMAC-SHA256(token, "client" + challenge) and a challenge of its own; the
 // store proves itself with HMAC-SHA256(token, "server" + that challenge).

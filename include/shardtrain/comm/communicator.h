@@ -201,6 +201,17 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   /// (transfers, reductions and waiting for peers); with the time the caller
   /// waited on Work, it tells how much communication compute hid.
   double busy_seconds() const;
+  /// The large collectives on this host's shared memory (all_reduce,
+  /// reduce_scatter and all_gather of 256 KB or more): how many read and
+  /// wrote the peers' buffers in place (every rank's from allocate(), at the
+  /// same place) and how many were staged through the channel. Both zero
+  /// without the shared-memory path; counted so that a path that silently
+  /// always falls back shows (the strategies' comm_stats, the metrics).
+  struct PathCounts {
+    int64_t in_place = 0;
+    int64_t staged = 0;
+  };
+  PathCounts path_counts() const;
 
   /// A zero-filled flat tensor of `numel` elements for collectives to work
   /// on in place; every rank of the group calls it together, with the same
@@ -209,7 +220,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   /// all_reduce of it, or of the same slice of it on every rank, of at least
   /// 256 KB combines each rank's shard straight from the peers' tensors and
   /// writes the result into theirs, with no staging copies (as registered
-  /// buffers do in GPU collective libraries). Anywhere else (ranks on
+  /// buffers do in GPU collective libraries); a reduce_scatter whose input,
+  /// or an all_gather whose output, is such memory reads the peers' parts
+  /// where they are. Anywhere else (ranks on
   /// several hosts, the mpi backend, SHARDTRAIN_SHM=0, a /dev/shm without
   /// room for it) it is an ordinary tensor. Either way every collective
   /// takes it like any other tensor. Peak RSS then counts the pages of the

@@ -106,6 +106,11 @@ struct CommStats {
   /// stored bytes.
   int64_t reduced_bytes = 0;
   int64_t gathered_bytes = 0;
+  /// The large collectives on one host's shared memory over the same span
+  /// that read the peers' buffers in place, and those staged because some
+  /// rank's buffer was not allocated memory (Communicator::path_counts).
+  int64_t in_place_ops = 0;
+  int64_t staged_ops = 0;
 };
 
 class Strategy {
