@@ -229,6 +229,71 @@ void ShardedStrategy::build_units(torch::nn::Module& model) {
   }
 }
 
+namespace {
+
+// Elements [first, first + out.numel()) of parameter p into `out`:
+// deferred parameters (weights still in their files) read just those.
+void read_member(const FlatMember& p, int64_t first, const at::Tensor& out) {
+  if (is_deferred(p.var)) return read_deferred(p.var, first, out, p.name.c_str());
+  out.copy_(p.var.detach().reshape(-1).narrow(0, first, out.numel()));
+}
+
+// The flat's values from its parameters: this rank's shard only, or the
+// whole flat (`fl.full`) with the shard in it or beside it.
+void fill_values(FlatParam& fl, const std::vector<FlatMember>& params, at::ScalarType dtype, bool shard_only,
+                 bool shard_in_full) {
+  const FlatLayout& l = fl.layout;
+  if (shard_only) {
+    // Only this rank's shard is read; the unit starts sharded, so no rank
+    // ever holds the whole model.
+    // Its pages faulted in at once (one by one as the reads land costs more
+    // than the reads), then every element written.
+    fl.shard = populated_empty(l.shard_numel, dtype);
+    int64_t filled = 0;
+    for (const auto& p : params) {
+      read_member(p, p.slot.param_offset, fl.shard.narrow(0, p.slot.shard_begin, p.slot.shard_count));
+      filled = std::max(filled, p.slot.shard_begin + p.slot.shard_count);
+    }
+    fl.shard.narrow(0, filled, l.shard_numel - filled).zero_();  // the padding
+    return;
+  }
+  // The master values, padded with zeros.
+  at::Tensor master = at::zeros({l.padded}, at::TensorOptions().dtype(dtype));
+  for (const auto& p : params) read_member(p, 0, master.narrow(0, p.slot.offset, p.slot.numel));
+  fl.full.copy_(master);
+  fl.shard = shard_in_full ? fl.full.narrow(0, l.shard_offset, l.shard_numel)
+                           : master.narrow(0, l.shard_offset, l.shard_numel).clone();
+}
+
+// A trainable flat's gradient buffers, and its shard's slices as the
+// optimizer sees them, each with its slice of the shard's gradient.
+// `whole_from`: whole gradients kept across steps (all-reduced) exist from
+// the start, zero-filled, from that group's shared memory; null: none kept,
+// or from the pool.
+void attach_gradients(FlatParam& fl, bool whole_grads, comm::Communicator* whole_from, bool whole_param,
+                      at::ScalarType dtype) {
+  const FlatLayout& l = fl.layout;
+  if (whole_grads) {
+    if (whole_from != nullptr) {
+      fl.grad_full = whole_from->allocate(l.padded, fl.compute_dtype);
+      fl.grad_unwritten.assign(fl.params.size(), true);
+    }
+    fl.adopt_grads();
+  }
+  fl.grad_shard_is_view = whole_grads && fl.compute_dtype == dtype;
+  fl.grad_shard = fl.grad_shard_is_view ? fl.grad_full.narrow(0, l.shard_offset, l.shard_numel)
+                                        : populated_empty(l.shard_numel, dtype).zero_();
+  for (size_t i = 0; i < fl.params.size(); ++i) {
+    at::Tensor slice = fl.shard_slice(i, whole_param);
+    at::Tensor grad = alias_of(fl.grad_shard, fl.params[i].slot.shard_begin, slice.sizes());
+    slice.mutable_grad() = grad;
+    fl.opt_params.push_back(slice);
+    fl.opt_grads.push_back(grad);
+  }
+}
+
+}  // namespace
+
 void ShardedStrategy::build_flat(size_t u, std::vector<FlatMember> params, bool trainable,
                                  at::ScalarType dtype) {
   FlatParam fl;
@@ -244,12 +309,6 @@ void ShardedStrategy::build_flat(size_t u, std::vector<FlatMember> params, bool 
   for (size_t i = 0; i < params.size(); ++i) params[i].slot = fl.layout.slots[i];
   const FlatLayout& l = fl.layout;
 
-  // Elements [first, first + out.numel()) of parameter p into `out`:
-  // deferred parameters (weights still in their files) read just those.
-  const auto read = [](const FlatMember& p, int64_t first, const at::Tensor& out) {
-    if (is_deferred(p.var)) return read_deferred(p.var, first, out, p.name.c_str());
-    out.copy_(p.var.detach().reshape(-1).narrow(0, first, out.numel()));
-  };
   const bool deferred = std::any_of(params.begin(), params.end(), [](const FlatMember& p) {
     return is_deferred(p.var);
   });
@@ -265,51 +324,13 @@ void ShardedStrategy::build_flat(size_t u, std::vector<FlatMember> params, bool 
   // A unit read as shards releases `full` before anything uses it.
   fl.full = shared ? world_->allocate(l.padded, fl.compute_dtype)
                    : flat_empty(l.padded, fl.compute_dtype, /*populate=*/!shard_only);
-  if (shard_only) {
-    // Only this rank's shard is read; the unit starts sharded, so no rank
-    // ever holds the whole model.
-    // Its pages faulted in at once (one by one as the reads land costs more
-    // than the reads), then every element written.
-    fl.shard = populated_empty(l.shard_numel, dtype);
-    int64_t filled = 0;
-    for (const auto& p : params) {
-      read(p, p.slot.param_offset, fl.shard.narrow(0, p.slot.shard_begin, p.slot.shard_count));
-      filled = std::max(filled, p.slot.shard_begin + p.slot.shard_count);
-    }
-    fl.shard.narrow(0, filled, l.shard_numel - filled).zero_();  // the padding
-  } else {
-    // The master values, padded with zeros.
-    at::Tensor master = at::zeros({l.padded}, at::TensorOptions().dtype(dtype));
-    for (const auto& p : params) read(p, 0, master.narrow(0, p.slot.offset, p.slot.numel));
-    fl.full.copy_(master);
-    const bool shard_in_full = !mode_.shard_params && fl.compute_dtype == dtype;
-    fl.shard = shard_in_full ? fl.full.narrow(0, l.shard_offset, l.shard_numel)
-                             : master.narrow(0, l.shard_offset, l.shard_numel).clone();
-  }
+  fill_values(fl, params, dtype, shard_only, /*shard_in_full=*/!mode_.shard_params && fl.compute_dtype == dtype);
   fl.gather_src = fl.compute_dtype == dtype ? fl.shard : at::empty({l.shard_numel}, fl.full.options());
   for (auto& p : params) p.var.set_data(fl.full.narrow(0, p.slot.offset, p.slot.numel).view(p.shape));
   fl.params = std::move(params);
 
   if (trainable) {
-    // Whole gradients kept across steps (all-reduced) exist from the start,
-    // zero-filled and shared with the peers as the parameters are.
-    if (!mode_.shard_grads) {
-      if (shared) {
-        fl.grad_full = world_->allocate(l.padded, fl.compute_dtype);
-        fl.grad_unwritten.assign(fl.params.size(), true);
-      }
-      fl.adopt_grads();
-    }
-    fl.grad_shard_is_view = !mode_.shard_grads && fl.compute_dtype == dtype;
-    fl.grad_shard = fl.grad_shard_is_view ? fl.grad_full.narrow(0, l.shard_offset, l.shard_numel)
-                                          : populated_empty(l.shard_numel, dtype).zero_();
-    for (size_t i = 0; i < fl.params.size(); ++i) {
-      at::Tensor slice = fl.shard_slice(i, shard_n_ == 1);
-      at::Tensor grad = alias_of(fl.grad_shard, fl.params[i].slot.shard_begin, slice.sizes());
-      slice.mutable_grad() = grad;
-      fl.opt_params.push_back(slice);
-      fl.opt_grads.push_back(grad);
-    }
+    attach_gradients(fl, !mode_.shard_grads, shared ? world_.get() : nullptr, shard_n_ == 1, dtype);
     units_[u].trainable_params += static_cast<int>(fl.params.size());
   }
   if (!trainable) units_[u].has_frozen = true;
