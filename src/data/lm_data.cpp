@@ -109,11 +109,8 @@ int64_t max_id(const std::vector<Sample>& samples) {
   return best;
 }
 
-// Records tokenized and masked, the last val_fraction of them (whole) held
-// out, rows built and served in the global order.
-LmData sample_data(const config::DataConfig& c, const Tokenizer& tok, int64_t block_size,
-                   int64_t global_batch, int64_t eval_rows, uint64_t seed,
-                   const std::string& model_dir) {
+// How records become samples: the chat template, and whether prompts train.
+SampleOptions sample_options(const config::DataConfig& c, const std::string& model_dir) {
   SampleOptions options;
   try {
     options.chat_template = resolve_chat_template(c.chat_template, model_dir);
@@ -124,10 +121,15 @@ LmData sample_data(const config::DataConfig& c, const Tokenizer& tok, int64_t bl
     options.no_template = e.what();
   }
   options.train_on_inputs = c.train_on_inputs;
-  // Records with nothing to train on (a chat with no assistant turn, a
-  // prompt-only record under train_on_inputs false) are left out and
-  // counted: a step of only such rows has no target to divide by, and an
-  // evaluation of them is 0/0.
+  return options;
+}
+
+// Records with nothing to train on (a chat with no assistant turn, a
+// prompt-only record under train_on_inputs false) are left out and
+// counted: a step of only such rows has no target to divide by, and an
+// evaluation of them is 0/0. `*records_out` is how many records there were.
+std::vector<Sample> trainable_samples(const config::DataConfig& c, const Tokenizer& tok,
+                                      const SampleOptions& options, int64_t* records_out) {
   std::vector<Sample> samples = load_samples(c.train, tok, options);
   const auto records = static_cast<int64_t>(samples.size());
   samples.erase(std::remove_if(samples.begin(), samples.end(),
@@ -141,32 +143,42 @@ LmData sample_data(const config::DataConfig& c, const Tokenizer& tok, int64_t bl
            "' has a token to train on (each is masked whole: a chat without an assistant turn, or a prompt "
            "without a completion); hint: check the records, or set data.train_on_inputs: true to train on "
            "the prompts too");
+  *records_out = records;
+  return samples;
+}
+
+// How many of the n records (the last ones, whole) are held out.
+int64_t held_out_records(const config::DataConfig& c, int64_t n) {
   int64_t n_val = 0;
   if (c.val_fraction > 0) {
     n_val = std::max<int64_t>(1, std::llround(static_cast<double>(n) * c.val_fraction));
     ST_CHECK(n_val < n, ConfigError, "data.val_fraction ", c.val_fraction, " of the ", n,
              " records of '", c.train, "' leaves none to train on; lower it or use more data");
   }
-  // Packing runs once, over the training samples in an order drawn from the
-  // seed (file order without shuffle); the epochs then shuffle the rows.
-  std::vector<int64_t> order = c.shuffle ? detail::permutation(n - n_val, seed ^ 0x7061636bULL, 0)
+  return n_val;
+}
+
+// Packing runs once, over the training samples in an order drawn from the
+// seed (file order without shuffle); the epochs then shuffle the rows.
+std::vector<int64_t> packing_order(const config::DataConfig& c, int64_t n_train, uint64_t seed) {
+  std::vector<int64_t> order = c.shuffle ? detail::permutation(n_train, seed ^ 0x7061636bULL, 0)
                                          : std::vector<int64_t>();
   if (!c.shuffle) {
-    for (int64_t i = 0; i < n - n_val; ++i) order.push_back(i);
+    for (int64_t i = 0; i < n_train; ++i) order.push_back(i);
   }
-  const int64_t pad = tok.eos_id().value_or(0);
-  const Rows train = build_rows(samples, order, block_size, c.packing, c.overlong, pad);
+  return order;
+}
+
+// The training rows, served in the global order.
+void serve_training_rows(LmData& d, const config::DataConfig& c, const Rows& train,
+                         int64_t global_batch, uint64_t seed) {
   auto sampler = std::make_shared<RowSampler>(train, global_batch, seed, c.shuffle,
                                               "data.train '" + c.train + "'");
-  LmData d;
-  d.stats.format = "jsonl";
   d.stats.train_samples = train.samples;
   d.stats.train_rows = train.count;
   d.stats.truncated = train.truncated;
   d.stats.dropped = train.dropped;
-  d.stats.untrained = records - n;
   d.stats.packing_efficiency = train.efficiency();
-  d.stats.max_token = max_id(samples);
   d.train_batch = [sampler](int64_t step, int64_t j, int64_t micro, int rank, int world) {
     return sampler->micro_batch(step, j, micro, rank, world);
   };
@@ -174,23 +186,49 @@ LmData sample_data(const config::DataConfig& c, const Tokenizer& tok, int64_t bl
     return sampler->step_rows(step, first, count);
   };
   d.epoch_of = [sampler](int64_t step) { return sampler->epoch_of(step); };
-  if (n_val > 0) {
-    std::vector<int64_t> held;
-    for (int64_t i = n - n_val; i < n; ++i) held.push_back(i);
-    const Rows val = build_rows(samples, held, block_size, c.packing, c.overlong, pad);
-    d.stats.val_samples = val.samples;
-    d.stats.val_rows = val.count;
-    d.stats.truncated += val.truncated;
-    d.stats.dropped += val.dropped;
-    ST_CHECK(val.count >= eval_rows, ConfigError, "data.val_fraction ", c.val_fraction, " of '",
-             c.train, "' holds ", val.count, " rows, fewer than one evaluation batch of ",
-             eval_rows, " (batch.micro x ranks); hint: raise data.val_fraction");
-    auto rows = std::make_shared<RowSampler>(val, eval_rows, seed, false, "validation");
-    const int64_t batches = val.count / eval_rows;
-    d.eval_batch = [rows, batches](int64_t index, int64_t micro, int rank, int world) {
-      return rows->rows((index % batches) * micro * world + rank * micro, micro);
-    };
-  }
+}
+
+// The held-out records [first, samples.size()) built into rows and served as
+// evaluation batches, at least one of them.
+void serve_held_out_rows(LmData& d, const config::DataConfig& c,
+                         const std::vector<Sample>& samples, int64_t first, int64_t block_size,
+                         int64_t eval_rows, uint64_t seed, int64_t pad) {
+  std::vector<int64_t> held;
+  for (int64_t i = first; i < static_cast<int64_t>(samples.size()); ++i) held.push_back(i);
+  const Rows val = build_rows(samples, held, block_size, c.packing, c.overlong, pad);
+  d.stats.val_samples = val.samples;
+  d.stats.val_rows = val.count;
+  d.stats.truncated += val.truncated;
+  d.stats.dropped += val.dropped;
+  ST_CHECK(val.count >= eval_rows, ConfigError, "data.val_fraction ", c.val_fraction, " of '",
+           c.train, "' holds ", val.count, " rows, fewer than one evaluation batch of ",
+           eval_rows, " (batch.micro x ranks); hint: raise data.val_fraction");
+  auto rows = std::make_shared<RowSampler>(val, eval_rows, seed, false, "validation");
+  const int64_t batches = val.count / eval_rows;
+  d.eval_batch = [rows, batches](int64_t index, int64_t micro, int rank, int world) {
+    return rows->rows((index % batches) * micro * world + rank * micro, micro);
+  };
+}
+
+// Records tokenized and masked, the last val_fraction of them (whole) held
+// out, rows built and served in the global order.
+LmData sample_data(const config::DataConfig& c, const Tokenizer& tok, int64_t block_size,
+                   int64_t global_batch, int64_t eval_rows, uint64_t seed,
+                   const std::string& model_dir) {
+  int64_t records = 0;
+  const std::vector<Sample> samples =
+      trainable_samples(c, tok, sample_options(c, model_dir), &records);
+  const auto n = static_cast<int64_t>(samples.size());
+  const int64_t n_val = held_out_records(c, n);
+  const std::vector<int64_t> order = packing_order(c, n - n_val, seed);
+  const int64_t pad = tok.eos_id().value_or(0);
+  const Rows train = build_rows(samples, order, block_size, c.packing, c.overlong, pad);
+  LmData d;
+  d.stats.format = "jsonl";
+  serve_training_rows(d, c, train, global_batch, seed);
+  d.stats.untrained = records - n;
+  d.stats.max_token = max_id(samples);
+  if (n_val > 0) serve_held_out_rows(d, c, samples, n - n_val, block_size, eval_rows, seed, pad);
   return d;
 }
 

@@ -267,87 +267,105 @@ std::vector<std::pair<std::string, at::Tensor>> merge_lora_state(
   return out;
 }
 
-int64_t merge_peft_adapter(const std::string& base_path, const std::string& adapter_dir,
-                           const std::string& out) {
-  const AdapterConfig cfg = read_config(adapter_dir);
-  const double scale = cfg.scale;
-  const bool fan_in_fan_out = cfg.fan_in_fan_out;
-  const checkpoint::SafetensorsFile adapter((fs::path(adapter_dir) / kPeftAdapterFile).string());
-  const HfWeights base(base_path);
+namespace {
+
+// How the adapter's base was quantized in training, from the adapter file's
+// metadata: the merge quantizes and dequantizes the base weight the same way.
+struct AdapterQuantization {
+  LoraQuantize quantize = LoraQuantize::None;
+  bool double_quant = false;
+};
+
+AdapterQuantization adapter_quantization(const checkpoint::SafetensorsFile& adapter) {
   const auto& meta = adapter.metadata();
   const auto qit = meta.find(kQuantizeKey);
   const LoraQuantize quantize =
       qit == meta.end() ? LoraQuantize::None : enum_from_name<LoraQuantize>(qit->second, kQuantizeKey);
   const auto dq = meta.find(kDoubleQuantKey);
   const bool double_quant = dq != meta.end() && dq->second == "true";
+  return {quantize, double_quant};
+}
 
-  // Base name of each adapted weight and replaced bias, found with or
-  // without GPT2LMHeadModel's "transformer." in either file.
-  const auto base_name_of = [&](const std::string& adapter_name) -> std::string {
-    std::string rest = adapter_name;
-    if (starts_with(rest, kPeftModelPrefix)) rest = rest.substr(std::string(kPeftModelPrefix).size());
-    std::vector<std::string> candidates = {rest};
-    if (starts_with(rest, "transformer.")) candidates.push_back(rest.substr(12));
-    else candidates.push_back("transformer." + rest);
-    for (const auto& c : candidates) {
-      if (base.find(c) != nullptr) return c;
-    }
-    return "";
-  };
+// Base name of each adapted weight and replaced bias, found with or
+// without GPT2LMHeadModel's "transformer." in either file.
+std::string base_name_of(const HfWeights& base, const std::string& adapter_name) {
+  std::string rest = adapter_name;
+  if (starts_with(rest, kPeftModelPrefix)) rest = rest.substr(std::string(kPeftModelPrefix).size());
+  std::vector<std::string> candidates = {rest};
+  if (starts_with(rest, "transformer.")) candidates.push_back(rest.substr(12));
+  else candidates.push_back("transformer." + rest);
+  for (const auto& c : candidates) {
+    if (base.find(c) != nullptr) return c;
+  }
+  return "";
+}
+
+// The adapter's tensors by the base tensor each one changes; every one of
+// them must have a base tensor.
+struct AdapterMatch {
   std::map<std::string, std::pair<std::string, std::string>> layers;  // base weight -> (A, B)
   std::map<std::string, std::string> biases;                          // base bias -> adapter name
+};
+
+AdapterMatch match_adapter(const checkpoint::SafetensorsFile& adapter, const HfWeights& base,
+                           const std::string& adapter_dir, const std::string& base_path) {
+  AdapterMatch m;
   std::vector<std::string> unmatched;
   for (const auto& e : adapter.entries()) {
     const bool a = ends_with(e.name, ".lora_A.weight"), b = ends_with(e.name, ".lora_B.weight");
     if (a || b) {
       const std::string layer = e.name.substr(0, e.name.size() - std::string(".lora_A.weight").size());
-      const std::string w = base_name_of(layer + ".weight");
+      const std::string w = base_name_of(base, layer + ".weight");
       if (w.empty()) {
         unmatched.push_back(layer);
         continue;
       }
-      (a ? layers[w].first : layers[w].second) = e.name;
+      (a ? m.layers[w].first : m.layers[w].second) = e.name;
     } else {
-      const std::string bname = base_name_of(e.name);
+      const std::string bname = base_name_of(base, e.name);
       if (bname.empty()) unmatched.push_back(e.name);
-      else biases[bname] = e.name;
+      else m.biases[bname] = e.name;
     }
   }
   ST_CHECK(unmatched.empty(), CheckpointError, "the adapter in '", adapter_dir,
            "' does not match the base '", base_path, "': no base tensor for ", list(unmatched),
            ". Hint: merge into the base the adapter was trained from (its model.init_from)");
+  return m;
+}
 
-  std::vector<std::pair<std::string, at::Tensor>> merged;
-  at::NoGradGuard no_grad;
-  for (const auto& name : base.names()) {
-    const checkpoint::SafetensorsEntry e{name, "", {}, 0, 0};
-    at::Tensor t = base.read(e.name);
-    if (const auto it = layers.find(e.name); it != layers.end()) {
-      ST_CHECK(!it->second.first.empty() && !it->second.second.empty(), CheckpointError,
-               "the adapter in '", adapter_dir, "' has only one of lora_A / lora_B for '", e.name, "'");
-      const at::Tensor a = adapter.read(it->second.first).to(at::kFloat);
-      const at::Tensor b = adapter.read(it->second.second).to(at::kFloat);
-      check_rank(cfg, e.name, a, b);
-      at::Tensor w = (fan_in_fan_out ? t.t() : t).to(at::kFloat).contiguous();  // [out, in]
-      ST_CHECK(t.dim() == 2 && a.dim() == 2 && b.dim() == 2 && a.size(1) == w.size(1) &&
-                   b.size(0) == w.size(0) && a.size(0) == b.size(1),
-               CheckpointError, "the adapter for '", e.name, "' (A ", a.sizes(), ", B ", b.sizes(),
-               ") does not fit the base weight ", t.sizes(), " in '", base_path,
-               "'. Hint: merge into the base the adapter was trained from");
-      if (quantize == LoraQuantize::Int8) {
-        const QuantizedWeight q = quantize_int8(w);
-        w = dequantize_int8(q.codes, q.scales);
-      } else if (quantize == LoraQuantize::Nf4) {
-        const QuantizedWeight q = quantize_nf4(w, double_quant);
-        w = dequantize_nf4(q.codes, nf4_scales(q), w.sizes());
-      }
-      w = w + at::matmul(b, a) * scale;
-      t = (fan_in_fan_out ? w.t() : w).to(t.scalar_type()).contiguous();
-    } else if (const auto bit = biases.find(e.name); bit != biases.end()) {
-      t = adapter.read(bit->second).to(t.scalar_type()).reshape(t.sizes()).contiguous();
-    }
-    merged.emplace_back(e.name, t);
+// Base weight `t` of layer `name` with its adapter pair (A, B) folded in:
+// W += scale B A, on the weight quantized and dequantized as in training.
+at::Tensor merged_weight(const AdapterConfig& cfg, const checkpoint::SafetensorsFile& adapter,
+                         const AdapterQuantization& q, const std::string& adapter_dir,
+                         const std::string& base_path, const std::string& name,
+                         const std::pair<std::string, std::string>& pair, const at::Tensor& t) {
+  const double scale = cfg.scale;
+  const bool fan_in_fan_out = cfg.fan_in_fan_out;
+  ST_CHECK(!pair.first.empty() && !pair.second.empty(), CheckpointError,
+           "the adapter in '", adapter_dir, "' has only one of lora_A / lora_B for '", name, "'");
+  const at::Tensor a = adapter.read(pair.first).to(at::kFloat);
+  const at::Tensor b = adapter.read(pair.second).to(at::kFloat);
+  check_rank(cfg, name, a, b);
+  at::Tensor w = (fan_in_fan_out ? t.t() : t).to(at::kFloat).contiguous();  // [out, in]
+  ST_CHECK(t.dim() == 2 && a.dim() == 2 && b.dim() == 2 && a.size(1) == w.size(1) &&
+               b.size(0) == w.size(0) && a.size(0) == b.size(1),
+           CheckpointError, "the adapter for '", name, "' (A ", a.sizes(), ", B ", b.sizes(),
+           ") does not fit the base weight ", t.sizes(), " in '", base_path,
+           "'. Hint: merge into the base the adapter was trained from");
+  if (q.quantize == LoraQuantize::Int8) {
+    const QuantizedWeight qw = quantize_int8(w);
+    w = dequantize_int8(qw.codes, qw.scales);
+  } else if (q.quantize == LoraQuantize::Nf4) {
+    const QuantizedWeight qw = quantize_nf4(w, q.double_quant);
+    w = dequantize_nf4(qw.codes, nf4_scales(qw), w.sizes());
   }
+  w = w + at::matmul(b, a) * scale;
+  return (fan_in_fan_out ? w.t() : w).to(t.scalar_type()).contiguous();
+}
+
+// Writes the merged tensors to `out` in the base's layout.
+void write_merged(const std::string& base_path, const std::string& out,
+                  const std::vector<std::pair<std::string, at::Tensor>>& merged) {
   const std::map<std::string, std::string> metadata = {{"format", "pt"}, {"producer", "shardtrain lora merge"}};
   if (is_hf_dir(base_path)) {  // a directory in, a directory out, with the base's config.json
     std::string config_json, why;
@@ -358,7 +376,32 @@ int64_t merge_peft_adapter(const std::string& base_path, const std::string& adap
   } else {
     checkpoint::save_safetensors(out, merged, /*transpose_conv1d=*/false, metadata);
   }
-  return static_cast<int64_t>(layers.size());
+}
+
+}  // namespace
+
+int64_t merge_peft_adapter(const std::string& base_path, const std::string& adapter_dir,
+                           const std::string& out) {
+  const AdapterConfig cfg = read_config(adapter_dir);
+  const checkpoint::SafetensorsFile adapter((fs::path(adapter_dir) / kPeftAdapterFile).string());
+  const HfWeights base(base_path);
+  const AdapterQuantization quantization = adapter_quantization(adapter);
+  const AdapterMatch match = match_adapter(adapter, base, adapter_dir, base_path);
+
+  std::vector<std::pair<std::string, at::Tensor>> merged;
+  at::NoGradGuard no_grad;
+  for (const auto& name : base.names()) {
+    const checkpoint::SafetensorsEntry e{name, "", {}, 0, 0};
+    at::Tensor t = base.read(e.name);
+    if (const auto it = match.layers.find(e.name); it != match.layers.end()) {
+      t = merged_weight(cfg, adapter, quantization, adapter_dir, base_path, e.name, it->second, t);
+    } else if (const auto bit = match.biases.find(e.name); bit != match.biases.end()) {
+      t = adapter.read(bit->second).to(t.scalar_type()).reshape(t.sizes()).contiguous();
+    }
+    merged.emplace_back(e.name, t);
+  }
+  write_merged(base_path, out, merged);
+  return static_cast<int64_t>(match.layers.size());
 }
 
 }  // namespace shardtrain::models

@@ -130,19 +130,21 @@ std::vector<std::vector<PipeAction>> pipeline_schedule(PipelineSchedule schedule
   return out;
 }
 
-PipeSimulation simulate(const std::vector<std::vector<PipeAction>>& schedule, int stages_per_rank,
-                        int micro_batches, const PipeCosts& costs) {
+namespace {
+
+// What each (kind, stage, micro) produced and when: the forward's
+// activation and the input gradient (from B or I).
+enum Kind { kActivation, kInputGrad };
+using WorkKey = std::tuple<int, int, int>;
+
+WorkKey key(Kind k, int stage, int micro) { return std::make_tuple(static_cast<int>(k), stage, micro); }
+
+// Every action once, on the rank holding its stage: how often each
+// (op, stage, micro) is run.
+std::map<WorkKey, int> count_actions(const std::vector<std::vector<PipeAction>>& schedule, int stages,
+                                     int micro_batches) {
   const int p = static_cast<int>(schedule.size());
-  const int stages = p * stages_per_rank;
-  ST_CHECK(p >= 1 && stages_per_rank >= 1 && micro_batches >= 1, ConfigError,
-           "simulate: needs ranks, stages per rank and micro-batches >= 1");
-  // What each (kind, stage, micro) produced and when: the forward's
-  // activation and the input gradient (from B or I).
-  enum Kind { kActivation, kInputGrad };
-  std::map<std::tuple<int, int, int>, double> done;
-  const auto key = [](Kind k, int stage, int micro) { return std::make_tuple(static_cast<int>(k), stage, micro); };
-  // Every action once, on the rank holding its stage.
-  std::map<std::tuple<int, int, int>, int> seen;
+  std::map<WorkKey, int> seen;
   for (int r = 0; r < p; ++r) {
     for (const PipeAction& a : schedule[static_cast<size_t>(r)]) {
       ST_CHECK(a.stage >= 0 && a.stage < stages && a.micro >= 0 && a.micro < micro_batches &&
@@ -152,6 +154,12 @@ PipeSimulation simulate(const std::vector<std::vector<PipeAction>>& schedule, in
                "pipeline schedule: rank ", r, " runs ", to_string(a, true), " twice");
     }
   }
+  return seen;
+}
+
+// Every stage runs every micro-batch's forward and its backward, whole or
+// split into its input and weight halves.
+void check_complete(const std::map<WorkKey, int>& seen, int p, int stages, int micro_batches) {
   for (int s = 0; s < stages; ++s) {
     for (int i = 0; i < micro_batches; ++i) {
       const auto count = [&](PipeOp op) { return seen.count(std::make_tuple(static_cast<int>(op), s, i)); };
@@ -161,73 +169,134 @@ PipeSimulation simulate(const std::vector<std::vector<PipeAction>>& schedule, in
                " (rank ", stage_rank(s, p), ") lacks the forward or the backward of micro-batch ", i);
     }
   }
+}
 
-  PipeSimulation sim;
-  sim.busy.assign(static_cast<size_t>(p), 0.0);
-  sim.peak_in_flight.assign(static_cast<size_t>(p), 0);
-  sim.starts.resize(static_cast<size_t>(p));
-  std::vector<size_t> next(static_cast<size_t>(p), 0);
-  std::vector<double> free_at(static_cast<size_t>(p), 0.0);
-  std::vector<int> in_flight(static_cast<size_t>(p), 0);
-  for (bool progress = true; progress;) {
-    progress = false;
-    for (int r = 0; r < p; ++r) {
-      const auto& order = schedule[static_cast<size_t>(r)];
-      for (size_t& i = next[static_cast<size_t>(r)]; i < order.size(); ++i) {
-        const PipeAction& a = order[i];
-        // What the action takes in; stage 0's forward takes the batch.
-        std::optional<std::tuple<int, int, int>> needs;
-        if (a.op == PipeOp::Forward) {
-          if (a.stage > 0) needs = key(kActivation, a.stage - 1, a.micro);
-        } else if (a.op == PipeOp::BackwardWeight) {
-          needs = key(kInputGrad, a.stage, a.micro);
-        } else {
-          needs = a.stage == stages - 1 ? key(kActivation, a.stage, a.micro) : key(kInputGrad, a.stage + 1, a.micro);
-        }
-        double ready = 0.0;
-        if (needs) {
-          const auto it = done.find(*needs);
-          if (it == done.end()) break;  // waits (on another rank, or on itself: a hang)
-          ready = it->second;
-        }
-        const double cost = a.op == PipeOp::Forward         ? costs.forward
-                            : a.op == PipeOp::Backward      ? costs.backward_input + costs.backward_weight
-                            : a.op == PipeOp::BackwardInput ? costs.backward_input
-                                                            : costs.backward_weight;
-        const double start = std::max(ready, free_at[static_cast<size_t>(r)]);
-        const double end = start + cost;
-        sim.starts[static_cast<size_t>(r)].push_back(start);
-        free_at[static_cast<size_t>(r)] = end;
-        sim.busy[static_cast<size_t>(r)] += cost;
-        int& held = in_flight[static_cast<size_t>(r)];
-        if (a.op == PipeOp::Forward) {
-          done[key(kActivation, a.stage, a.micro)] = end;
-          sim.peak_in_flight[static_cast<size_t>(r)] = std::max(sim.peak_in_flight[static_cast<size_t>(r)], ++held);
-        } else {
-          if (a.op != PipeOp::BackwardWeight) done[key(kInputGrad, a.stage, a.micro)] = end;
-          // The stage's inputs are held until its weight gradient is taken.
-          if (a.op != PipeOp::BackwardInput) --held;
-        }
-        sim.makespan = std::max(sim.makespan, end);
-        progress = true;
-      }
-    }
+// What the action takes in; stage 0's forward takes the batch.
+std::optional<WorkKey> input_of(const PipeAction& a, int stages) {
+  std::optional<WorkKey> needs;
+  if (a.op == PipeOp::Forward) {
+    if (a.stage > 0) needs = key(kActivation, a.stage - 1, a.micro);
+  } else if (a.op == PipeOp::BackwardWeight) {
+    needs = key(kInputGrad, a.stage, a.micro);
+  } else {
+    needs = a.stage == stages - 1 ? key(kActivation, a.stage, a.micro) : key(kInputGrad, a.stage + 1, a.micro);
   }
+  return needs;
+}
+
+double cost_of(const PipeAction& a, const PipeCosts& costs) {
+  return a.op == PipeOp::Forward         ? costs.forward
+         : a.op == PipeOp::Backward      ? costs.backward_input + costs.backward_weight
+         : a.op == PipeOp::BackwardInput ? costs.backward_input
+                                         : costs.backward_weight;
+}
+
+// The simulation under way: each rank's next action, when it is free, the
+// micro-batches whose inputs it holds, and when each output was produced.
+struct Run {
+  const std::vector<std::vector<PipeAction>>& schedule;
+  int stages;
+  const PipeCosts& costs;
+  PipeSimulation sim;
+  std::map<WorkKey, double> done;
+  std::vector<size_t> next;
+  std::vector<double> free_at;
+  std::vector<int> in_flight;
+
+  Run(const std::vector<std::vector<PipeAction>>& schedule, int stages, const PipeCosts& costs)
+      : schedule(schedule), stages(stages), costs(costs), next(schedule.size(), 0),
+        free_at(schedule.size(), 0.0), in_flight(schedule.size(), 0) {
+    sim.busy.assign(schedule.size(), 0.0);
+    sim.peak_in_flight.assign(schedule.size(), 0);
+    sim.starts.resize(schedule.size());
+  }
+};
+
+// Runs action `a` on rank r once its input is ready (at `ready`) and the
+// rank is free.
+void run_action(Run& run, int r, const PipeAction& a, double ready) {
+  PipeSimulation& sim = run.sim;
+  const double cost = cost_of(a, run.costs);
+  const double start = std::max(ready, run.free_at[static_cast<size_t>(r)]);
+  const double end = start + cost;
+  sim.starts[static_cast<size_t>(r)].push_back(start);
+  run.free_at[static_cast<size_t>(r)] = end;
+  sim.busy[static_cast<size_t>(r)] += cost;
+  int& held = run.in_flight[static_cast<size_t>(r)];
+  if (a.op == PipeOp::Forward) {
+    run.done[key(kActivation, a.stage, a.micro)] = end;
+    sim.peak_in_flight[static_cast<size_t>(r)] = std::max(sim.peak_in_flight[static_cast<size_t>(r)], ++held);
+  } else {
+    if (a.op != PipeOp::BackwardWeight) run.done[key(kInputGrad, a.stage, a.micro)] = end;
+    // The stage's inputs are held until its weight gradient is taken.
+    if (a.op != PipeOp::BackwardInput) --held;
+  }
+  sim.makespan = std::max(sim.makespan, end);
+}
+
+// Runs rank r's actions in its order until one waits on an input not yet
+// produced; whether it ran any.
+bool advance_rank(Run& run, int r) {
+  bool progress = false;
+  const auto& order = run.schedule[static_cast<size_t>(r)];
+  for (size_t& i = run.next[static_cast<size_t>(r)]; i < order.size(); ++i) {
+    const PipeAction& a = order[i];
+    const std::optional<WorkKey> needs = input_of(a, run.stages);
+    double ready = 0.0;
+    if (needs) {
+      const auto it = run.done.find(*needs);
+      if (it == run.done.end()) break;  // waits (on another rank, or on itself: a hang)
+      ready = it->second;
+    }
+    run_action(run, r, a, ready);
+    progress = true;
+  }
+  return progress;
+}
+
+// Every rank has run its whole order, else the schedule hangs.
+void check_finished(const Run& run) {
+  const int p = static_cast<int>(run.schedule.size());
   std::string stuck;
   for (int r = 0; r < p; ++r) {
-    const size_t i = next[static_cast<size_t>(r)];
-    const auto& order = schedule[static_cast<size_t>(r)];
+    const size_t i = run.next[static_cast<size_t>(r)];
+    const auto& order = run.schedule[static_cast<size_t>(r)];
     if (i < order.size()) stuck += str_cat(stuck.empty() ? "" : ", ", "rank ", r, " at ", to_string(order[i], true));
   }
   ST_CHECK(stuck.empty(), ConfigError, "pipeline schedule hangs: every remaining rank waits on work that "
            "cannot come (", stuck, ")");
+}
+
+// The ranks' mean idle time as a fraction of their busy time.
+double mean_bubble(const PipeSimulation& sim, int p) {
   double bubble = 0.0;
   for (int r = 0; r < p; ++r) {
     const double busy = sim.busy[static_cast<size_t>(r)];
     bubble += (sim.makespan - busy) / busy;
   }
-  sim.bubble = bubble / p;
-  return sim;
+  return bubble / p;
+}
+
+}  // namespace
+
+PipeSimulation simulate(const std::vector<std::vector<PipeAction>>& schedule, int stages_per_rank,
+                        int micro_batches, const PipeCosts& costs) {
+  const int p = static_cast<int>(schedule.size());
+  const int stages = p * stages_per_rank;
+  ST_CHECK(p >= 1 && stages_per_rank >= 1 && micro_batches >= 1, ConfigError,
+           "simulate: needs ranks, stages per rank and micro-batches >= 1");
+  check_complete(count_actions(schedule, stages, micro_batches), p, stages, micro_batches);
+
+  Run run(schedule, stages, costs);
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int r = 0; r < p; ++r) {
+      if (advance_rank(run, r)) progress = true;
+    }
+  }
+  check_finished(run);
+  run.sim.bubble = mean_bubble(run.sim, p);
+  return run.sim;
 }
 
 std::vector<StageRange> split_stages(const std::vector<int64_t>& unit_params, int stages,
