@@ -346,7 +346,9 @@ TEST(Allocated, BuffersThatDifferByRankAreStillReduced) {
 TEST(Allocated, ReduceScatterAndAllGatherInPlaceGiveTheStagedResultToTheBit) {
   const int n = world().size(), rank = world().rank();
   const int64_t shared = shares_memory(world()) ? 1 : 0;
-  for (auto dtype : {at::kFloat, at::kBFloat16, at::kInt}) {
+  // A float and an integer type: the paths move bytes and combine through
+  // the one function the all-reduce test covers for every dtype.
+  for (auto dtype : {at::kFloat, at::kInt}) {
     const int64_t at_threshold = (int64_t{256} << 10) / static_cast<int64_t>(c10::elementSize(dtype));
     for (int64_t numel : {int64_t{0}, int64_t{1}, int64_t{7}, 5 * int64_t{n} + 1, at_threshold - 1, at_threshold,
                           at_threshold * 3 + 2 * n + 1}) {
