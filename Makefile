@@ -5,6 +5,10 @@
 BUILD_DIR ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
+# Every translation unit uses the precompiled <torch/torch.h>; ccache caches
+# such a compile only with this sloppiness (without it every call is
+# "uncacheable"). Measured: a library file 12.4 s compiled, 3.4 s cached.
+export CCACHE_SLOPPINESS ?= pch_defines,time_macros
 
 # What the build and the tests need from Debian. libopenblas0-pthread replaces
 # the reference BLAS behind LibTorch's GEMMs (about 5 -> 90 GFLOP/s here).

@@ -33,6 +33,10 @@ work=$(realpath -m "${BUILD_DIR:-build}")/mutants
 src=$work/src   # the copy of the tree
 bld=$work/build # its build directory
 jobs=${JOBS:-$(nproc)}
+# ccache caches compiles that use the precompiled header only with this
+# sloppiness: a mutant's restored file then comes from the cache, and so
+# does the mutated one on a later run of the same patch.
+export CCACHE_SLOPPINESS=${CCACHE_SLOPPINESS:-pch_defines,time_macros}
 timeout=${TEST_TIMEOUT:-900}
 
 die() { echo "mutants: $*" >&2; exit 2; }
