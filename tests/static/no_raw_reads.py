@@ -13,6 +13,8 @@ import os
 import re
 import sys
 
+import cxx_text  # beside this script
+
 # The one reader.
 READER = "src/core/file.cpp"
 
@@ -45,30 +47,7 @@ def strip(code):
     """Comments and string literals blanked (lengths kept), so that prose
     mentioning open() or ifstream is not flagged; #include lines too (<fstream>
     is included for writers). Every offset stays that of the file."""
-    out = []
-    i, n = 0, len(code)
-    while i < n:
-        c = code[i]
-        if code.startswith("//", i):
-            j = code.find("\n", i)
-            j = n if j < 0 else j
-            out.append(" " * (j - i))
-            i = j
-        elif code.startswith("/*", i):
-            j = code.find("*/", i + 2)
-            j = n if j < 0 else j + 2
-            out.append(re.sub(r"[^\n]", " ", code[i:j]))
-            i = j
-        elif c == '"' or c == "'":
-            j = i + 1
-            while j < n and code[j] != c:
-                j += 2 if code[j] == "\\" else 1
-            out.append(c + " " * (j - i - 1) + c)
-            i = j + 1
-        else:
-            out.append(c)
-            i += 1
-    return re.sub(r"(?m)^[ \t]*#[ \t]*include.*$", lambda m: " " * len(m.group(0)), "".join(out))
+    return cxx_text.blank(code, "include")
 
 
 def call_text(code, start):
