@@ -339,9 +339,7 @@ void ShmChannel::combine(const void* own, void* out, int64_t count, DType dtype,
 // Step k: copy each peer's piece k out of its own slot, stage piece k+1.
 void ShmChannel::all_gather(const OpContext& oc, void* buf, int64_t numel, DType dtype) {
   char* data = static_cast<char*>(buf);
-  if (static_cast<size_t>(numel) * element_size(dtype) >= kInPlaceBytes && all_gather_in_place(oc, data, numel, dtype)) {
-    return;
-  }
+  if (all_gather_in_place(oc, data, numel, dtype)) return;
   const Pieces pc = pieces(numel, dtype);
   const auto stage_own = [&](int64_t k) {
     std::memcpy(slot(rank_, k, rank_), data + pc.offset_of(pc.mine, k),
@@ -359,10 +357,7 @@ void ShmChannel::reduce_scatter(const OpContext& oc, const void* in, void* out, 
                                 DType dtype, ReduceOp op) {
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
-  if (static_cast<size_t>(numel) * element_size(dtype) >= kInPlaceBytes &&
-      reduce_scatter_in_place(oc, src, dst, numel, dtype, op)) {
-    return;
-  }
+  if (reduce_scatter_in_place(oc, src, dst, numel, dtype, op)) return;
   const Pieces pc = pieces(numel, dtype);
   pipeline(oc, pc.count, [&] { stage_for_peers(pc, 0, src); }, [&](int64_t k) {
     const int64_t count = pc.elements_in(pc.mine, k);
@@ -410,6 +405,8 @@ std::shared_ptr<ShmChannel::Region> ShmChannel::region_holding(const char* buf, 
 
 std::shared_ptr<ShmChannel::Region> ShmChannel::agree_on_region(const OpContext& oc, const char* buf, size_t bytes,
                                                                 int64_t* offset) {
+  // Small buffers, staged in cache anyway, do not pay for the agreement.
+  if (bytes < kInPlaceBytes) return nullptr;
   std::shared_ptr<Region> region = region_holding(buf, bytes);
   *offset = region ? buf - region->mine() : -1;
   region_id(rank_).store(region ? region->id : 0, std::memory_order_relaxed);
@@ -503,10 +500,7 @@ bool ShmChannel::all_gather_in_place(const OpContext& oc, char* buf, int64_t num
 // written once outside the cache, as by a memcpy.
 void ShmChannel::all_reduce(const OpContext& oc, void* buf, int64_t numel, DType dtype, ReduceOp op) {
   char* data = static_cast<char*>(buf);
-  if (static_cast<size_t>(numel) * element_size(dtype) >= kInPlaceBytes &&
-      all_reduce_in_place(oc, data, numel, dtype, op)) {
-    return;
-  }
+  if (all_reduce_in_place(oc, data, numel, dtype, op)) return;
   const Pieces pc = pieces(numel, dtype);
   pipeline(oc, 2 * pc.count, [&] { stage_for_peers(pc, 0, data); }, [&](int64_t j) {
     const int64_t k = j / 2;

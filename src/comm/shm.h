@@ -127,7 +127,9 @@ class ShmChannel {
   // Every rank says which allocation and offset its buffer is at and waits
   // for the others: the region holding `buf` (and the offset) when every
   // rank's is at the same place of one allocation, else null on every rank
-  // alike. Counts the answer in in_place_ops() or staged_ops().
+  // alike. Counts the answer in in_place_ops() or staged_ops(). Buffers
+  // under kInPlaceBytes get null at once, uncounted (every rank alike: the
+  // sizes agree).
   std::shared_ptr<Region> agree_on_region(const OpContext& oc, const char* buf, size_t bytes, int64_t* offset);
   // The in-place paths; false (on every rank alike) when the buffers are
   // not all at the same place of one allocation.
