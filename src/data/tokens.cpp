@@ -79,14 +79,25 @@ std::string ByteTokenizer::decode(const std::vector<int64_t>& ids) {
 // temporary beside the target, fsynced, renamed over it): a full disk is a
 // CheckpointError (exit 3) that leaves what `path` held, and a link planted
 // at `path` or beside it is never written through.
-void write_token_file(const std::string& path, const std::vector<uint16_t>& tokens) {
-  ST_CHECK(tokens.size() <= static_cast<size_t>(INT32_MAX), ConfigError, "cannot write ",
-           tokens.size(), " tokens to '", path,
+namespace {
+
+// The header of a token file of `count` tokens: version 1 (uint16 tokens),
+// or 2 with the width (4) in word 3 when `wide`.
+std::vector<int32_t> token_file_header(const std::string& path, size_t count, bool wide) {
+  ST_CHECK(count <= static_cast<size_t>(INT32_MAX), ConfigError, "cannot write ", count, " tokens to '", path,
            "': the token-file header holds an int32 count; hint: split the data into shards");
   std::vector<int32_t> header(kHeaderWords, 0);
   header[0] = kTokenFileMagic;
-  header[1] = kTokenFileVersion;
-  header[2] = static_cast<int32_t>(tokens.size());
+  header[1] = wide ? kTokenFileVersionWide : kTokenFileVersion;
+  header[2] = static_cast<int32_t>(count);
+  if (wide) header[3] = 4;  // token width in bytes
+  return header;
+}
+
+}  // namespace
+
+void write_token_file(const std::string& path, const std::vector<uint16_t>& tokens) {
+  const std::vector<int32_t> header = token_file_header(path, tokens.size(), /*wide=*/false);
   checkpoint::detail::write_file_atomically(
       path, {{header.data(), kHeaderBytes}, {tokens.data(), tokens.size() * sizeof(uint16_t)}});
 }
@@ -102,15 +113,9 @@ int write_token_runs(const std::string& path, std::vector<std::vector<int32_t>>&
     }
     count += run.size();
   }
-  ST_CHECK(count <= static_cast<size_t>(INT32_MAX), ConfigError, "cannot write ", count, " tokens to '", path,
-           "': the token-file header holds an int32 count; hint: split the data into shards");
   // Version 1 (every reader of llm.c's layout takes it) when the ids fit.
   const bool narrow = largest < 65536;
-  std::vector<int32_t> header(kHeaderWords, 0);
-  header[0] = kTokenFileMagic;
-  header[1] = narrow ? kTokenFileVersion : kTokenFileVersionWide;
-  header[2] = static_cast<int32_t>(count);
-  if (!narrow) header[3] = 4;  // token width in bytes
+  const std::vector<int32_t> header = token_file_header(path, count, /*wide=*/!narrow);
   std::vector<std::pair<const void*, size_t>> pieces{{header.data(), kHeaderBytes}};
   for (auto& run : runs) {
     if (narrow) {
