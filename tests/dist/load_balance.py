@@ -224,8 +224,23 @@ def rank_of(launcher, timeout=60):
     fail(f"launcher {launcher} started no rank process")
 
 
+CPU_CGROUP = "/sys/fs/cgroup/cpu"
+
+
+def release(group):
+    """Moves every process of cgroup `group` back to the root cpu group."""
+    try:
+        with open(os.path.join(group, "cgroup.procs")) as f:
+            left = f.read().split()
+        for pid in left:
+            with open(os.path.join(CPU_CGROUP, "cgroup.procs"), "w") as f:
+                f.write(pid)
+    except OSError:
+        pass
+
+
 def cmd_throttled(cli, src):
-    cpu = "/sys/fs/cgroup/cpu"
+    cpu = CPU_CGROUP
     if not os.access(os.path.join(cpu, "cgroup.procs"), os.W_OK):
         fail(f"{cpu} is not a writable cgroup v1 cpu controller (this test runs as root)")
     group = os.path.join(cpu, f"shardtrain-throttle-{os.getpid()}")
@@ -258,8 +273,12 @@ def cmd_throttled(cli, src):
                     except (OSError, ValueError):
                         pass
                     time.sleep(0.1)
+                # Lifted by moving the rank back to the root group: raising
+                # the quota alone can leave it in a group the scheduler
+                # still places poorly (its share then stays low).
                 with open(os.path.join(group, "cpu.cfs_quota_us"), "w") as f:
                     f.write("-1")
+                release(group)
                 lifted.append(len(rows(bal_dir)))
             threading.Thread(target=lift, daemon=True).start()
 
@@ -290,14 +309,7 @@ def cmd_throttled(cli, src):
         print(f"throttled: share down to {throttled:.3f}, back to {series[-1]:.3f}; named and recovered; "
               f"{STEPS} losses equal the even run's within {RTOL} (largest {worst:.1e}), all {steps} within 1e-4")
     finally:
-        try:
-            with open(os.path.join(group, "cgroup.procs")) as f:
-                left = f.read().split()
-            for pid in left:
-                with open(os.path.join(cpu, "cgroup.procs"), "w") as f:
-                    f.write(pid)
-        except OSError:
-            pass
+        release(group)
         for _ in range(50):
             try:
                 os.rmdir(group)
