@@ -824,6 +824,72 @@ Work Communicator::all_gather(const at::Tensor& input, const at::Tensor& output,
   });
 }
 
+namespace {
+
+// Elements per row along dim 0 of an all_to_all tensor.
+int64_t row_width(const at::Tensor& t, const char* arg) {
+  ST_CHECK(t.dim() >= 1, InvalidArgument, "all_to_all: ", arg,
+           " is a 0-d tensor; splits count rows along dim 0, so give it at least one dimension");
+  int64_t row = 1;
+  for (int64_t d = 1; d < t.dim(); ++d) row *= t.size(d);
+  return row;
+}
+
+void check_splits(const std::vector<int64_t>& splits, const at::Tensor& t, int size, const char* name) {
+  ST_CHECK(static_cast<int>(splits.size()) == size, InvalidArgument, "all_to_all: ", name, " has ",
+           splits.size(), " entries for a group of ", size, "; give one count of rows per group rank");
+  int64_t sum = 0;
+  for (size_t j = 0; j < splits.size(); ++j) {
+    ST_CHECK(splits[j] >= 0, InvalidArgument, "all_to_all: ", name, "[", j, "] is ", splits[j],
+             "; counts of rows cannot be negative");
+    sum += splits[j];
+  }
+  ST_CHECK(sum == t.size(0), InvalidArgument, "all_to_all: ", name, " sum to ", sum, " rows but the tensor has ",
+           t.size(0), " along dim 0; make them add up to its rows");
+}
+
+}  // namespace
+
+Work Communicator::all_to_all(const at::Tensor& input, std::vector<int64_t> input_splits,
+                              const at::Tensor& output, std::vector<int64_t> output_splits,
+                              const AllToAllOptions& options) {
+  const detail::DType dtype = detail::check_tensor(input, "all_to_all", "input");
+  ST_CHECK(detail::check_tensor(output, "all_to_all", "output") == dtype, InvalidArgument,
+           "all_to_all: output dtype ", output.scalar_type(), " differs from input dtype ", input.scalar_type());
+  const int64_t row = row_width(input, "input");
+  ST_CHECK(row_width(output, "output") == row, InvalidArgument, "all_to_all: output rows have ",
+           row_width(output, "output"), " elements but input rows ", row, "; give both the same shape after dim 0");
+  check_splits(input_splits, input, size(), "input_splits");
+  check_splits(output_splits, output, size(), "output_splits");
+  ST_CHECK(size() > 1 || input_splits[0] == output_splits[0], InvalidArgument,
+           "all_to_all: a rank alone sends itself ", input_splits[0], " rows but expects ", output_splits[0],
+           "; give input and output the same rows");
+  const size_t es = detail::element_size(dtype);
+  const char* in_lo = detail::bytes(input);
+  const char* out_lo = detail::bytes(output);
+  ST_CHECK(input.numel() == 0 || output.numel() == 0 || in_lo + input.numel() * es <= out_lo ||
+               out_lo + output.numel() * es <= in_lo,
+           InvalidArgument, "all_to_all: input and output overlap; give the output a buffer of its own");
+  return run_collective(*group_, "all_to_all", options.timeout(), options.async(),
+                        [input, output, dtype, row, in_splits = std::move(input_splits),
+                         out_splits = std::move(output_splits)](const detail::OpContext& oc) {
+    if (oc.size == 1) {
+      if (input.numel() > 0) std::memcpy(detail::bytes(output), detail::bytes(input), input.numel() * detail::element_size(dtype));
+      return;
+    }
+    const detail::AllToAllPlan plan = detail::agree_all_to_all(oc, dtype, row, in_splits, out_splits);
+    detail::OpContext data = oc;
+    data.phase = 1;  // slots of its own, apart from the agreement's
+    if (oc.mpi != nullptr) {
+      oc.mpi->all_to_all(data, detail::bytes(input), detail::bytes(output), plan, dtype);
+    } else if (oc.shm != nullptr) {
+      oc.shm->all_to_all(data, detail::bytes(input), detail::bytes(output), plan, dtype);
+    } else {
+      detail::pairwise_all_to_all(data, detail::bytes(input), detail::bytes(output), plan, dtype);
+    }
+  });
+}
+
 Work Communicator::broadcast(const at::Tensor& tensor, const BroadcastOptions& options) {
   const detail::DType dtype = detail::check_tensor(tensor, "broadcast", "tensor");
   const int root = options.root();

@@ -163,6 +163,30 @@ void tcp_all_reduce(const OpContext& oc, void* buf, int64_t numel, DType dtype, 
 /// Pipelined chain broadcast from group rank `root` along root, root+1, ...
 void chain_broadcast(const OpContext& oc, void* buf, int64_t numel, DType dtype, int root);
 
+/// Where the parts of one all_to_all lie, in elements: send[j] the part of
+/// the input for group rank j, recv[j] the part of the output from it. The
+/// same `most` and `largest` on every rank (agree_all_to_all).
+struct AllToAllPlan {
+  std::vector<ShardRange> send, recv;
+  int64_t most = 0;     // the largest part any rank sends any rank
+  int64_t largest = 0;  // the largest input or output of any rank
+};
+
+/// All-gathers every rank's dtype, row width and splits (in rows) over the
+/// group's own path and checks them, alike on every rank: InvalidArgument on
+/// every rank, naming both ranks, when rank i's input_splits[j] differs from
+/// rank j's output_splits[i], or row widths or dtypes differ. Uses phase 0.
+AllToAllPlan agree_all_to_all(const OpContext& oc, DType dtype, int64_t row,
+                              const std::vector<int64_t>& input_splits,
+                              const std::vector<int64_t>& output_splits);
+
+/// all_to_all over the group's TCP connections: every receive is posted
+/// straight into its place in `out`, then the sends in the order rank+1,
+/// rank+2, ... (so no two ranks start on the same peer); parts of zero
+/// elements are skipped on both sides. `in` and `out` do not overlap.
+void pairwise_all_to_all(const OpContext& oc, const void* in, void* out,
+                         const AllToAllPlan& plan, DType dtype);
+
 /// The two levels of a hierarchical group, as group ranks in group-rank
 /// order: `host` the ranks on this rank's host, `cross` the ranks with this
 /// rank's local index on every host.

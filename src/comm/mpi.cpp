@@ -316,6 +316,23 @@ void MpiComm::broadcast(const OpContext& oc, void* buf, int64_t numel, DType dty
   }
 }
 
+void MpiComm::all_to_all(const OpContext& oc, const void* in, void* out, const AllToAllPlan& plan,
+                         DType dtype) const {
+  checked_count(oc, plan.largest);  // every rank's offsets and counts then fit an int
+  const int size = handle_->size;
+  std::vector<int> send_counts(size), send_offsets(size), recv_counts(size), recv_offsets(size);
+  for (int r = 0; r < size; ++r) {
+    send_counts[r] = static_cast<int>(plan.send[r].count);
+    send_offsets[r] = static_cast<int>(plan.send[r].offset);
+    recv_counts[r] = static_cast<int>(plan.recv[r].count);
+    recv_offsets[r] = static_cast<int>(plan.recv[r].offset);
+  }
+  run(oc, "all-to-all", [&](MPI_Request* r) {
+    return MPI_Ialltoallv(in, send_counts.data(), send_offsets.data(), mpi_type(dtype), out,
+                          recv_counts.data(), recv_offsets.data(), mpi_type(dtype), handle_->comm, r);
+  });
+}
+
 void MpiComm::barrier(const OpContext& oc) const {
   run(oc, "barrier", [&](MPI_Request* r) { return MPI_Ibarrier(handle_->comm, r); });
 }

@@ -60,6 +60,10 @@ class MpiComm {
   /// In place: `buf` holds this rank's shard_range and receives every rank's.
   void all_gather(const OpContext& oc, void* buf, int64_t numel, DType dtype) const;
   void broadcast(const OpContext& oc, void* buf, int64_t numel, DType dtype, int root) const;
+  /// MPI_Alltoallv over the plan's parts; InvalidArgument (on every rank
+  /// alike) when some rank's input or output is over 2^31-1 elements.
+  void all_to_all(const OpContext& oc, const void* in, void* out, const AllToAllPlan& plan,
+                  DType dtype) const;
   void barrier(const OpContext& oc) const;
 
   /// Posts a send (recv) of `nbytes` to (from) group rank `peer` with `tag`;

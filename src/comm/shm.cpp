@@ -369,6 +369,30 @@ void ShmChannel::reduce_scatter(const OpContext& oc, const void* in, void* out, 
   });
 }
 
+// Step k: copy piece k of each peer's part for this rank out of the slot
+// that peer keeps for it, stage piece k+1 of this rank's part for each peer.
+void ShmChannel::all_to_all(const OpContext& oc, const char* in, char* out, const AllToAllPlan& plan,
+                            DType dtype) {
+  const size_t es = element_size(dtype);
+  const auto per = static_cast<int64_t>(slot_bytes() / es);
+  const int64_t steps = (plan.most + per - 1) / per;  // the same on every rank
+  const ShardRange own = plan.send[rank_];
+  if (own.count > 0) std::memcpy(out + plan.recv[rank_].offset * es, in + own.offset * es, own.count * es);
+  const auto stage_pieces = [&](int64_t k) {
+    for (int p = 0; p < size_; ++p) {
+      const int64_t count = piece(plan.send[p].count, k * per, per);
+      if (p != rank_ && count > 0) std::memcpy(slot(rank_, k, p), in + (plan.send[p].offset + k * per) * es, count * es);
+    }
+  };
+  pipeline(oc, steps, [&] { stage_pieces(0); }, [&](int64_t k) {
+    for (int p = 0; p < size_; ++p) {
+      const int64_t count = piece(plan.recv[p].count, k * per, per);
+      if (p != rank_ && count > 0) std::memcpy(out + (plan.recv[p].offset + k * per) * es, slot(p, k, rank_), count * es);
+    }
+    if (k + 1 < steps) stage_pieces(k + 1);
+  });
+}
+
 ShmChannel::Region::~Region() { munmap(base, per_rank * static_cast<size_t>(ranks)); }
 
 std::shared_ptr<ShmChannel::Region> ShmChannel::allocate(const OpContext& setup, size_t bytes) {

@@ -62,6 +62,11 @@ class ShmChannel {
   /// from the peers' inputs where they are: no staging.
   void reduce_scatter(const OpContext& oc, const void* in, void* out, int64_t numel, DType dtype,
                       ReduceOp op);
+  /// Each rank's part plan.send[p] of `in` reaches rank p's `out` at its
+  /// plan.recv[rank]: staged in pieces, every pair at once, in
+  /// ceil(plan.most / slot) steps on every rank (none when every part is
+  /// empty). `in` and `out` do not overlap.
+  void all_to_all(const OpContext& oc, const char* in, char* out, const AllToAllPlan& plan, DType dtype);
   /// How many all_reduce, reduce_scatter and all_gather calls of at least
   /// kInPlaceBytes took the in-place path, and how many were staged because
   /// some rank's buffer was not in allocated memory (or not at the same

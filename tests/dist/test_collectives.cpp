@@ -418,6 +418,95 @@ TEST(Allocated, ReduceScatterAndAllGatherInPlaceGiveTheStagedResultToTheBit) {
   }
 }
 
+// ---- all_to_all ---------------------------------------------------------------
+
+namespace {
+
+// Rows rank i sends rank j, for each layout of the all_to_all matrix.
+using Layout = int64_t (*)(int i, int j, int n);
+struct NamedLayout {
+  const char* name;
+  Layout rows;
+};
+const NamedLayout kLayouts[] = {
+    {"empty", [](int, int, int) -> int64_t { return 0; }},
+    {"one", [](int, int, int) -> int64_t { return 1; }},
+    {"uneven", [](int i, int j, int) -> int64_t { return (i + 2 * j) % 3 + i; }},
+    {"last rank sends nothing", [](int i, int j, int n) -> int64_t { return i == n - 1 ? 0 : (i + j) % 4 + 1; }},
+    {"rank 0 receives nothing", [](int i, int j, int) -> int64_t { return j == 0 ? 0 : 2 * i + j + 1; }},
+    // Several pieces of the shared-memory slots, and several 1 MB segments' worth over TCP.
+    {"large", [](int i, int j, int) -> int64_t { return 3001 + 7 * i + 5 * j; }},
+};
+
+// The value at element `index` of the part rank `src` sends rank `dst`:
+// every part distinct, exact in float32 (below 2^24) and int64.
+at::Tensor part_values(int src, int dst, int64_t numel) {
+  return at::arange(numel, at::kLong) % 10000 + (int64_t{1000000} * src + int64_t{10000} * dst);
+}
+
+// Rank `me`'s input (what it sends each rank, in rank order) or the output
+// it must end with (what each rank sends it), rows of `width` elements.
+at::Tensor all_to_all_buffer(Layout rows, int me, int n, int64_t width, at::ScalarType dtype, bool input,
+                             std::vector<int64_t>* splits) {
+  std::vector<at::Tensor> pieces;
+  splits->clear();
+  for (int p = 0; p < n; ++p) {
+    const int64_t count = input ? rows(me, p, n) : rows(p, me, n);
+    splits->push_back(count);
+    pieces.push_back(input ? part_values(me, p, count * width) : part_values(p, me, count * width));
+  }
+  const int64_t total = std::accumulate(splits->begin(), splits->end(), int64_t{0});
+  return at::cat(pieces).to(dtype).reshape({total, width});
+}
+
+// Every layout, in float32 and int64, rows of 1 and of 3 elements, on `c`:
+// the output equals the parts computed here, and the input is unchanged.
+void check_all_to_all(Communicator& c, const std::string& where) {
+  const int n = c.size(), me = c.rank();
+  for (auto dtype : {at::kFloat, at::kLong}) {
+    for (int64_t width : {1, 3}) {
+      for (const NamedLayout& layout : kLayouts) {
+        std::vector<int64_t> in_splits, out_splits;
+        at::Tensor in = all_to_all_buffer(layout.rows, me, n, width, dtype, true, &in_splits);
+        const at::Tensor want = all_to_all_buffer(layout.rows, me, n, width, dtype, false, &out_splits);
+        if (width == 1) in = in.flatten();  // 1-D: splits count elements
+        const at::Tensor in_copy = in.clone();
+        at::Tensor out = at::full(width == 1 ? want.flatten().sizes() : want.sizes(), -1, dtype);
+        c.all_to_all(in, in_splits, out, out_splits).wait();
+        EXPECT_TRUE(at::equal(out.reshape(want.sizes()), want))
+            << where << " all_to_all " << layout.name << " " << c10::toString(dtype) << " width " << width;
+        EXPECT_TRUE(at::equal(in, in_copy)) << where << " all_to_all changed its input";
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST(Collectives, AllToAll) { check_all_to_all(world(), "world"); }
+
+// Two at once, asynchronously, beside an all_reduce: each keeps its own parts.
+TEST(Collectives, AllToAllInFlightWithOthers) {
+  const int n = world().size(), me = world().rank();
+  std::vector<int64_t> a_in, a_out, b_in, b_out;
+  const Layout uneven = kLayouts[2].rows, silent = kLayouts[3].rows;
+  at::Tensor a = all_to_all_buffer(uneven, me, n, 1, at::kFloat, true, &a_in).flatten();
+  at::Tensor b = all_to_all_buffer(silent, me, n, 2, at::kLong, true, &b_in);
+  const at::Tensor a_want = all_to_all_buffer(uneven, me, n, 1, at::kFloat, false, &a_out).flatten();
+  const at::Tensor b_want = all_to_all_buffer(silent, me, n, 2, at::kLong, false, &b_out);
+  at::Tensor a_got = at::empty_like(a_want), b_got = at::empty_like(b_want);
+  auto sum = contribution(1001, me, at::kFloat);
+  Work wa = world().all_to_all(a, a_in, a_got, a_out, AllToAllOptions().async(true));
+  Work ws = world().all_reduce(sum, AllReduceOptions().async(true));
+  Work wb = world().all_to_all(b, b_in, b_got, b_out, AllToAllOptions().async(true));
+  wb.wait();
+  ws.wait();
+  wa.wait();
+  EXPECT_TRUE(at::equal(a_got, a_want));
+  EXPECT_TRUE(at::equal(b_got, b_want));
+  expect_close(sum, expected_reduction(1001, at::kFloat, ReduceOp::Sum), "all_reduce between all_to_alls");
+}
+
 TEST(PointToPoint, RingExchangeWithoutDeadlock) {
   if (world().size() < 2) GTEST_SKIP() << "needs two ranks";
   const int n = world().size(), r = world().rank();
@@ -480,6 +569,61 @@ TEST(SubGroups, EvenAndOddRanksReduceSeparately) {
     auto out = at::empty({s.count});
     mine->reduce_scatter(contribution(numel, r, at::kFloat), out);
     expect_close(out, want.narrow(0, s.offset, s.count), "sub-group reduce_scatter");
+  }
+  world().barrier();
+}
+
+// The even and the odd ranks each run every all_to_all layout in a group of
+// their own, at the same time.
+TEST(SubGroups, AllToAllInEachGroup) {
+  const int n = world().size(), r = world().rank();
+  std::vector<int> even, odd;
+  for (int i = 0; i < n; ++i) (i % 2 == 0 ? even : odd).push_back(i);
+  auto g_even = world().new_group(even);
+  auto g_odd = odd.empty() ? nullptr : world().new_group(odd);
+  auto mine = r % 2 == 0 ? g_even : g_odd;
+  ASSERT_NE(mine, nullptr);
+  check_all_to_all(*mine, mine->name());
+  world().barrier();
+}
+
+// Local mistakes throw at the call; counts that disagree between ranks throw
+// the same error on every rank (in a group of its own: the error breaks it),
+// never a hang or a write past a buffer.
+TEST(Errors, AllToAllBadArgumentsAreTypedErrors) {
+  const int n = world().size(), me = world().rank();
+  const std::vector<int64_t> ones(static_cast<size_t>(n), 1);
+  auto in = at::ones({n}), out = at::zeros({n});
+  std::vector<int64_t> short_splits(ones.begin(), ones.end() - 1);
+  EXPECT_THROW(world().all_to_all(in, short_splits, out, ones), InvalidArgument);
+  EXPECT_THROW(world().all_to_all(in, ones, out, std::vector<int64_t>(n + 1, 0)), InvalidArgument);
+  std::vector<int64_t> too_many = ones;
+  too_many[0] = 2;
+  EXPECT_THROW(world().all_to_all(in, too_many, out, ones), InvalidArgument);
+  std::vector<int64_t> negative = ones;
+  negative[0] = -1;
+  if (n > 1) negative[n - 1] += 2;  // the right sum, one count negative
+  EXPECT_THROW(world().all_to_all(in, ones, out, negative), InvalidArgument);
+  EXPECT_THROW(world().all_to_all(in, ones, at::zeros({n}, at::kLong), ones), InvalidArgument);
+  EXPECT_THROW(world().all_to_all(in, ones, at::zeros({n, 2}), ones), InvalidArgument);
+  EXPECT_THROW(world().all_to_all(at::ones({2 * n}).view({n, 2}).t(), ones, at::zeros({2, n}), ones), InvalidArgument);
+  EXPECT_THROW(world().all_to_all(at::ones({}), {1}, at::zeros({}), {1}), InvalidArgument);
+  EXPECT_THROW(world().all_to_all(in, ones, in, ones), InvalidArgument);  // overlap
+  if (n < 2) return;
+  std::vector<int> everyone(static_cast<size_t>(n));
+  std::iota(everyone.begin(), everyone.end(), 0);
+  auto group = world().new_group(everyone);
+  // Rank 0 sends rank 1 two rows where rank 1 expects one.
+  std::vector<int64_t> sends = ones;
+  if (me == 0) sends[1] = 2;
+  auto bigger = at::ones({me == 0 ? n + 1 : n});
+  try {
+    group->all_to_all(bigger, sends, out, ones);
+    ADD_FAILURE() << "all_to_all with counts that disagree returned";
+  } catch (const InvalidArgument& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("rank 0 sends rank 1 2 rows"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("expects 1"), std::string::npos) << msg;
   }
   world().barrier();
 }

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "shardtrain/comm/communicator.h"
 #include "shardtrain/core/error.h"
@@ -140,6 +141,41 @@ TEST(Hierarchical, ReduceScatterAndAllGatherMatchTheExactResultAndTheFlatRings) 
       EXPECT_TRUE(at::equal(aliased, whole)) << "all_gather in place " << c10::toString(dtype) << " n=" << numel;
     }
   }
+}
+
+// all_to_all across hosts (it takes the pairwise TCP path there): uneven
+// counts with empty parts, the last rank sending nothing, rows of 2, and a
+// sub-group of one rank per host; every element says which rank sent it to
+// which, and where in the part it was.
+TEST(Hierarchical, AllToAllAcrossHostsGivesEveryPartToItsRank) {
+  const auto rows = [](int i, int j, int n) -> int64_t { return i == n - 1 ? 0 : (3 * i + j) % 4 + 1000 * (j % 2); };
+  const auto part = [](int src, int dst, int64_t numel) {
+    return at::arange(numel, at::kLong) + (int64_t{1000000} * src + int64_t{10000} * dst);
+  };
+  const int k = world().size() / 2;
+  std::vector<int> one_per_host{0, k};
+  auto pair = world().new_group(one_per_host);
+  for (Communicator* c : {&world(), pair.get()}) {
+    if (c == nullptr) continue;
+    const int n = c->size(), me = c->rank();
+    for (auto dtype : {at::kFloat, at::kLong}) {
+      std::vector<int64_t> in_splits, out_splits;
+      std::vector<at::Tensor> ins, wants;
+      for (int p = 0; p < n; ++p) {
+        in_splits.push_back(rows(me, p, n));
+        out_splits.push_back(rows(p, me, n));
+        ins.push_back(part(me, p, 2 * in_splits.back()));
+        wants.push_back(part(p, me, 2 * out_splits.back()));
+      }
+      // Rows given, not -1: a rank that sends (or gets) nothing has an empty tensor.
+      auto in = at::cat(ins).to(dtype).view({at::cat(ins).numel() / 2, 2});
+      auto want = at::cat(wants).to(dtype).view({at::cat(wants).numel() / 2, 2});
+      auto out = at::full_like(want, -1);
+      c->all_to_all(in, in_splits, out, out_splits);
+      EXPECT_TRUE(at::equal(out, want)) << c->name() << " " << c10::toString(dtype);
+    }
+  }
+  world().barrier();
 }
 
 // Reals round at every combination: both paths stay within the documented

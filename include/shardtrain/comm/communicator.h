@@ -12,8 +12,10 @@
 //   all_gather      ring, each rank sends (n-1)/n of the buffer
 //   all_reduce      ring reduce-scatter then ring all-gather, 2(n-1)/n
 //   broadcast       pipelined chain from the root
-// A group whose ranks all share this host runs the first three through
-// shared memory. A group over several hosts with k > 1 ranks on each runs
+//   all_to_all      every rank sends each peer its own part directly (after
+//                   an all-gather of every rank's counts, which are checked)
+// A group whose ranks all share this host runs the first three, and
+// all_to_all, through shared memory. A group over several hosts with k > 1 ranks on each runs
 // them hierarchically: shared memory inside each host, then one ring per
 // local rank index between hosts (each host sends 2(H-1)/H of the buffer
 // instead of 2(W-1)/W, over all k ranks' connections), then shared memory
@@ -108,6 +110,11 @@ struct AllGatherOptions {
 
 struct BroadcastOptions {
   ST_ARG(int, root) = 0;
+  ST_ARG(Timeout, timeout) = Timeout(0);
+  ST_ARG(bool, async) = false;
+};
+
+struct AllToAllOptions {
   ST_ARG(Timeout, timeout) = Timeout(0);
   ST_ARG(bool, async) = false;
 };
@@ -243,6 +250,27 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   /// `input` may alias its slice of `output`.
   Work all_gather(const at::Tensor& input, const at::Tensor& output,
                   const AllGatherOptions& options = {});
+  /// Every rank sends a part of `input` to every rank (itself included) and
+  /// receives one part from each into `output`, as
+  /// torch.distributed.all_to_all_single does (the token dispatch of
+  /// mixture-of-experts layers). Splits count rows along dim 0 (elements of a
+  /// 1-D tensor); a row is everything after dim 0, the same width in `input`
+  /// and `output`. Rows [sum(input_splits[:j]), + input_splits[j]) of
+  /// `input` go to group rank j, and the part from rank j lands at row
+  /// sum(output_splits[:j]) of `output`. Both splits have size() entries,
+  /// none negative, summing to their tensor's rows; input_splits[j] on rank i
+  /// must equal output_splits[i] on rank j. The counts are all-gathered
+  /// first (one small extra round) and checked on every rank: where they
+  /// disagree every rank throws the same InvalidArgument (naming both ranks
+  /// and counts) from wait(), and the group is then broken, as after any
+  /// failed collective. Parts of zero rows are never sent. `input` and
+  /// `output` must not overlap; both contiguous, of the same dtype, and must
+  /// stay alive until the Work completes. The group's path: MPI_Alltoallv
+  /// under mpi (at most 2^31-1 elements per tensor), shared memory on one
+  /// host, else every pair directly over TCP, on several hosts too.
+  Work all_to_all(const at::Tensor& input, std::vector<int64_t> input_splits,
+                  const at::Tensor& output, std::vector<int64_t> output_splits,
+                  const AllToAllOptions& options = {});
   /// In place: every rank ends with the root's tensor.
   Work broadcast(const at::Tensor& tensor, const BroadcastOptions& options = {});
   /// Returns once every rank has entered the barrier.
