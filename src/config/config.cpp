@@ -37,8 +37,14 @@ std::optional<YAML::Node> find_node(const YAML::Node& node, const std::vector<st
 // reshape error in the first forward.
 void check_tensor_parallel(const Config& config) {
   const int64_t tp = config.distributed.tensor_parallel();
-  if (tp <= 1) return;  // none, or auto (which picks among the degrees that divide)
+  const int64_t pp = config.distributed.pipeline_parallel();
   const models::ModelFamily& family = models::family_of(config.model.type);
+  const std::string missing = family.not_supported_yet();
+  ST_CHECK(missing.empty() || (tp <= 1 && pp <= 1 && config.lora.r() == 0), ConfigError, "model.type ",
+           enum_name(config.model.type), " does not support ", missing, " yet (distributed.tensor_parallel=", tp,
+           ", distributed.pipeline_parallel=", pp, ", lora.r=", config.lora.r(), "); set tensor_parallel and "
+           "pipeline_parallel to 1 and lora.r to 0 (data parallelism: ddp, zero1 and every fsdp sharding work)");
+  if (tp <= 1) return;  // none, or auto (which picks among the degrees that divide)
   for (const auto& [key, value] : family.tensor_parallel_divisors(config.model)) {
     ST_CHECK(value % tp == 0, ConfigError, "distributed.tensor_parallel=", tp, " does not divide ", key, "=",
              value, ": each rank holds ", key, " / tensor_parallel of them; choose a tensor_parallel "

@@ -79,6 +79,23 @@ void declare_run_model_data(std::vector<Key>& keys) {
            "llama: the longest context of the weights; 0: `block_size`.")
       .key(ST_FIELD(hf_model_type), one_of_strings({"llama", "mistral", "qwen2"}),
            "llama: the Hugging Face `model_type` written to an exported config.json.")
+      .key(ST_FIELD(num_experts), at_least(1),
+           "mixtral, qwen3_moe: experts of each MoE layer (HF `num_local_experts`, `num_experts`).")
+      .key(ST_FIELD(num_experts_per_tok), at_least(1).allowing("1 … `num_experts`"),
+           "mixtral, qwen3_moe: experts each token is routed to (top-k).")
+      .key(ST_FIELD(norm_topk_prob),
+           "qwen3_moe: renormalise the top-k routing weights to sum 1 (mixtral always does).")
+      .key(ST_FIELD(moe_intermediate_size), at_least(0),
+           "qwen3_moe: each expert's SwiGLU width; 0: `intermediate_size`.")
+      .key(ST_FIELD(decoder_sparse_step), at_least(1),
+           "qwen3_moe: layer i is MoE when (i + 1) is a multiple of it and i is not in `mlp_only_layers`.")
+      .key(ST_FIELD(mlp_only_layers), any("a list of layer indices"),
+           "qwen3_moe: layers that keep a dense MLP of `intermediate_size`.")
+      .key(ST_FIELD(router_aux_loss_coef), not_below(0.0, "a number >= 0, e.g. 0.001"),
+           "mixtral, qwen3_moe: weight of the routers' load-balancing loss.")
+      .key(ST_FIELD(output_router_logits),
+           "mixtral, qwen3_moe: add `router_aux_loss_coef` times the load-balancing loss to the "
+           "training loss (HF's switch); metrics.jsonl logs it as `aux_loss` either way.")
       .key(ST_FIELD(mlp_sizes),
            rule([](const std::vector<int64_t>& v) {
                   return v.size() >= 2 &&

@@ -17,7 +17,7 @@ namespace {
 
 // The one registration list: a new family is one line here.
 const std::vector<const ModelFamily*>& registry() {
-  static const std::vector<const ModelFamily*> families = {&gpt_family(), &llama_family(), &mlp_family()};
+  static const std::vector<const ModelFamily*> families = {&gpt_family(), &llama_family(), &mixtral_family(), &qwen3_moe_family(), &mlp_family()};
   return families;
 }
 

@@ -80,7 +80,7 @@ std::optional<detail::StepProfiler> step_profiler(const config::Config& config, 
 }
 
 // The columns of the step's all-gather, one row per world rank.
-enum Column { kLoss, kRss, kStepTime, kBusy, kSpan, kCompute, kSamples, kDpRank, kColumns };
+enum Column { kLoss, kRss, kStepTime, kBusy, kSpan, kCompute, kSamples, kDpRank, kAuxSum, kAuxCount, kColumns };
 
 }  // namespace
 
@@ -169,7 +169,20 @@ Trainer::WindowWork Trainer::micro_steps(const Window& window) {
     }
     {
       ST_PROFILE_PHASE("backward");
-      precision_->scale_loss(loss * window.normaliser).backward();
+      // An auxiliary loss (a router's load balance) is one value per forward:
+      // its mean over the step's forwards enters the loss, so each adds
+      // weight / accumulate here and the strategy's average over the
+      // data-parallel ranks completes the mean.
+      at::Tensor total = loss * window.normaliser;
+      const at::Tensor aux = task_.aux_loss ? task_.aux_loss() : at::Tensor();
+      if (aux.defined()) {
+        work.aux_sum += aux.item<double>();
+        work.aux_count += 1.0;
+        if (task_.aux_loss_weight > 0.0) {
+          total = total + aux * (task_.aux_loss_weight / static_cast<double>(accumulate));
+        }
+      }
+      precision_->scale_loss(total).backward();
       work.loss_sum += loss.item<double>();
     }
     if (j < accumulate - 1) for_each_callback([&](Callback& c) { c.on_substep_end(state_, control_); });
@@ -221,7 +234,8 @@ void Trainer::record_metrics(const Window& window, const WindowWork& work, bool 
   // pipeline, the last stage's ranks hold the loss).
   const double counted_loss = mesh_->tp()->rank() == 0 ? work.loss_sum : 0.0;
   auto local = torch::tensor({counted_loss, peak_rss_mb(), step_time, work.busy_s, work.span_s, work.compute_s,
-                              static_cast<double>(window.local_samples), static_cast<double>(dp_->rank())},
+                              static_cast<double>(window.local_samples), static_cast<double>(dp_->rank()),
+                              work.aux_sum, work.aux_count},
                              torch::kDouble);
   auto all = torch::empty({kColumns * comm_->size()}, torch::kDouble);
   comm_->all_gather(local, all);
@@ -237,6 +251,11 @@ void Trainer::record_metrics(const Window& window, const WindowWork& work, bool 
   m.set("loss", state_.loss);
   m.set("lr", state_.lr);
   m.set("grad_norm", state_.grad_norm);
+  if (task_.aux_loss) {  // the mean over the step's forwards on every rank
+    const double count = per_rank.select(1, kAuxCount).sum().item<double>();
+    m.set("aux_loss", count > 0.0 ? per_rank.select(1, kAuxSum).sum().item<double>() / count
+                                  : std::numeric_limits<double>::quiet_NaN());
+  }
   m.set("tokens_per_s", samples * static_cast<double>(task_.tokens_per_sample) / slowest);
   m.set("samples_per_s", samples / slowest);
   m.set("step_time_s", slowest);

@@ -61,6 +61,10 @@ TrainTask lm_task(const config::Config& config, std::shared_ptr<models::CausalLM
     return loss(model->forward(b.input, b.position, b.segment), b);
   };
   task.count_targets = count_non_ignored;
+  if (model->has_auxiliary_loss()) {
+    task.aux_loss = [model] { return model->auxiliary_loss(); };
+    task.aux_loss_weight = model->auxiliary_loss_weight();
+  }
   task.train_batch = data.train_batch;
   task.train_rows = data.train_rows;
   task.epoch_of = data.epoch_of;

@@ -605,7 +605,7 @@ TEST(ConfigErrors, OutOfRange) {
   const std::vector<Case> cases = {
       {"model: {n_layer: -1}", "model.n_layer: got -1", "an integer in [1, 2^63)"},
       {"model: {n_head: 3}", "model.n_embd: got 128", "a multiple of model.n_head=3"},
-      {"model: {type: rnn}", "model.type: got 'rnn'", "one of: gpt, llama, mlp, auto"},
+      {"model: {type: rnn}", "model.type: got 'rnn'", "one of: gpt, llama, mixtral, qwen3_moe, mlp, auto"},
       {"model: {mlp_sizes: [4]}", "model.mlp_sizes: got [4]", "at least two"},
       {"data: {val_fraction: 1.0}", "data.val_fraction: got 1.0", "[0, 1)"},
       {"data: {val_fraction: -0.1}", "data.val_fraction: got -0.1", "[0, 1)"},

@@ -81,6 +81,24 @@ struct ModelConfig {
   int64_t max_position_embeddings = 0;
   /// config.json's model_type on export: llama, mistral or qwen2.
   std::string hf_model_type = "llama";
+  // mixtral, qwen3_moe (mixture of experts; the keys above describe the rest)
+  /// Experts of each MoE layer (HF num_local_experts, num_experts).
+  int64_t num_experts = 8;
+  /// Experts each token is routed to (top-k).
+  int64_t num_experts_per_tok = 2;
+  /// qwen3_moe: the top-k routing weights renormalised to sum 1 (mixtral always).
+  bool norm_topk_prob = true;
+  /// qwen3_moe: each expert's SwiGLU width (intermediate_size is the dense layers').
+  int64_t moe_intermediate_size = 0;
+  /// qwen3_moe: layer i is MoE when (i + 1) % decoder_sparse_step == 0 and
+  /// i is not in mlp_only_layers; the others are dense.
+  int64_t decoder_sparse_step = 1;
+  std::vector<int64_t> mlp_only_layers;
+  /// Weight of the router load-balancing loss in the training loss.
+  double router_aux_loss_coef = 0.001;
+  /// Whether that loss is added to the training loss (HF's switch of the
+  /// same name); it is logged as aux_loss either way.
+  bool output_router_logits = false;
   // mlp: layer widths {in, hidden..., out}
   std::vector<int64_t> mlp_sizes = {64, 128, 64};
   /// A safetensors file or a Hugging Face model directory to initialise the

@@ -40,6 +40,17 @@ class CausalLMImpl : public torch::nn::Module {
   /// The most tokens one forward may see (positions the model has).
   virtual int64_t context_size() const = 0;
 
+  // ---- auxiliary training loss (mixture-of-experts routers) --------------------------------
+  /// The auxiliary loss of the last forward in training mode (a scalar: the
+  /// routers' load-balancing loss), with its graph when auxiliary_loss_weight()
+  /// is above 0; undefined when the model has none or the forward saw no token.
+  virtual at::Tensor auxiliary_loss() const { return {}; }
+  /// Whether the model computes one (the trainer logs it as aux_loss).
+  virtual bool has_auxiliary_loss() const { return false; }
+  /// The weight with which auxiliary_loss() enters the training loss; 0: it
+  /// is only logged.
+  virtual double auxiliary_loss_weight() const { return 0.0; }
+
   // ---- pipeline parallelism (parallel/pipeline.h) ----------------------------------------
   // The model as a chain of units: the token embedding (unit 0), decoder
   // layer i (unit 1 + i) and the final norm with the head (the last unit).

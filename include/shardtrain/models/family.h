@@ -114,6 +114,10 @@ class ModelFamily {
       const config::ModelConfig& m) const {
     return {};
   }
+  /// What the family cannot run under yet, refused when the config is read
+  /// ("tensor parallelism, ..."): with a non-empty answer, tensor or pipeline
+  /// parallelism above 1 and LoRA are a ConfigError. "": all of them work.
+  virtual std::string not_supported_yet() const { return ""; }
   /// Class name of a wrap unit (strategy/wrap.h's module_type policy).
   virtual std::string unit_type() const { return "BlockImpl"; }
 };

@@ -9,10 +9,12 @@
 namespace shardtrain::train {
 
 /// The model family make_task() builds (models/family.h): GPT-2, the Llama
-/// family (Llama, Mistral, Qwen2), a small MLP, or `auto`: the family of the
-/// Hugging Face directory model.init_from names (its config.json).
-enum class ModelType { Gpt, Llama, Mlp, Auto };
+/// family (Llama, Mistral, Qwen2), the mixture-of-experts decoders Mixtral
+/// and Qwen3-MoE, a small MLP, or `auto`: the family of the Hugging Face
+/// directory model.init_from names (its config.json).
+enum class ModelType { Gpt, Llama, Mixtral, Qwen3Moe, Mlp, Auto };
 ST_ENUM_NAMES(ModelType, {ModelType::Gpt, "gpt"}, {ModelType::Llama, "llama"},
+              {ModelType::Mixtral, "mixtral"}, {ModelType::Qwen3Moe, "qwen3_moe"},
               {ModelType::Mlp, "mlp"}, {ModelType::Auto, "auto"});
 
 /// Which attention projections carry a bias (Llama family): none (Llama,

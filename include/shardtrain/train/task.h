@@ -51,6 +51,12 @@ struct TrainTask {
   std::function<data::Batch(int64_t index, int64_t micro_batch, int rank, int world)> eval_batch;
   /// Epoch of a step; empty: always epoch 0.
   std::function<int64_t(int64_t step)> epoch_of;
+  /// The model's auxiliary loss of the last loss_sum (models::CausalLMImpl::
+  /// auxiliary_loss); empty or undefined: none. The trainer logs its mean
+  /// over the step's forwards as aux_loss and, with aux_loss_weight > 0,
+  /// adds weight * that mean to the training loss.
+  std::function<at::Tensor()> aux_loss;
+  double aux_loss_weight = 0.0;
   /// Tokens in one sample, for tokens/s (block_size for language models).
   int64_t tokens_per_sample = 1;
   /// Extra fields of every metrics line (e.g. the model's parameter count).

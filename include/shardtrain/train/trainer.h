@@ -139,6 +139,8 @@ class Trainer {
   // What forward and backward over a window give.
   struct WindowWork {
     double loss_sum = 0.0;   // this rank's summed loss (before normalisation)
+    double aux_sum = 0.0;    // this rank's summed auxiliary losses (TrainTask::aux_loss)
+    double aux_count = 0.0;  // and how many forwards gave one
     double compute_s = 0.0;  // this rank's compute, less its waits in collectives
     double busy_s = 0.0;     // pipeline: this rank's stages' work
     double span_s = 0.0;     // pipeline: the schedule's span on this rank

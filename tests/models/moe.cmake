@@ -1,0 +1,21 @@
+# The mixture-of-experts families (mixtral, qwen3_moe) against the
+# independent PyTorch reference (tests/reference/moe_ref.py), driven by
+# tests/models/moe_parity.py: logits and the KV cache of four variants (with
+# llama_logits, which loads any family's directory), then 10 fp32 training
+# steps per case VARIANT:STRATEGY[:aux] (losses, aux_loss, gradient norms,
+# exported weights). Cases are grouped into few entries: each launch costs.
+set(MOE_PARITY /usr/bin/python3 ${CMAKE_CURRENT_LIST_DIR}/moe_parity.py)
+add_test(NAME models.moe.logits COMMAND ${MOE_PARITY} logits $<TARGET_FILE:llama_logits> ${PROJECT_SOURCE_DIR})
+# One process: each family with the load-balancing loss off (coefficient 0,
+# logged only) and on, and an expert that never receives a token; tensor and
+# pipeline parallelism refused as not supported yet.
+add_test(NAME models.moe.train.single
+         COMMAND ${MOE_PARITY} train ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR}
+                 mixtral:single mixtral:single:aux qwen3_dense:single:aux mixtral_dead:single
+                 refused:distributed.tensor_parallel=2 refused:distributed.pipeline_parallel=2)
+# Data parallel: ddp x2 and fsdp full_shard x2, and the starved expert under ddp.
+add_test(NAME models.moe.train.data_parallel
+         COMMAND ${MOE_PARITY} train ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR}
+                 mixtral:ddpx2 qwen3_norm:full_shardx2 mixtral_dead:ddpx2)
+set_tests_properties(models.moe.logits models.moe.train.single models.moe.train.data_parallel
+                     PROPERTIES TIMEOUT 600)
