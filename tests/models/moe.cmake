@@ -13,9 +13,11 @@ add_test(NAME models.moe.train.single
          COMMAND ${MOE_PARITY} train ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR}
                  mixtral:single mixtral:single:aux qwen3_dense:single:aux mixtral_dead:single
                  refused:distributed.tensor_parallel=2 refused:distributed.pipeline_parallel=2)
-# Data parallel: ddp x2 and fsdp full_shard x2, and the starved expert under ddp.
+# Data parallel, the aux loss off: fsdp full_shard x2, and ddp x2 with the
+# starved expert; on: ddp x2 (each rank's forwards weigh 1 / accumulate, the
+# gradient average over the ranks completes the mean).
 add_test(NAME models.moe.train.data_parallel
          COMMAND ${MOE_PARITY} train ${SHARDTRAIN_CLI} ${PROJECT_SOURCE_DIR}
-                 mixtral:ddpx2 qwen3_norm:full_shardx2 mixtral_dead:ddpx2)
+                 qwen3_norm:full_shardx2 mixtral_dead:ddpx2 mixtral:ddpx2:aux)
 set_tests_properties(models.moe.logits models.moe.train.single models.moe.train.data_parallel
                      PROPERTIES TIMEOUT 600)
