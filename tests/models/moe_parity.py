@@ -109,6 +109,29 @@ def metrics_rows(run_dir):
         return [json.loads(l) for l in f if '"loss"' in l and '"eval' not in l]
 
 
+# The config.json keys an exported directory must carry over for the
+# reference (and transformers) to build the same model.
+EXPORTED_KEYS = ["model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "rope_theta",
+                 "num_experts_per_tok", "router_aux_loss_coef", "output_router_logits", "num_local_experts",
+                 "num_experts", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+                 "mlp_only_layers", "head_dim", "tie_word_embeddings"]
+
+
+def check_exported_config(exported, initial, case):
+    """RUN_DIR/model's config.json describes the model the reference made,
+    and the reference builds and loads it."""
+    with open(os.path.join(exported, "config.json")) as f:
+        ours = json.load(f)
+    with open(os.path.join(initial, "config.json")) as f:
+        theirs = json.load(f)
+    for key in EXPORTED_KEYS:
+        if key in theirs and ours.get(key) != theirs[key]:
+            fail(f"{case}: the exported config.json has {key}={ours.get(key)!r}, the model's is {theirs[key]!r}")
+    from moe_ref import load_model
+    load_model(exported)
+
+
 def train_case(cli, src, work, case):
     variant, spec, *flags = case.split(":")
     aux = "aux" in flags
@@ -137,6 +160,7 @@ def train_case(cli, src, work, case):
         if abs(o["grad_norm"] - r["grad_norm"]) > FP32["norm_atol"] + FP32["norm_rtol"] * abs(r["grad_norm"]):
             fail(f"{case}: step {i + 1} gradient norm {o['grad_norm']:.7f}, reference {r['grad_norm']:.7f}")
     compare_weights(os.path.join(run_dir, "model"), weights, hf, FP32, case)
+    check_exported_config(os.path.join(run_dir, "model"), hf, case)
     return rows[-1]["loss"], theirs[-1]["loss"], rows[-1]["aux_loss"]
 
 
