@@ -36,7 +36,7 @@ using namespace detail;
 
 namespace {
 
-std::string shape_str(const std::vector<int64_t>& shape) {
+std::string shape_text(const std::vector<int64_t>& shape) {
   std::ostringstream os;
   os << c10::IntArrayRef(shape);
   return os.str();
@@ -273,8 +273,8 @@ void CheckpointReader::check(const std::vector<ShardedTensor>& targets) const {
     }
     const TensorInfo& info = impl_->meta.tensors[it->second];
     if (info.shape != t.global_shape) {
-      problems.push_back("'" + t.name + "' has shape " + shape_str(info.shape) +
-                         " in the checkpoint but " + shape_str(t.global_shape) + " in the model");
+      problems.push_back("'" + t.name + "' has shape " + shape_text(info.shape) +
+                         " in the checkpoint but " + shape_text(t.global_shape) + " in the model");
       continue;
     }
     if (!t.local.defined()) {

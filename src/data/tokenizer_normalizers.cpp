@@ -15,7 +15,7 @@ namespace {
 
 using nlohmann::json;
 
-constexpr const char* kSupported = "Sequence, Prepend, Replace, NFC, NFKC, NFD, NFKD, Lowercase, Strip";
+constexpr const char* kSupportedNormalizers = "Sequence, Prepend, Replace, NFC, NFKC, NFD, NFKD, Lowercase, Strip";
 
 // A normalizer about to make the text longer than the document's bound.
 void refuse_expansion(const std::string& what, const std::string& normalizer, size_t bytes, size_t max_bytes) {
@@ -214,7 +214,7 @@ std::unique_ptr<Normalizer> make_normalizer(const json& j, const std::string& wh
     return std::make_unique<StripNormalizer>(j.value("strip_left", true), j.value("strip_right", true));
   }
   ST_CHECK(false, ConfigError, what, ": normalizer type '", type, "' is not supported (supported: ",
-           kSupported, "); hint: use a tokenizer.json without it or a tokenizer.model");
+           kSupportedNormalizers, "); hint: use a tokenizer.json without it or a tokenizer.model");
   return nullptr;
 }
 

@@ -9,7 +9,7 @@ namespace {
 
 using nlohmann::json;
 
-constexpr const char* kSupported =
+constexpr const char* kSupportedPreTokenizers =
     "Sequence, ByteLevel, Split, Metaspace, Digits, Whitespace, WhitespaceSplit";
 
 // GPT-2's word pattern (ByteLevel with use_regex).
@@ -237,7 +237,7 @@ std::unique_ptr<PreTokenizer> make_pre_tokenizer(const json& j, const std::strin
     return std::make_unique<SplitPreTokenizer>(json{{"Regex", R"(\s+)"}}, Behavior::Removed, false, what);
   }
   ST_CHECK(false, ConfigError, what, ": pre-tokenizer type '", type, "' is not supported (supported: ",
-           kSupported, "); hint: use a tokenizer.json without it or a tokenizer.model");
+           kSupportedPreTokenizers, "); hint: use a tokenizer.json without it or a tokenizer.model");
   return nullptr;
 }
 

@@ -43,7 +43,7 @@ int64_t sample(at::Tensor logits, const GenerateOptions& o, at::Generator& gen) 
 }  // namespace
 
 std::vector<int64_t> CausalLMImpl::pipeline_unit_parameters() const {
-  throw ConfigError(detail::str_cat("the ", name(), " model cannot be cut into pipeline stages; set "
+  throw ConfigError(shardtrain::detail::str_cat("the ", name(), " model cannot be cut into pipeline stages; set "
                                     "distributed.pipeline_parallel: 1"));
 }
 

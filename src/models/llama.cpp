@@ -23,7 +23,7 @@ namespace shardtrain::models {
 
 namespace {
 
-constexpr double kInitStd = 0.02;  // HF initializer_range
+constexpr double kInitializerRange = 0.02;  // HF initializer_range
 
 int64_t default_intermediate(int64_t hidden) {
   const int64_t raw = (8 * hidden + 2) / 3;
@@ -234,7 +234,7 @@ LlamaImpl::LlamaImpl(const LlamaConfig& config) : config_(config) {
     if (p.key().size() > 5 && p.key().compare(p.key().size() - 5, 5, ".bias") == 0) {
       p.value().zero_();
     } else {
-      p.value().normal_(0.0, kInitStd);
+      p.value().normal_(0.0, kInitializerRange);
     }
   }
 }
@@ -546,7 +546,7 @@ std::string LlamaFamily::hf_config_json(const config::ModelConfig& m) const {
       {"attention_bias", c.attention_bias == train::AttentionBias::All},
       {"mlp_bias", c.mlp_bias},
       {"attention_dropout", c.attention_dropout},
-      {"initializer_range", kInitStd},
+      {"initializer_range", kInitializerRange},
       {"torch_dtype", "float32"},
   };
   if (c.rope_scaling == train::RopeScaling::Llama3) {

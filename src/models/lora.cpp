@@ -15,7 +15,7 @@ namespace shardtrain::models {
 
 namespace {
 
-using detail::str_cat;
+using shardtrain::detail::str_cat;
 
 // Module keeps its parameter table protected and has no way to remove one;
 // a quantized base must drop its fp32 weight, so reach the table through a

@@ -26,7 +26,7 @@
 namespace shardtrain::models {
 
 namespace fs = std::filesystem;
-using detail::str_cat;
+using shardtrain::detail::str_cat;
 
 namespace {
 
@@ -42,7 +42,7 @@ bool is_adapter(const std::string& name) {
   return ends_with(name, ".lora_A.weight") || ends_with(name, ".lora_B.weight");
 }
 
-std::string list(const std::vector<std::string>& names) {
+std::string peft_name_list(const std::vector<std::string>& names) {
   std::string out;
   for (size_t i = 0; i < names.size() && i < 8; ++i) out += (i ? ", " : "") + names[i];
   if (names.size() > 8) out += str_cat(", ... (", names.size() - 8, " more)");
@@ -195,9 +195,9 @@ void load_peft_adapter(torch::nn::Module& model, const std::string& dir, const s
   }
   ST_CHECK(unexpected.empty() && mismatched.empty() && missing.empty(), CheckpointError,
            "the adapter in '", dir, "' does not fit this model",
-           unexpected.empty() ? "" : "; not in the model: " + list(unexpected),
-           mismatched.empty() ? "" : "; shapes differ: " + list(mismatched),
-           missing.empty() ? "" : "; missing from the file: " + list(missing),
+           unexpected.empty() ? "" : "; not in the model: " + peft_name_list(unexpected),
+           mismatched.empty() ? "" : "; shapes differ: " + peft_name_list(mismatched),
+           missing.empty() ? "" : "; missing from the file: " + peft_name_list(missing),
            ". Hint: lora.r, lora.target_modules and the model's sizes must be those the adapter "
            "was trained with (see its adapter_config.json)");
   torch::NoGradGuard no_grad;
@@ -328,7 +328,7 @@ AdapterMatch match_adapter(const checkpoint::SafetensorsFile& adapter, const HfW
     }
   }
   ST_CHECK(unmatched.empty(), CheckpointError, "the adapter in '", adapter_dir,
-           "' does not match the base '", base_path, "': no base tensor for ", list(unmatched),
+           "' does not match the base '", base_path, "': no base tensor for ", peft_name_list(unmatched),
            ". Hint: merge into the base the adapter was trained from (its model.init_from)");
   return m;
 }

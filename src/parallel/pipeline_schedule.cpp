@@ -14,7 +14,7 @@ namespace shardtrain::parallel {
 
 namespace {
 
-using detail::str_cat;
+using shardtrain::detail::str_cat;
 
 PipeAction forward(int stage, int micro) { return {PipeOp::Forward, stage, micro}; }
 PipeAction backward(int stage, int micro) { return {PipeOp::Backward, stage, micro}; }

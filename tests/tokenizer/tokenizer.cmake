@@ -17,8 +17,8 @@ endforeach()
 find_library(SENTENCEPIECE_TRAIN_LIBRARY sentencepiece_train REQUIRED)
 add_executable(make_spm_model ${CMAKE_CURRENT_LIST_DIR}/make_spm_model.cpp)
 target_link_libraries(make_spm_model PRIVATE ${SENTENCEPIECE_TRAIN_LIBRARY} ${SENTENCEPIECE_LIBRARY})
-add_dependencies(test_tokenizer make_spm_model)
-target_compile_definitions(test_tokenizer PRIVATE MAKE_SPM_MODEL_PATH="$<TARGET_FILE:make_spm_model>")
+add_dependencies(unit_tests make_spm_model)
+target_compile_definitions(unit_tests PRIVATE MAKE_SPM_MODEL_PATH="$<TARGET_FILE:make_spm_model>")
 
 # `shardtrain tokenize` with hostile tokenizer.json files: exit 2 and one
 # line each (a negative id was a SIGSEGV).

@@ -35,6 +35,7 @@ namespace m = shardtrain::models;
 
 namespace {
 
+#undef EXPECT_HAS  // each test file defines its own (the unit tests build as one unity target)
 #define EXPECT_HAS(text, part) EXPECT_NE((text).find(part), std::string::npos) << (text)
 
 // ---- the sampler ------------------------------------------------------------------------

@@ -139,6 +139,7 @@ std::string batch_error(const BatchConfig& batch, int world) {
   return "";
 }
 
+#undef EXPECT_HAS  // each test file defines its own (the unit tests build as one unity target)
 #define EXPECT_HAS(msg, part) \
   EXPECT_NE((msg).find(part), std::string::npos) << "missing \"" << (part) << "\" in: " << (msg)
 

@@ -89,7 +89,7 @@ TEST(ConfigDigest, PerHostKeysMayDiffer) {
 }
 
 TEST(ConfigDigest, FilesAreComparedBySizeAndContent) {
-  testing::TempDir dir;
+  shardtrain::testing::TempDir dir;
   write_file(dir / "a.txt", "hello\n");
   // sha256sum of "hello\n": 5891b5b522d5df086d0ff0b110fbd9d21bb4fc7163af34d08286a2e846f6be03
   EXPECT_EQ(file_fingerprint(dir / "a.txt"), "6 bytes, sha256 5891b5b522d5df08");
@@ -139,7 +139,7 @@ TEST(ConfigDigest, FilesAreComparedBySizeAndContent) {
 }
 
 TEST(ConfigDigest, LargeFilesByTheirEnds) {
-  testing::TempDir dir;
+  shardtrain::testing::TempDir dir;
   // 4 MiB of 'a', 1 MiB of 'b', 4 MiB of 'a': digested by the first and last
   // 4 MiB, i.e. 8 MiB of 'a' (sha256sum: ad97f87076920684...).
   const std::string four(4 << 20, 'a');

@@ -29,6 +29,7 @@ const StrategyEstimate& find(const std::vector<StrategyEstimate>& all, const std
   return none;
 }
 
+#undef EXPECT_HAS  // each test file defines its own (the unit tests build as one unity target)
 #define EXPECT_HAS(msg, part) \
   EXPECT_NE((msg).find(part), std::string::npos) << "missing \"" << (part) << "\" in: " << (msg)
 

@@ -484,7 +484,7 @@ TEST(Launcher, ASkippingRankIsNotAFailure) {
   EXPECT_EQ(first.code, 1) << first.err;
 }
 
-class LauncherSignal : public testing::TestWithParam<int> {};
+class LauncherSignal : public ::testing::TestWithParam<int> {};
 
 TEST_P(LauncherSignal, ReachesEveryRank) {
   const int sig = GetParam();
@@ -504,7 +504,7 @@ TEST_P(LauncherSignal, ReachesEveryRank) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(IntAndTerm, LauncherSignal, testing::Values(SIGINT, SIGTERM));
+INSTANTIATE_TEST_SUITE_P(IntAndTerm, LauncherSignal, ::testing::Values(SIGINT, SIGTERM));
 
 // A hangup (the terminal or SSH session closed) stops the job as SIGTERM
 // does: the ranks get SIGTERM (save and stop), the launcher exits 129. It

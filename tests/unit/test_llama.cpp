@@ -82,6 +82,7 @@ std::string config_error(const std::function<void()>& fn) {
   return {};
 }
 
+#undef EXPECT_HAS  // each test file defines its own (the unit tests build as one unity target)
 #define EXPECT_HAS(text, part) EXPECT_NE((text).find(part), std::string::npos) << (text)
 
 }  // namespace

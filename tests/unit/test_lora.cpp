@@ -49,7 +49,7 @@ using shardtrain::models::LoraOptions;
 using shardtrain::models::LoraQuantize;
 namespace m = shardtrain::models;
 
-GPTConfig tiny(int64_t n_embd = 16) {
+GPTConfig tiny_gpt(int64_t n_embd = 16) {
   GPTConfig c;
   c.n_layer = 2;
   c.n_head = 2;
@@ -80,7 +80,7 @@ std::string config_error(Fn&& fn) {
 TEST(Lora, StepZeroEqualsTheBaseExactly) {
   for (const bool checkpointing : {false, true}) {
     torch::manual_seed(1);
-    auto c = tiny();
+    auto c = tiny_gpt();
     c.activation_checkpointing = checkpointing;
     GPT model(c);
     const auto idx = tokens();
@@ -98,9 +98,9 @@ TEST(Lora, StepZeroEqualsTheBaseExactly) {
 // here by hand on a second copy of the base (issue 47, third pass).
 TEST(Lora, DropoutIsOffInEvaluationWhichIsTheMergedModel) {
   torch::manual_seed(2);
-  GPT model(tiny());
+  GPT model(tiny_gpt());
   torch::manual_seed(2);
-  GPT merged(tiny());
+  GPT merged(tiny_gpt());
   apply_lora(*model, LoraOptions().r(4).alpha(8).dropout(0.5));
   {
     torch::NoGradGuard ng;
@@ -131,7 +131,7 @@ TEST(Lora, DropoutIsOffInEvaluationWhichIsTheMergedModel) {
 
 TEST(Lora, AdaptersAreNamedAfterTheirLayerAndTheRestIsFrozen) {
   torch::manual_seed(2);
-  GPT model(tiny());
+  GPT model(tiny_gpt());
   const auto s = apply_lora(*model, LoraOptions().r(4));
   EXPECT_EQ(s.adapted.size(), 8u);  // 2 blocks x (c_attn, attn.c_proj, c_fc, mlp.c_proj)
   std::set<std::string> trainable;
@@ -161,7 +161,7 @@ TEST(Lora, AdaptersAreNamedAfterTheirLayerAndTheRestIsFrozen) {
 TEST(Lora, FrozenTensorsGetNoGradient) {
   for (const auto q : {LoraQuantize::None, LoraQuantize::Int8, LoraQuantize::Nf4}) {
     torch::manual_seed(3);
-    GPT model(tiny(64));
+    GPT model(tiny_gpt(64));
     apply_lora(*model, LoraOptions().r(2).quantize(q).train_bias(LoraBias::All));
     model->forward(tokens()).pow(2).sum().backward();
     for (const auto& p : model->named_parameters()) {
@@ -241,7 +241,7 @@ TEST(Lora, UserModuleOfTheDocsIsAdaptedAndTrains) {
 // ---- bad input ----------------------------------------------------------------------
 
 TEST(Lora, TargetsThatMatchNothingAreAConfigError) {
-  GPT model(tiny());
+  GPT model(tiny_gpt());
   const auto msg = config_error([&] { apply_lora(*model, LoraOptions().target_modules({"q_proj"})); });
   EXPECT_NE(msg.find("lora.target_modules [q_proj] matched no Linear layer"), std::string::npos) << msg;
   EXPECT_NE(msg.find("h.0.attn.c_attn"), std::string::npos) << msg;
@@ -252,7 +252,7 @@ TEST(Lora, TargetsThatMatchNothingAreAConfigError) {
 }
 
 TEST(Lora, RankLargerThanALayerIsAConfigError) {
-  GPT model(tiny());
+  GPT model(tiny_gpt());
   const auto msg = config_error([&] { apply_lora(*model, LoraOptions().r(17)); });
   EXPECT_NE(msg.find("lora.r=17 exceeds the width of layer 'h.0.attn.c_attn' (48 x 16)"),
             std::string::npos)
@@ -263,7 +263,7 @@ TEST(Lora, RankLargerThanALayerIsAConfigError) {
 }
 
 TEST(Lora, Nf4NeedsInputWidthsDivisibleByTheBlock) {
-  GPT model(tiny(32));
+  GPT model(tiny_gpt(32));
   const auto msg = config_error([&] { apply_lora(*model, LoraOptions().quantize(LoraQuantize::Nf4)); });
   EXPECT_NE(msg.find("multiple of the block size 64"), std::string::npos) << msg;
   EXPECT_NE(msg.find("'h.0.attn.c_attn' has 32"), std::string::npos) << msg;
@@ -272,7 +272,7 @@ TEST(Lora, Nf4NeedsInputWidthsDivisibleByTheBlock) {
 }
 
 TEST(Lora, BadOptionsAndSecondApplicationAreConfigErrors) {
-  GPT model(tiny());
+  GPT model(tiny_gpt());
   EXPECT_NE(config_error([&] { apply_lora(*model, LoraOptions().r(0)); }).find("lora.r=0"),
             std::string::npos);
   EXPECT_NE(config_error([&] { apply_lora(*model, LoraOptions().dropout(1.0)); }).find("lora.dropout"),
@@ -614,7 +614,7 @@ std::vector<std::pair<std::string, torch::Tensor>> state_of(torch::nn::Module& m
 // A GPT whose adapters hold random values, as after some training.
 GPT trained_lora_gpt(const LoraOptions& o, uint64_t seed = 11) {
   torch::manual_seed(seed);
-  GPT model(tiny(64));
+  GPT model(tiny_gpt(64));
   apply_lora(*model, o);
   torch::NoGradGuard ng;
   for (auto& p : model->named_parameters()) {
@@ -672,7 +672,7 @@ TEST(LoraPeft, AdapterRoundTripGivesIdenticalLogits) {
     GPT model = trained_lora_gpt(o);
     m::save_peft_adapter(tmp / "a", state_of(*model), o, m::family_of(st::train::ModelType::Gpt));
     torch::manual_seed(11);  // the same base
-    GPT again(tiny(64));
+    GPT again(tiny_gpt(64));
     apply_lora(*again, LoraOptions(o).seed(12345));  // other A init, overwritten
     m::load_peft_adapter(*again, tmp / "a", m::kPeftGptPrefix);
     const auto idx = tokens();
@@ -701,7 +701,7 @@ TEST(LoraPeft, TrainedBiasesAreExportedAndReproduceTheLogits) {
   m::save_peft_adapter(tmp / "a", state_of(*model), o, m::family_of(st::train::ModelType::Gpt));
   const auto raw = read_raw(tmp / "a/adapter_model.safetensors");
   torch::manual_seed(11);  // the same base as trained_lora_gpt
-  GPT merged(tiny(64));
+  GPT merged(tiny_gpt(64));
   auto params = merged->named_parameters();
   const std::string prefix = m::kPeftGptPrefix;
   int biases = 0;
@@ -734,16 +734,16 @@ TEST(LoraPeft, AdapterForAnotherModelIsACheckpointError) {
   const auto o = LoraOptions().r(4);
   GPT model = trained_lora_gpt(o);
   m::save_peft_adapter(tmp / "a", state_of(*model), o, m::family_of(st::train::ModelType::Gpt));
-  GPT other_r(tiny(64));
+  GPT other_r(tiny_gpt(64));
   apply_lora(*other_r, LoraOptions().r(2));
   auto msg = st::testing::checkpoint_error([&] { m::load_peft_adapter(*other_r, tmp / "a", m::kPeftGptPrefix); });
   EXPECT_NE(msg.find("shapes differ: h.0.attn.c_attn.lora_A.weight (file [4, 64], model [2, 64])"), std::string::npos) << msg;
-  GPT fewer(tiny(64));
+  GPT fewer(tiny_gpt(64));
   apply_lora(*fewer, LoraOptions().r(4).target_modules({"c_attn"}));
   msg = st::testing::checkpoint_error([&] { m::load_peft_adapter(*fewer, tmp / "a", m::kPeftGptPrefix); });
   EXPECT_NE(msg.find("not in the model: base_model.model.transformer.h.0.attn.c_proj.lora_A.weight"), std::string::npos) << msg;
   // Merging into a base of another width names the layer.
-  GPT narrow(tiny(32));
+  GPT narrow(tiny_gpt(32));
   st::checkpoint::save_safetensors(tmp / "narrow.safetensors", state_of(*narrow), true, {});
   msg = st::testing::checkpoint_error([&] { m::merge_peft_adapter(tmp / "narrow.safetensors", tmp / "a", tmp / "m.safetensors"); });
   EXPECT_NE(msg.find("does not fit the base weight"), std::string::npos) << msg;
@@ -753,7 +753,7 @@ TEST(LoraPeft, MergedWeightsGiveTheAdaptedLogits) {
   st::testing::TempDir tmp("lora_merge");
   for (const auto q : {LoraQuantize::None, LoraQuantize::Int8, LoraQuantize::Nf4}) {
     torch::manual_seed(11);
-    GPT base(tiny(64));
+    GPT base(tiny_gpt(64));
     st::checkpoint::save_safetensors(tmp / "base.safetensors", state_of(*base), /*transpose_conv1d=*/true, {});
     const auto o = LoraOptions().r(4).alpha(12).quantize(q).double_quant(q == LoraQuantize::Nf4);
     GPT model = trained_lora_gpt(o);
@@ -763,7 +763,7 @@ TEST(LoraPeft, MergedWeightsGiveTheAdaptedLogits) {
                                       tmp / "a" + " --out " + tmp / "merged.safetensors");
     ASSERT_EQ(run.code, 0) << run.out;
     EXPECT_NE(run.out.find("merged 8 adapted layers"), std::string::npos) << run.out;
-    GPT merged(tiny(64));
+    GPT merged(tiny_gpt(64));
     st::checkpoint::load_safetensors_into(*merged, tmp / "merged.safetensors",
                                           st::checkpoint::SafetensorsLoadOptions().transpose_conv1d(true));
     const auto idx = tokens();
@@ -791,7 +791,7 @@ TEST(LoraPeft, MergedWeightsGiveTheAdaptedLogits) {
 TEST(LoraPeft, MergeChecksTheAdapterConfigAndWritesNothingOnError) {
   st::testing::TempDir tmp("lora_cfg");
   torch::manual_seed(11);
-  GPT base(tiny(64));
+  GPT base(tiny_gpt(64));
   st::checkpoint::save_safetensors(tmp / "base.safetensors", state_of(*base), /*transpose_conv1d=*/true, {});
   const auto o = LoraOptions().r(4).alpha(8);
   GPT model = trained_lora_gpt(o);
@@ -1073,7 +1073,7 @@ TEST(Lora, ActivationCheckpointingGivesTheSameAdapterGradients) {
     const auto idx = tokens();
     for (int ck = 0; ck < 2; ++ck) {
       torch::manual_seed(21);
-      auto c = tiny(64);
+      auto c = tiny_gpt(64);
       c.activation_checkpointing = ck == 1;
       GPT model(c);
       apply_lora(*model, LoraOptions().r(2).quantize(q).dropout(0.1));

@@ -136,14 +136,14 @@ TEST(LossScaler, NeverGoesBelowTheMinimum) {
   o.min_loss_scale(1.5);
   o.max_skips_at_min(0);  // never fail
   DynamicLossScaler s(o);
-  testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStderr();
   s.update(true);
   EXPECT_EQ(s.scale(), 2.0);
   s.update(true);
   EXPECT_EQ(s.scale(), 1.5);
   for (int i = 0; i < 100; ++i) s.update(true);
   EXPECT_EQ(s.scale(), 1.5);
-  const std::string err = testing::internal::GetCapturedStderr();
+  const std::string err = ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(s.state().skips_at_min, 100);
   EXPECT_NE(err.find("100 consecutive"), std::string::npos) << err;
 }
@@ -154,15 +154,15 @@ TEST(LossScaler, WarnsAtTheMinimumThenFails) {
   o.min_loss_scale(1.0);
   o.max_skips_at_min(3);
   DynamicLossScaler s(o);
-  testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStderr();
   s.update(true);  // 2 -> 1: not yet a skip at the minimum
-  EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
   EXPECT_EQ(s.scale(), 1.0);
 
-  testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStderr();
   s.update(true);
   s.update(true);
-  const std::string err = testing::internal::GetCapturedStderr();
+  const std::string err = ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(s.state().skips_at_min, 2);
   EXPECT_NE(err.find("minimum loss scale 1"), std::string::npos) << err;
   EXPECT_NE(err.find("2 consecutive"), std::string::npos) << err;
@@ -186,14 +186,14 @@ TEST(LossScaler, CleanStepResetsTheSkipsAtMinimum) {
   o.initial_scale_power(0);  // already at the minimum
   o.max_skips_at_min(3);
   DynamicLossScaler s(o);
-  testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStderr();
   s.update(true);
   s.update(true);
   s.update(false);
   EXPECT_EQ(s.state().skips_at_min, 0);
   s.update(true);
   s.update(true);
-  testing::internal::GetCapturedStderr();
+  ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(s.state().skips_at_min, 2);
   EXPECT_EQ(s.state().skipped_steps, 4);
 }

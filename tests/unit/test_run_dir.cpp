@@ -45,8 +45,8 @@ using Kind = ck::ResolvedCheckpoint::Kind;
 using shardtrain::models::GPT;
 using shardtrain::strategy::ShardedTensor;
 
-struct TempDir : shardtrain::testing::TempDir {
-  TempDir() : shardtrain::testing::TempDir("shardtrain_rundir") {}
+struct RunTempDir : shardtrain::testing::TempDir {
+  RunTempDir() : shardtrain::testing::TempDir("shardtrain_rundir") {}
 };
 
 // A GPT small enough to sample from in a moment; byte vocabulary.
@@ -61,7 +61,7 @@ shardtrain::config::Config tiny_gpt_config() {
   return c;
 }
 
-std::vector<std::pair<std::string, at::Tensor>> state_of(torch::nn::Module& m) {
+std::vector<std::pair<std::string, at::Tensor>> parameters_and_buffers(torch::nn::Module& m) {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& p : m.named_parameters()) out.emplace_back(p.key(), p.value().detach());
   for (const auto& b : m.named_buffers()) out.emplace_back(b.key(), b.value().detach());
@@ -122,7 +122,7 @@ bool contains(const std::string& text, const std::string& part) {
 // ---- resolve_checkpoint --------------------------------------------------------------
 
 TEST(ResolveCheckpoint, RunDirectoryMeansItsNewestCompleteStep) {
-  TempDir tmp;
+  RunTempDir tmp;
   const std::string run = tmp / "run";
   save_step(run, 10, small_tensors());
   const std::string newest = save_step(run, 20, small_tensors());
@@ -133,7 +133,7 @@ TEST(ResolveCheckpoint, RunDirectoryMeansItsNewestCompleteStep) {
 }
 
 TEST(ResolveCheckpoint, IncompleteStepsAreSkipped) {
-  TempDir tmp;
+  RunTempDir tmp;
   const std::string run = tmp / "run";
   const std::string complete = save_step(run, 10, small_tensors());
   save_torn_step(run, 30, small_tensors());
@@ -143,7 +143,7 @@ TEST(ResolveCheckpoint, IncompleteStepsAreSkipped) {
 }
 
 TEST(ResolveCheckpoint, AStepDirectoryIsItself) {
-  TempDir tmp;
+  RunTempDir tmp;
   const std::string run = tmp / "run";
   const std::string older = save_step(run, 10, small_tensors());
   save_step(run, 20, small_tensors());
@@ -154,7 +154,7 @@ TEST(ResolveCheckpoint, AStepDirectoryIsItself) {
 }
 
 TEST(ResolveCheckpoint, BadPathsAreCheckpointErrorsSayingWhatWasExpected) {
-  TempDir tmp;
+  RunTempDir tmp;
   const std::string run = tmp / "run";
   const std::string torn = save_torn_step(run, 30, small_tensors());
 
@@ -186,7 +186,7 @@ TEST(ResolveCheckpoint, BadPathsAreCheckpointErrorsSayingWhatWasExpected) {
 }
 
 TEST(ResolveCheckpoint, TheExportedModelWhenAskedForAndNotOlder) {
-  TempDir tmp;
+  RunTempDir tmp;
   const std::string run = tmp / "run";
   const auto with_export = ck::ResolveOptions().exported_model(true);
   export_model(run, 20, small_tensors());
@@ -228,7 +228,7 @@ std::string sample_of(const CliRun& r) {
 }
 
 TEST(RunDirectoryCommands, GenerateReadsTheNewestModelOfARunDirectory) {
-  TempDir tmp;
+  RunTempDir tmp;
   const std::string run = tmp / "run";
   const auto gpt = shardtrain::train::gpt_config(tiny_gpt_config().model);
   torch::manual_seed(1);
@@ -237,8 +237,8 @@ TEST(RunDirectoryCommands, GenerateReadsTheNewestModelOfARunDirectory) {
   GPT second(gpt);
   const std::string args = " --prompt 'The ' --max-new-tokens 12 --seed 3";
 
-  save_step(run, 1, state_of(*first));
-  const std::string step2 = save_step(run, 2, state_of(*second));
+  save_step(run, 1, parameters_and_buffers(*first));
+  const std::string step2 = save_step(run, 2, parameters_and_buffers(*second));
   CliRun from_step = cli("generate --checkpoint " + step2 + args);
   ASSERT_EQ(from_step.code, 0) << from_step.out;
   EXPECT_TRUE(contains(from_step.out, "model from " + step2 + " (step 2)")) << from_step.out;
@@ -252,7 +252,7 @@ TEST(RunDirectoryCommands, GenerateReadsTheNewestModelOfARunDirectory) {
 
   // With the exported model of the same step: the export, and the same text
   // (its Conv1D weights went out transposed and came back).
-  export_model(run, 2, state_of(*second));
+  export_model(run, 2, parameters_and_buffers(*second));
   from_run = cli("generate --checkpoint " + run + args);
   ASSERT_EQ(from_run.code, 0) << from_run.out;
   EXPECT_TRUE(contains(from_run.out, "model from " + ck::exported_model_path(run))) << from_run.out;
@@ -265,16 +265,16 @@ TEST(RunDirectoryCommands, GenerateReadsTheNewestModelOfARunDirectory) {
 }
 
 TEST(RunDirectoryCommands, ConsolidateTakesARunDirectory) {
-  TempDir tmp;
+  RunTempDir tmp;
   const std::string run = tmp / "run";
   const auto gpt = shardtrain::train::gpt_config(tiny_gpt_config().model);
   torch::manual_seed(4);
   GPT older(gpt);
   torch::manual_seed(5);
   GPT newer(gpt);
-  save_step(run, 1, state_of(*older));
-  const std::string step2 = save_step(run, 2, state_of(*newer));
-  save_torn_step(run, 3, state_of(*older));
+  save_step(run, 1, parameters_and_buffers(*older));
+  const std::string step2 = save_step(run, 2, parameters_and_buffers(*newer));
+  save_torn_step(run, 3, parameters_and_buffers(*older));
 
   const CliRun r = cli("checkpoint consolidate " + run + " --out " + (tmp / "out.safetensors"));
   ASSERT_EQ(r.code, 0) << r.out;
@@ -289,7 +289,7 @@ TEST(RunDirectoryCommands, ConsolidateTakesARunDirectory) {
 }
 
 TEST(RunDirectoryCommands, BadPathsExitWithTheCheckpointErrorCode) {
-  TempDir tmp;
+  RunTempDir tmp;
   const std::string run = tmp / "run";
   const std::string torn = save_torn_step(run, 3, small_tensors());
   fs::create_directories(tmp / "empty");
@@ -372,7 +372,7 @@ std::string fit_error(const shardtrain::config::Config& c) {
 // A second job on a run directory in use is refused with the first one's host
 // and PID, before it touches a file (issue 28, item 7).
 TEST(RunDirectoryLock, ASecondJobIsRefusedNamingTheFirst) {
-  TempDir tmp;
+  RunTempDir tmp;
   const std::string run = tmp / "run";
   fit(mlp_job(run));  // ours now, and free again
   ASSERT_TRUE(fs::exists(fs::path(run) / td::kRunLockFile));
@@ -402,7 +402,7 @@ TEST(RunDirectoryLock, ASecondJobIsRefusedNamingTheFirst) {
 // A job that crashes leaves no stale lock: the kernel drops it with the
 // process (issue 28, item 7).
 TEST(RunDirectoryLock, ACrashedHolderLeavesNoStaleLock) {
-  TempDir tmp;
+  RunTempDir tmp;
   const std::string run = tmp / "run";
   {
     const auto first = td::RunDirLock::acquire(run, false);
@@ -433,7 +433,7 @@ TEST(RunDirectoryLock, ACrashedHolderLeavesNoStaleLock) {
 // A directory with someone else's files is refused, untouched, unless the
 // job resumes or run.overwrite says so (issue 28, item 8).
 TEST(RunDirectoryLock, SomeoneElsesDirectoryIsRefusedUntouched) {
-  TempDir tmp;
+  RunTempDir tmp;
   const std::string run = tmp / "theirs";
   fs::create_directories(fs::path(run) / "checkpoints/step-000001");
   std::ofstream(fs::path(run) / "checkpoints/step-000001/weights.bin") << "their weights";
@@ -468,7 +468,7 @@ TEST(RunDirectoryLock, SomeoneElsesDirectoryIsRefusedUntouched) {
 // the job goes on (issue 47, item 8). The launcher's restart rounds are one
 // job: they never ask. (A tiny job, so that a regression ends in seconds.)
 TEST(RunDirectoryLock, AFinishedRunIsNotTrainedOverSilently) {
-  TempDir tmp;
+  RunTempDir tmp;
   const std::string run = tmp / "run";
   const std::string job = "train --set run.dir=" + run + " --set distributed.strategy=single --set trainer.max_steps=1 "
                           "--set model.n_layer=1 --set model.n_head=2 --set model.n_embd=16 --set model.block_size=8 "

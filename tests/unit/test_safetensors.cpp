@@ -39,8 +39,8 @@ using shardtrain::models::GPTConfig;
 using shardtrain::strategy::ShardedTensor;
 
 // Each test's files go to its own fresh directory.
-struct TempDir : shardtrain::testing::TempDir {
-  TempDir() : shardtrain::testing::TempDir("shardtrain_st") {}
+struct SafetensorsDir : shardtrain::testing::TempDir {
+  SafetensorsDir() : shardtrain::testing::TempDir("shardtrain_st") {}
 };
 
 GPTConfig tiny_gpt() {
@@ -132,7 +132,7 @@ std::string piece_file() {
 }
 
 TEST(Safetensors, HandWrittenFileFromTheSpecificationLoads) {
-  TempDir tmp;
+  SafetensorsDir tmp;
   write_bytes(tmp / "piece.safetensors", piece_file());
   ck::SafetensorsFile f(tmp / "piece.safetensors");
   ASSERT_EQ(f.entries().size(), 4u);
@@ -156,7 +156,7 @@ TEST(Safetensors, HandWrittenFileFromTheSpecificationLoads) {
 }
 
 TEST(Safetensors, HeaderErrorsAreCheckpointErrors) {
-  TempDir tmp;
+  SafetensorsDir tmp;
   const std::string path = tmp / "bad.safetensors";
   const auto expect_error = [&](const std::string& bytes, const std::string& needle) {
     write_bytes(path, bytes);
@@ -212,7 +212,7 @@ TEST(Safetensors, HeaderErrorsAreCheckpointErrors) {
 }
 
 TEST(Safetensors, GPTRoundTripWithConv1DTransposes) {
-  TempDir tmp;
+  SafetensorsDir tmp;
   torch::manual_seed(3);
   GPT a(tiny_gpt());
   ck::save_safetensors(tmp / "gpt.safetensors", named(*a), /*transpose_conv1d=*/true,
@@ -247,7 +247,7 @@ TEST(Safetensors, GPTRoundTripWithConv1DTransposes) {
 }
 
 TEST(Safetensors, MissingUnexpectedAndMismatchedNamesAreListed) {
-  TempDir tmp;
+  SafetensorsDir tmp;
   GPT a(tiny_gpt());
   auto tensors = named(*a);
   tensors.erase(tensors.begin() + 3);  // one missing
@@ -311,7 +311,7 @@ std::string save_sharded_gpt(GPT& model, const std::string& dir) {
 }
 
 TEST(Safetensors, ConsolidateAShardedCheckpoint) {
-  TempDir tmp;
+  SafetensorsDir tmp;
   torch::manual_seed(5);
   GPT a(tiny_gpt());
   const std::string dir = save_sharded_gpt(a, tmp / "step-000120");
@@ -336,7 +336,7 @@ TEST(Safetensors, ConsolidateAShardedCheckpoint) {
 
 
 TEST(CheckpointCommand, InspectConsolidateAndList) {
-  TempDir tmp;
+  SafetensorsDir tmp;
   torch::manual_seed(6);
   GPT a(tiny_gpt());
   const std::string run = tmp / "run";

@@ -43,8 +43,8 @@ using shardtrain::CheckpointError;
 using shardtrain::strategy::ShardedTensor;
 
 // Each test's files go to its own fresh directory.
-struct TempDir : shardtrain::testing::TempDir {
-  TempDir() : shardtrain::testing::TempDir("shardtrain_ckpt") {}
+struct CheckpointDir : shardtrain::testing::TempDir {
+  CheckpointDir() : shardtrain::testing::TempDir("shardtrain_ckpt") {}
 };
 
 std::shared_ptr<shardtrain::comm::Communicator> world_of_one() {
@@ -125,7 +125,7 @@ TEST(Crc32c, ChunkedMatchesPieces) {
 // ---- save and load --------------------------------------------------------------------
 
 TEST(ShardedCheckpoint, SaveAndLoadWithACommunicator) {
-  TempDir tmp;
+  CheckpointDir tmp;
   auto comm = world_of_one();
   const std::string dir = tmp / "ckpt";
   auto tensors = syn::rank_tensors(1, 0, 0, true);
@@ -160,7 +160,7 @@ TEST(ShardedCheckpoint, SaveAndLoadWithACommunicator) {
 }
 
 TEST(ShardedCheckpoint, SavingOverAnExistingCheckpointReplacesIt) {
-  TempDir tmp;
+  CheckpointDir tmp;
   auto comm = world_of_one();
   const std::string dir = tmp / "ckpt";
   auto tensors = syn::rank_tensors(1, 0, 0, true);
@@ -172,7 +172,7 @@ TEST(ShardedCheckpoint, SavingOverAnExistingCheckpointReplacesIt) {
 }
 
 TEST(ShardedCheckpoint, DtypeIsConvertedOnLoad) {
-  TempDir tmp;
+  CheckpointDir tmp;
   save_world(tmp / "ckpt", 2);
   ck::CheckpointReader reader(tmp / "ckpt");
   const auto all = syn::specs();
@@ -193,7 +193,7 @@ TEST(ShardedCheckpoint, DtypeIsConvertedOnLoad) {
 TEST(ShardedCheckpoint, ReshardsBetweenAnyWorldSizes) {
   const std::vector<std::pair<int, int>> matrix = {{4, 2}, {2, 3}, {3, 1}, {1, 4}, {3, 3}, {5, 2}};
   for (const auto& [a, b] : matrix) {
-    TempDir tmp;
+    CheckpointDir tmp;
     const std::string dir = save_world(tmp / "ckpt", a);
     ck::CheckpointReader reader(dir);
     EXPECT_EQ(reader.metadata().world_size, a);
@@ -217,7 +217,7 @@ TEST(ShardedCheckpoint, ReshardsBetweenAnyWorldSizes) {
 }
 
 TEST(ShardedCheckpoint, EveryElementIsStoredOnce) {
-  TempDir tmp;
+  CheckpointDir tmp;
   const std::string dir = save_world(tmp / "ckpt", 3);
   const ck::Metadata m = ck::read_metadata(dir);
   for (const auto& t : m.tensors) {
@@ -238,7 +238,7 @@ TEST(ShardedCheckpoint, EveryElementIsStoredOnce) {
 }
 
 TEST(ShardedCheckpoint, SaveRejectsBadPrimaryFlagsAndDisagreeingRanks) {
-  TempDir tmp;
+  CheckpointDir tmp;
   auto ranks = all_ranks(2, 0);
   // A whole tensor (rank 0 primary) of several elements: make both ranks primary.
   const auto all = syn::specs();
@@ -335,7 +335,7 @@ TEST(ShardedCheckpoint, RankResultsAreReadThroughTheValidatingReader) {
 }
 
 TEST(ShardedCheckpoint, FlippedByteIsAChecksumErrorNamingTheFile) {
-  TempDir tmp;
+  CheckpointDir tmp;
   const std::string dir = save_world(tmp / "ckpt", 2);
   const ck::Metadata m = ck::read_metadata(dir);
   // A byte of big.weight's largest slice.
@@ -375,7 +375,7 @@ TEST(ShardedCheckpoint, FlippedByteIsAChecksumErrorNamingTheFile) {
 }
 
 TEST(ShardedCheckpoint, TruncatedMissingAndTamperedFilesAreNamed) {
-  TempDir tmp;
+  CheckpointDir tmp;
   const std::string dir = save_world(tmp / "ckpt", 3);
   const std::string copy = tmp / "copy";
 
@@ -416,7 +416,7 @@ TEST(ShardedCheckpoint, TruncatedMissingAndTamperedFilesAreNamed) {
   EXPECT_NE(msg.find("metadata.json"), std::string::npos) << msg;
 
   // A rank file of another checkpoint put in place of this one's.
-  TempDir other;
+  CheckpointDir other;
   const std::string odir = cd::save_ranks_locally(other / "ckpt", all_ranks(3, 2), "x", {},
                                                   ck::SaveOptions().checksum_chunk_bytes(64));
   fs::remove_all(copy);
@@ -432,7 +432,7 @@ TEST(ShardedCheckpoint, TruncatedMissingAndTamperedFilesAreNamed) {
 }
 
 TEST(ShardedCheckpoint, ForeignInputIsRejectedClearly) {
-  TempDir tmp;
+  CheckpointDir tmp;
   std::string msg = checkpoint_error([&] { ck::CheckpointReader r(tmp / "nothing-here"); });
   EXPECT_NE(msg.find("does not exist"), std::string::npos) << msg;
 
@@ -482,7 +482,7 @@ TEST(ShardedCheckpoint, ForeignInputIsRejectedClearly) {
 }
 
 TEST(ShardedCheckpoint, ModelMismatchNamesTheTensors) {
-  TempDir tmp;
+  CheckpointDir tmp;
   const std::string dir = save_world(tmp / "ckpt", 2);
   auto comm = world_of_one();
 
@@ -547,7 +547,7 @@ TEST(KilledWriterChild, SaveThenHang) {
 }
 
 void kill_writer_midway(const std::string& at) {
-  TempDir run;
+  CheckpointDir run;
   auto comm = world_of_one();
   std::vector<ShardedTensor> tensors(1);
   tensors[0].name = "w";
@@ -609,7 +609,7 @@ TEST(KilledWriter, BeforeTheMarkerThePreviousCheckpointLoads) { kill_writer_midw
 // ---- retention --------------------------------------------------------------------------
 
 TEST(Retention, ListsNewestFirstAndPrunes) {
-  TempDir run;
+  CheckpointDir run;
   EXPECT_FALSE(ck::latest_complete(run.path()).has_value());
   EXPECT_TRUE(ck::prune(run.path(), 2).empty());
   EXPECT_EQ(ck::checkpoint_dir(run.path(), 120), run / "checkpoints/step-000120");
@@ -653,7 +653,7 @@ TEST(Retention, ListsNewestFirstAndPrunes) {
 // another run's: retention never deletes through a link, nor the link
 // (issue 28, item 6).
 TEST(Retention, NeverDeletesThroughASymbolicLink) {
-  TempDir run, shared;
+  CheckpointDir run, shared;
   save_world(ck::checkpoint_dir(run.path(), 1), 1);
   const std::string theirs = shared / "step-000002";
   save_world(theirs, 1);
@@ -715,7 +715,7 @@ void train_step(Net& net, torch::optim::Optimizer& opt, int seed) {
 
 template <typename MakeOpt>
 void optimizer_round_trip(MakeOpt make_opt) {
-  TempDir tmp;
+  CheckpointDir tmp;
   auto comm = world_of_one();
   torch::manual_seed(0);
   Net a;
@@ -826,7 +826,7 @@ TEST(OptimizerState, ShardedAdamWReshards) {
     return out;
   };
   for (const auto& [a, b] : std::vector<std::pair<int, int>>{{3, 2}, {1, 4}, {4, 1}}) {
-    TempDir tmp;
+    CheckpointDir tmp;
     std::vector<std::vector<ShardedTensor>> saved(a);
     std::vector<std::vector<ShardedTensor>> per_rank(a);
     std::vector<std::unique_ptr<torch::optim::AdamW>> opts;
@@ -895,7 +895,7 @@ TEST(OptimizerState, ShardedAdamWReshards) {
 // copy stands in for that step, prune keeps it, and the next save of that
 // step replaces both.
 TEST(Retention, CheckpointMovedAsideStandsInUntilItsReplacementCommits) {
-  TempDir run;
+  CheckpointDir run;
   const std::string dir = ck::checkpoint_dir(run.path(), 5);
   save_world(dir, 1);
   // What a crash between "move aside" and "commit" leaves behind.

@@ -14,7 +14,7 @@ namespace sd = shardtrain::strategy::detail;
 
 namespace {
 
-std::shared_ptr<comm::Communicator> world_of_one() {
+std::shared_ptr<comm::Communicator> world_of_one_rank() {
   return comm::Communicator::create(comm::CommOptions().rank(0).world_size(1));
 }
 
@@ -94,7 +94,7 @@ TEST(Single, ClipGradNormMatchesTorch) {
     give_grads(a, 1.0);
     give_grads(b, 1.0);
     auto s = strategy::make_strategy(named("single"));
-    s->setup(*a, world_of_one());
+    s->setup(*a, world_of_one_rank());
     const double got = s->clip_grad_norm(max_norm);
     // torch clips whenever called; max_norm 0 means "no clipping" for us.
     const double want = max_norm > 0 ? torch::nn::utils::clip_grad_norm_(b->parameters(), max_norm)
@@ -114,7 +114,7 @@ TEST(Single, ClipGradNormMatchesTorch) {
 TEST(Single, ClipWithoutGradientsIsZero) {
   auto m = make_mlp();
   auto s = strategy::make_strategy(named("single"));
-  s->setup(*m, world_of_one());
+  s->setup(*m, world_of_one_rank());
   EXPECT_EQ(s->clip_grad_norm(1.0), 0.0);
 }
 
@@ -127,7 +127,7 @@ TEST(Single, AccumulationEqualsLargeBatchWithoutCommunication) {
   auto y = torch::randn({kMicro * 4, 3});
   auto model = make_mlp();
   auto ref = clone_mlp(model);
-  auto world = world_of_one();
+  auto world = world_of_one_rank();
   auto s = strategy::make_strategy(named("single"));
   s->setup(*model, world);
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
@@ -158,7 +158,7 @@ TEST(DDPWorldOfOne, GradientsEqualLocalOnesAndSyncOffCommunicatesNothing) {
   auto model = make_mlp();
   auto ref = clone_mlp(model);
   auto s = strategy::make_strategy(named("ddp"));
-  s->setup(*model, world_of_one());
+  s->setup(*model, world_of_one_rank());
   s->set_gradient_sync(false);
   give_grads(model, 1.0);
   EXPECT_EQ(s->gradient_collectives(), 0);
@@ -178,7 +178,7 @@ TEST(DDPWorldOfOne, GradientsEqualLocalOnesAndSyncOffCommunicatesNothing) {
 TEST(DDPWorldOfOne, SecondBackwardBeforeFinishIsAnError) {
   auto model = make_mlp();
   auto s = strategy::make_strategy(named("ddp"));
-  s->setup(*model, world_of_one());
+  s->setup(*model, world_of_one_rank());
   give_grads(model, 1.0);
   EXPECT_THROW(give_grads(model, 1.0), std::exception);
 }
@@ -193,7 +193,7 @@ TEST(DDPWorldOfOne, DestroyedStrategyLeavesNoHooks) {
   auto model = make_mlp();
   {
     auto s = strategy::make_strategy(named("ddp"));
-    s->setup(*model, world_of_one());
+    s->setup(*model, world_of_one_rank());
   }
   // Two backwards without finish would be an error if the hooks remained.
   give_grads(model, 1.0);
@@ -210,7 +210,7 @@ TEST(DDPWorldOfOne, GradientsReduceInTheConfiguredDtype) {
     auto options = named("ddp");
     options.reduce_dtype(enum_from_name<strategy::DType>(dtype, "reduce_dtype"));
     auto s = strategy::make_strategy(options);
-    s->setup(*model, world_of_one());
+    s->setup(*model, world_of_one_rank());
     give_grads(model, 1.0);
     s->finish_gradient_sync();
     give_grads(ref, 1.0);

@@ -38,7 +38,7 @@ void write_raw(const std::string& path, std::vector<int32_t> header, const std::
   out << payload;
 }
 
-std::string config_error(const std::string& path) {
+std::string token_file_error(const std::string& path) {
   try {
     TokenSource::open(path);
   } catch (const ConfigError& e) {
@@ -101,16 +101,16 @@ TEST(TokenizedFiles, WrongWidthVersionOrSizeIsAConfigErrorNamingTheFile) {
   header[2] = 1;
   header[3] = 3;
   write_raw(dir / "w3.bin", header, "abc");
-  std::string e = config_error(dir / "w3.bin");
+  std::string e = token_file_error(dir / "w3.bin");
   EXPECT_NE(e.find(dir / "w3.bin"), std::string::npos) << e;
   EXPECT_NE(e.find("width 3"), std::string::npos) << e;
   header[3] = 4;
   write_raw(dir / "short.bin", header, "ab");  // 2 bytes where 4 are due
-  e = config_error(dir / "short.bin");
+  e = token_file_error(dir / "short.bin");
   EXPECT_NE(e.find("truncated"), std::string::npos) << e;
   header[1] = 7;
   write_raw(dir / "v7.bin", header, "abcd");
-  e = config_error(dir / "v7.bin");
+  e = token_file_error(dir / "v7.bin");
   EXPECT_NE(e.find("version 7"), std::string::npos) << e;
   EXPECT_NE(e.find(dir / "v7.bin"), std::string::npos) << e;
 }

@@ -32,7 +32,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::shared_ptr<comm::Communicator> world_of_one() {
+std::shared_ptr<comm::Communicator> world_of_default_options() {
   return comm::Communicator::create(comm::CommOptions());
 }
 
@@ -102,7 +102,7 @@ TEST(Trainer, EventsFireInTheDocumentedOrder) {
   c.batch.micro = 4;  // accumulate 2 at world size 1
   c.trainer.max_steps = 2;
   c.trainer.eval_every = 2;
-  auto comm = world_of_one();
+  auto comm = world_of_default_options();
   train::Trainer trainer(c, train::make_task(c, 1), comm);
   auto rec = std::make_shared<Recorder>();
   trainer.add_callback(rec);
@@ -132,7 +132,7 @@ TEST(Trainer, ThreadsPerRankReachesOpenBlas) {
   set(3);
   auto c = mlp_config("blas_threads");
   c.distributed.threads_per_rank(1);
-  train::Trainer trainer(c, train::make_task(c, 1), world_of_one());
+  train::Trainer trainer(c, train::make_task(c, 1), world_of_default_options());
   EXPECT_EQ(at::get_num_threads(), 1);
   EXPECT_EQ(get(), 1);
 }
@@ -159,7 +159,7 @@ TEST(Trainer, ControlFlagsAreOredAndObeyed) {
   auto c = mlp_config("control");
   c.trainer.max_steps = 10;
   c.trainer.eval_every = 0;
-  auto comm = world_of_one();
+  auto comm = world_of_default_options();
   train::Trainer trainer(c, train::make_task(c, 1), comm);
   trainer.add_callback(std::make_shared<StopAt>(3));
   auto bystander = std::make_shared<Bystander>();
@@ -182,7 +182,7 @@ TEST(Trainer, EarlyStoppingStops) {
   c.trainer.early_stopping.enabled = true;
   c.trainer.early_stopping.patience = 3;
   c.trainer.early_stopping.min_delta = 1e-3;
-  auto comm = world_of_one();
+  auto comm = world_of_default_options();
   train::Trainer trainer(c, train::make_task(c, 1), comm);
   const auto& state = trainer.fit();
   // First evaluation sets the best; three without improvement stop it.
@@ -237,7 +237,7 @@ TEST(Trainer, MetricsFileHasOneLinePerStepPlusEvaluations) {
   auto c = mlp_config("metrics");
   c.trainer.max_steps = 4;
   c.trainer.eval_every = 2;
-  auto comm = world_of_one();
+  auto comm = world_of_default_options();
   train::Trainer trainer(c, train::make_task(c, 1), comm);
   trainer.fit();
   const auto lines = read_lines((fs::path(c.run.dir) / "metrics.jsonl").string());
@@ -261,7 +261,7 @@ TEST(Trainer, AccumulationEqualsOneBigBatch) {
     c.trainer.max_steps = 3;
     c.trainer.eval_every = 0;
     c.trainer.max_grad_norm = 0.0;
-    auto comm = world_of_one();
+    auto comm = world_of_default_options();
     train::Trainer trainer(c, train::make_task(c, 1), comm);
     trainer.fit();
     EXPECT_EQ(trainer.batch().accumulate, 8 / micro);
@@ -281,7 +281,7 @@ TEST(Trainer, BadBatchArithmeticIsAConfigError) {
   auto c = mlp_config("badbatch");
   c.batch.global = 10;
   c.batch.micro = 4;
-  auto comm = world_of_one();
+  auto comm = world_of_default_options();
   EXPECT_THROW(train::Trainer(c, train::make_task(c, 1), comm), ConfigError);
 }
 
@@ -342,7 +342,7 @@ TEST(Trainer, UnevenPaddedMicroBatchesGiveTheBigBatchGradient) {
     c.trainer.max_grad_norm = 0.0;
     auto task = padded_task(5);
     auto capture = std::make_shared<GradCapture>(task.model);
-    train::Trainer trainer(c, task, world_of_one());
+    train::Trainer trainer(c, task, world_of_default_options());
     trainer.add_callback(capture);
     trainer.fit();
     return std::make_pair(capture->grads, trainer.state().loss);
@@ -364,7 +364,7 @@ TEST(Precision, Fp16MixedOnCpuIsAConfigErrorSuggestingBf16) {
   auto c = mlp_config("fp16");
   c.precision = precision::PrecisionKind::Fp16Mixed;
   try {
-    train::Trainer trainer(c, train::make_task(c, 1), world_of_one());
+    train::Trainer trainer(c, train::make_task(c, 1), world_of_default_options());
     if (!torch::cuda::is_available()) FAIL() << "fp16-mixed was accepted without CUDA";
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("bf16-mixed"), std::string::npos) << e.what();
@@ -394,7 +394,7 @@ TEST(Precision, Bf16MixedTrainsLikeFp32) {
     c.distributed.strategy(strategy::StrategyKind::Single);
     c.precision = enum_from_name<precision::PrecisionKind>(precision, "precision");
     std::vector<double> losses;
-    train::Trainer trainer(c, train::make_task(c, 1), world_of_one());
+    train::Trainer trainer(c, train::make_task(c, 1), world_of_default_options());
     struct Losses : train::Callback {
       std::vector<double>* out;
       void on_step_end(train::TrainerState& s, train::TrainerControl&) override { out->push_back(s.loss); }
@@ -431,7 +431,7 @@ TEST(TrainerCheckpoints, CadenceRetentionAndBest) {
   c.checkpoint.keep = 2;
   c.checkpoint.monitor = "eval_loss";
   c.checkpoint.mode = train::MonitorMode::Max;  // the worst loss is "best": the first evaluation, step 1
-  train::Trainer t(c, train::make_task(c, 1), world_of_one());
+  train::Trainer t(c, train::make_task(c, 1), world_of_default_options());
   t.fit();
   std::vector<int64_t> steps;
   for (const auto& e : checkpoint::list_complete(c.run.dir)) steps.push_back(e.step);
@@ -444,7 +444,7 @@ TEST(TrainerCheckpoints, EveryNMinutes) {
   c.trainer.max_steps = 3;
   c.checkpoint.every_n_minutes = 1e-9;  // due after every step
   c.checkpoint.keep = 0;                // keep all
-  train::Trainer t(c, train::make_task(c, 1), world_of_one());
+  train::Trainer t(c, train::make_task(c, 1), world_of_default_options());
   t.fit();
   std::vector<int64_t> steps;
   for (const auto& e : checkpoint::list_complete(c.run.dir)) steps.push_back(e.step);
@@ -463,13 +463,13 @@ TEST(TrainerCheckpoints, ResumeContinuesBitExactly) {
     void on_step_end(train::TrainerState& s, train::TrainerControl&) override { out->push_back(s.loss); }
   };
   {
-    train::Trainer t(c, train::make_task(c, 1), world_of_one());
+    train::Trainer t(c, train::make_task(c, 1), world_of_default_options());
     t.add_callback(std::make_shared<Losses>(&whole));
     t.fit();
   }
   c.checkpoint.resume = checkpoint::checkpoint_dir(c.run.dir, 3);
   c.run.dir = temp_dir("exact_resumed");
-  train::Trainer t(c, train::make_task(c, 1), world_of_one());
+  train::Trainer t(c, train::make_task(c, 1), world_of_default_options());
   t.add_callback(std::make_shared<Losses>(&resumed));
   t.fit();
   ASSERT_EQ(whole.size(), 6u);
@@ -482,7 +482,7 @@ TEST(TrainerCheckpoints, ResumeAutoWithoutCheckpointStartsFresh) {
   auto c = mlp_config("fresh");
   c.checkpoint.resume = "auto";
   c.trainer.max_steps = 1;
-  train::Trainer t(c, train::make_task(c, 1), world_of_one());
+  train::Trainer t(c, train::make_task(c, 1), world_of_default_options());
   EXPECT_EQ(t.resume("auto"), "");
   t.fit();
   EXPECT_EQ(t.state().step, 1);
@@ -492,12 +492,12 @@ TEST(TrainerCheckpoints, ResumeFromAnotherModelIsACheckpointError) {
   auto c = mlp_config("other");
   c.trainer.max_steps = 1;
   {
-    train::Trainer t(c, train::make_task(c, 1), world_of_one());
+    train::Trainer t(c, train::make_task(c, 1), world_of_default_options());
     t.fit();
   }
   auto other = c;
   other.model.mlp_sizes = {8, 32, 4};
-  train::Trainer t(other, train::make_task(other, 1), world_of_one());
+  train::Trainer t(other, train::make_task(other, 1), world_of_default_options());
   try {
     t.resume(checkpoint::checkpoint_dir(c.run.dir, 1));
     FAIL() << "expected a CheckpointError";
@@ -514,7 +514,7 @@ TEST(TrainerCheckpoints, InitFromSafetensors) {
   const std::string file = temp_dir("init_from_file") + ".safetensors";
   checkpoint::save_safetensors(file, weights);
   c.model.init_from = file;
-  train::Trainer t(c, train::make_task(c, 1), world_of_one());
+  train::Trainer t(c, train::make_task(c, 1), world_of_default_options());
   for (const auto& [name, value] : weights) {
     EXPECT_TRUE(torch::equal(t.model()->named_parameters()[name], value)) << name;
   }
@@ -541,7 +541,7 @@ void expect_export_matches(const std::string& dir, torch::nn::Module& model, int
 TEST(TrainerExport, FitExportsTheFinalModelFromItsCheckpoint) {
   auto c = mlp_config("export_fit");
   c.trainer.max_steps = 3;
-  train::Trainer t(c, train::make_task(c, 1), world_of_one());
+  train::Trainer t(c, train::make_task(c, 1), world_of_default_options());
   t.fit();
   expect_export_matches(c.run.dir, *t.model(), 3);
   EXPECT_EQ(config::Config::load(checkpoint::exported_config_path(c.run.dir)).to_yaml(), c.to_yaml());
@@ -549,7 +549,7 @@ TEST(TrainerExport, FitExportsTheFinalModelFromItsCheckpoint) {
 
 TEST(TrainerExport, WithoutACheckpointTheModelIsGathered) {
   auto c = mlp_config("export_gather");
-  train::Trainer t(c, train::make_task(c, 1), world_of_one());
+  train::Trainer t(c, train::make_task(c, 1), world_of_default_options());
   const std::string dir = temp_dir("export_gather_out");
   EXPECT_EQ(t.export_model(dir), checkpoint::exported_model_path(dir));
   expect_export_matches(dir, *t.model(), 0);
@@ -559,7 +559,7 @@ TEST(TrainerExport, WithoutACheckpointTheModelIsGathered) {
 
 TEST(TrainerExport, AnUnwritableDirectoryIsACheckpointError) {
   auto c = mlp_config("export_bad");
-  train::Trainer t(c, train::make_task(c, 1), world_of_one());
+  train::Trainer t(c, train::make_task(c, 1), world_of_default_options());
   const std::string file = temp_dir("export_bad_file");
   std::ofstream(file) << "a file where the directory should be";
   EXPECT_THROW(t.export_model(file), CheckpointError);
@@ -595,10 +595,10 @@ TEST(TrainerExport, GptExportHasHuggingFaceLayout) {
       EXPECT_TRUE(torch::equal(loaded->named_parameters()[p.key()], p.value())) << p.key();
     }
   };
-  train::Trainer t(c, train::make_task(c, 1), world_of_one());
+  train::Trainer t(c, train::make_task(c, 1), world_of_default_options());
   t.fit();
   check(c.run.dir, *t.model());
-  train::Trainer fresh(c, train::make_task(c, 1), world_of_one());
+  train::Trainer fresh(c, train::make_task(c, 1), world_of_default_options());
   const std::string gathered = temp_dir("export_gpt_gathered");
   fresh.export_model(gathered);
   check(gathered, *fresh.model());
@@ -665,7 +665,7 @@ TEST(TrainerLr, TheRateAppliedAtEachStepIsTheScheduledOne) {
   c.trainer.max_steps = 8;
   c.trainer.eval_every = 0;
   c.trainer.max_grad_norm = 0.0;
-  train::Trainer trainer(c, train::make_task(c, 1), world_of_one());
+  train::Trainer trainer(c, train::make_task(c, 1), world_of_default_options());
   auto seen = std::make_shared<AppliedLr>(trainer);
   trainer.add_callback(seen);
   trainer.fit();
@@ -732,7 +732,7 @@ TEST(TrainerModes, DropoutTrainsAfterEvaluationAndIsOffDuringIt) {
   c.trainer.eval_every = 1;
   c.trainer.eval_batches = 2;
   std::vector<DropoutCall> calls;
-  train::Trainer trainer(c, watched_dropout_task(&calls), world_of_one());
+  train::Trainer trainer(c, watched_dropout_task(&calls), world_of_default_options());
   trainer.fit();
   // Per step: one training forward, then two evaluation forwards.
   ASSERT_EQ(calls.size(), 12u);
@@ -785,7 +785,7 @@ TEST(TrainerCheckpoints, AResumedRunKeepsTheBestCheckpointOfBeforeTheRestart) {
   c.checkpoint.monitor = "score";
   c.checkpoint.mode = train::MonitorMode::Max;
   {
-    train::Trainer first(c, train::make_task(c, 1), world_of_one());
+    train::Trainer first(c, train::make_task(c, 1), world_of_default_options());
     auto scores = std::make_shared<ScoreEvaluations>();
     first.add_callback(scores);
     first.fit();
@@ -794,7 +794,7 @@ TEST(TrainerCheckpoints, AResumedRunKeepsTheBestCheckpointOfBeforeTheRestart) {
   ASSERT_EQ(complete_steps(c.run.dir), (std::vector<int64_t>{3, 2}));
   c.trainer.max_steps = 6;
   c.checkpoint.resume = "auto";
-  train::Trainer resumed(c, train::make_task(c, 1), world_of_one());
+  train::Trainer resumed(c, train::make_task(c, 1), world_of_default_options());
   auto scores = std::make_shared<ScoreEvaluations>();
   resumed.add_callback(scores);
   resumed.fit();

@@ -52,6 +52,7 @@ using shardtrain::ConfigError;
 using shardtrain::config::Config;
 using shardtrain::testing::TempDir;
 
+#undef EXPECT_HAS  // each test file defines its own (the unit tests build as one unity target)
 #define EXPECT_HAS(msg, part) \
   EXPECT_NE((msg).find(part), std::string::npos) << "missing \"" << (part) << "\" in: " << (msg)
 

@@ -62,7 +62,7 @@ int64_t parse_bytes(const std::string& text) {
 }
 
 // The arguments, or nothing when --help was asked.
-std::optional<BenchArgs> parse(int argc, char** argv) {
+std::optional<BenchArgs> parse_bench_comm_args(int argc, char** argv) {
   BenchArgs a;
   CLI::App app;
   setup_app(app);
@@ -95,7 +95,7 @@ at::ScalarType scalar_type(const std::string& name) {
 }  // namespace
 
 int bench_comm_main(int argc, char** argv) {
-  const std::optional<BenchArgs> parsed = parse(argc, argv);
+  const std::optional<BenchArgs> parsed = parse_bench_comm_args(argc, argv);
   if (!parsed) {
     print_help();
     return 0;

@@ -22,7 +22,7 @@ namespace {
 namespace fs = std::filesystem;
 namespace ck = shardtrain::checkpoint;
 
-const char kUsage[] =
+const char kCheckpointUsage[] =
     "usage: shardtrain checkpoint inspect DIR [--no-verify]\n"
     "       shardtrain checkpoint consolidate DIR --out FILE.safetensors [--no-transpose]\n"
     "       shardtrain checkpoint list RUN_DIR\n"
@@ -179,7 +179,7 @@ int list(const std::string& run_dir) {
 
 int checkpoint_main(int argc, char** argv) {
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
-    std::fputs(kUsage, argc < 2 ? stderr : stdout);
+    std::fputs(kCheckpointUsage, argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;
   }
   std::string action, dir, out;
@@ -192,7 +192,7 @@ int checkpoint_main(int argc, char** argv) {
   app.add_flag_callback("--no-verify", [&] { verify = false; });
   app.add_flag_callback("--no-transpose", [&] { transpose = false; });
   if (parse_flags(app, argc, argv, "checkpoint", "unknown option")) {
-    std::fputs(kUsage, stdout);
+    std::fputs(kCheckpointUsage, stdout);
     return 0;
   }
   ST_CHECK(!dir.empty(), ConfigError, "shardtrain checkpoint ", action,

@@ -16,7 +16,7 @@
 namespace shardtrain::cli {
 namespace {
 
-const char kUsage[] =
+const char kConfigUsage[] =
     "usage: shardtrain config [CONFIG] [--set KEY=VALUE ...]\n"
     "       shardtrain config --docs FILE | --check-docs FILE\n"
     "\n"
@@ -63,7 +63,7 @@ int config_main(int argc, char** argv) {
   add_text(app, "--docs", docs_file);
   add_text(app, "--check-docs", check_file);
   if (parse_flags(app, argc, argv, "config")) {
-    std::fputs(kUsage, stdout);
+    std::fputs(kConfigUsage, stdout);
     return 0;
   }
   if (!check_file.empty()) return docs(check_file, /*check=*/true);

@@ -29,7 +29,7 @@
 namespace shardtrain::cli {
 namespace {
 
-const char kUsage[] =
+const char kEstimateUsage[] =
     "usage: shardtrain estimate [CONFIG] [--set KEY=VALUE ...] [--nproc-per-node N] [--nnodes M]\n"
     "\n"
     "Estimates, for the model CONFIG describes (default: configs/default.yaml), the\n"
@@ -49,7 +49,7 @@ struct EstimateArgs {
 };
 
 // The arguments, or nothing when --help was asked.
-std::optional<EstimateArgs> parse(int argc, char** argv) {
+std::optional<EstimateArgs> parse_estimate_args(int argc, char** argv) {
   EstimateArgs a;
   CLI::App app;
   setup_app(app);
@@ -160,9 +160,9 @@ void print_tensor_parallel(const config::Config& config, int world, int nproc, d
 }  // namespace
 
 int estimate_main(int argc, char** argv) {
-  const std::optional<EstimateArgs> parsed = parse(argc, argv);
+  const std::optional<EstimateArgs> parsed = parse_estimate_args(argc, argv);
   if (!parsed) {
-    std::fputs(kUsage, stdout);
+    std::fputs(kEstimateUsage, stdout);
     return 0;
   }
   const EstimateArgs& args = *parsed;

@@ -34,7 +34,7 @@ namespace {
 namespace fs = std::filesystem;
 namespace ck = shardtrain::checkpoint;
 
-const char kUsage[] =
+const char kGenerateUsage[] =
     "usage: shardtrain generate --checkpoint PATH [--prompt TEXT] [--max-new-tokens N]\n"
     "                           [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
     "                           [--stop ID[,ID...]] [--no-cache] [--tokenizer SPEC]\n"
@@ -248,7 +248,7 @@ int generate_main(int argc, char** argv) {
   app.add_flag_callback("--no-cache", [&] { options.use_cache(false); });
   app.add_flag("--chat", chat);
   if (parse_flags(app, argc, argv, "generate", "unknown option")) {
-    std::fputs(kUsage, stdout);
+    std::fputs(kGenerateUsage, stdout);
     return 0;
   }
   ST_CHECK(!checkpoint.empty(), ConfigError, "--checkpoint PATH is required");

@@ -21,7 +21,7 @@ namespace shardtrain::cli {
 namespace fs = std::filesystem;
 namespace {
 
-const char kUsage[] =
+const char kLaunchUsage[] =
     "usage: shardtrain launch [OPTIONS] -- PROGRAM [ARGS...]\n"
     "\n"
     "Starts the ranks of one node with the torchrun variables set (RANK, LOCAL_RANK,\n"
@@ -73,7 +73,7 @@ int launch_main(int argc, char** argv) {
   app.prefix_command();
   add_launch_flags(app, options);
   if (parse_flags(app, end, argv, "launch")) {
-    std::printf(kUsage, kLaunchFlagsUsage);
+    std::printf(kLaunchUsage, kLaunchFlagsUsage);
     return 0;
   }
   const std::vector<std::string> rest = app.remaining();

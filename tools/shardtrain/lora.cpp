@@ -11,7 +11,7 @@
 namespace shardtrain::cli {
 namespace {
 
-const char kUsage[] =
+const char kLoraUsage[] =
     "usage: shardtrain lora merge --base BASE.safetensors --adapter DIR --out MERGED.safetensors\n"
     "\n"
     "merge  folds the adapter in DIR (adapter_model.safetensors and\n"
@@ -26,7 +26,7 @@ const char kUsage[] =
 
 int lora_main(int argc, char** argv) {
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
-    std::fputs(kUsage, argc < 2 ? stderr : stdout);
+    std::fputs(kLoraUsage, argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;
   }
   std::string action, base, adapter, out;
@@ -37,7 +37,7 @@ int lora_main(int argc, char** argv) {
   add_text(app, "--adapter", adapter);
   add_text(app, "--out", out);
   if (parse_flags(app, argc, argv, "lora", "unknown option")) {
-    std::fputs(kUsage, stdout);
+    std::fputs(kLoraUsage, stdout);
     return 0;
   }
   ST_CHECK(action == "merge", ConfigError, "unknown action '", action,

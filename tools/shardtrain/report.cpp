@@ -14,7 +14,7 @@
 namespace shardtrain::cli {
 namespace {
 
-const char kUsage[] =
+const char kReportUsage[] =
     "usage: shardtrain report RUN_DIR [RUN_DIR ...] [--out FILE.html]\n"
     "\n"
     "Writes one self-contained HTML page (no network needed to view it) with each\n"
@@ -35,7 +35,7 @@ int report_main(int argc, char** argv) {
   add_text(app, "--out", out);
   if (parse_flags(app, argc, argv, "report", "unexpected option",
                   "allowed: RUN_DIR..., --out FILE.html; see shardtrain report --help")) {
-    std::printf("%s", kUsage);
+    std::printf("%s", kReportUsage);
     return 0;
   }
   ST_CHECK(!dirs.empty(), ConfigError,

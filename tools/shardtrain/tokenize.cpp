@@ -26,7 +26,7 @@
 namespace shardtrain::cli {
 namespace {
 
-const char kUsage[] =
+const char kTokenizeUsage[] =
     "usage: shardtrain tokenize --tokenizer PATH --out FILE [--threads N] [--no-eos]\n"
     "                           [--add-special-tokens] [--quiet] INPUT...\n"
     "\n"
@@ -57,7 +57,7 @@ struct Options {
   bool help = false;
 };
 
-Options parse(int argc, char** argv) {
+Options parse_tokenize_args(int argc, char** argv) {
   Options o;
   CLI::App app;
   setup_app(app);
@@ -135,9 +135,9 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }  // namespace
 
 int tokenize_main(int argc, char** argv) {
-  const Options o = parse(argc, argv);
+  const Options o = parse_tokenize_args(argc, argv);
   if (o.help) {
-    std::printf("%s", kUsage);
+    std::printf("%s", kTokenizeUsage);
     return 0;
   }
   const auto tokenizer = data::load_tokenizer(o.tokenizer);

@@ -37,7 +37,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const char kUsage[] =
+const char kTrainUsage[] =
     "usage: shardtrain train [CONFIG] [--set KEY=VALUE ...] [LAUNCH OPTIONS]\n"
     "\n"
     "Trains the model CONFIG describes; without CONFIG, the built-in defaults (the\n"
@@ -61,7 +61,7 @@ struct TrainArgs {
 };
 
 // The arguments, or nothing when --help was asked.
-std::optional<TrainArgs> parse(int argc, char** argv) {
+std::optional<TrainArgs> parse_train_args(int argc, char** argv) {
   TrainArgs a;
   CLI::App app;
   setup_app(app);
@@ -144,9 +144,9 @@ config::Config load_config(const TrainArgs& args, bool say) {
 }  // namespace
 
 int train_main(int argc, char** argv) {
-  const std::optional<TrainArgs> parsed = parse(argc, argv);
+  const std::optional<TrainArgs> parsed = parse_train_args(argc, argv);
   if (!parsed) {
-    std::printf(kUsage, kLaunchFlagsUsage);
+    std::printf(kTrainUsage, kLaunchFlagsUsage);
     return 0;
   }
   const TrainArgs& args = *parsed;
