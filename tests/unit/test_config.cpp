@@ -199,6 +199,14 @@ Config every_key_set() {
   c.model.mlp_bias = true;
   c.model.max_position_embeddings = 2048;
   c.model.hf_model_type = "qwen2";
+  c.model.num_experts = 6;
+  c.model.num_experts_per_tok = 3;
+  c.model.norm_topk_prob = false;
+  c.model.moe_intermediate_size = 40;
+  c.model.decoder_sparse_step = 2;
+  c.model.mlp_only_layers = {0, 5};
+  c.model.router_aux_loss_coef = 0.02;
+  c.model.output_router_logits = true;
   c.checkpoint.export_max_shard_mb = 100.0;
   c.data.train = "null";  // a string YAML would read as null unless quoted
   c.data.val_fraction = 0.0;
@@ -792,7 +800,7 @@ TEST(ConfigErrors, UnknownEnumValueNamesTheChoices) {
   // Names are exact: no case folding, no spaces.
   EXPECT_HAS(parse_error("distributed: {sharding: FULL_SHARD}"), "got 'FULL_SHARD'");
   // The docs list the same names.
-  EXPECT_HAS(key_table("model"), "`gpt`, `llama`, `mlp`, `auto`");
+  EXPECT_HAS(key_table("model"), "`gpt`, `llama`, `mixtral`, `qwen3_moe`, `mlp`, `auto`");
 }
 
 TEST(ConfigErrors, MalformedYamlNamesOriginAndLine) {

@@ -120,10 +120,14 @@ else
 fi
 # Executables are not relinked when only libshardtrain.so changed (they load
 # it at run time): a mutant of the library then rebuilds one object and the
-# library, not every test executable as well.
+# library, not every test executable as well. One source file per
+# translation unit (no unity build): each mutant recompiles its own file, not
+# the seven others batched with it; only the first build pays for that.
 if [[ ! -f $bld/build.ninja ]] ||
-   ! grep -q '^CMAKE_LINK_DEPENDS_NO_SHARED:[A-Z]*=ON$' "$bld/CMakeCache.txt" 2>/dev/null; then
+   ! grep -q '^CMAKE_LINK_DEPENDS_NO_SHARED:[A-Z]*=ON$' "$bld/CMakeCache.txt" 2>/dev/null ||
+   ! grep -q '^CMAKE_UNITY_BUILD:[A-Z]*=OFF$' "$bld/CMakeCache.txt" 2>/dev/null; then
   cmake -S "$src" -B "$bld" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_LINK_DEPENDS_NO_SHARED=ON \
+    -DCMAKE_UNITY_BUILD=OFF \
     > "$work/logs/configure.log" 2>&1 ||
     die "configuring the copy failed; see $work/logs/configure.log"
 fi
