@@ -17,8 +17,8 @@ BUILD_DIR=${BUILD_DIR:-build}
 OUT_DIR=${OUT_DIR:-$BUILD_DIR/bench-comm}
 SIZES=${SIZES:-"1024 1048576 67108864"}
 WORLD_SIZES=${WORLD_SIZES:-"2 4"}
-OPS="all_reduce reduce_scatter all_gather broadcast"
-TORCH_OPS="all_reduce broadcast"   # what PyTorch 1.13 Gloo has of OPS
+OPS="all_reduce reduce_scatter all_gather broadcast all_to_all"
+TORCH_OPS="all_reduce broadcast all_to_all"   # what PyTorch 1.13 Gloo has of OPS
 # Across two network-namespace hosts (needs root; TWO_HOSTS=0 skips it):
 # all_reduce at these sizes and a barrier, 1 and 2 ranks per host.
 TWO_HOSTS=${TWO_HOSTS:-1}

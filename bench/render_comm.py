@@ -12,7 +12,7 @@ import benchlib
 
 BEGIN, END = "<!-- comm:begin -->", "<!-- comm:end -->"
 SUP = "¹²³⁴⁵"
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "barrier")
 
 def human_bytes(b):
     if b == 0:
@@ -101,7 +101,8 @@ def render(rows, a):
         + "; ".join(f"{human_bytes(b)}: {n} timed iterations" for b, n in sorted(iters.items()))
         + (f"; barrier: {barrier_iters}" if barrier_iters else "")
         + " after a warm-up. Time = mean over iterations of the slowest rank's time; "
-        "busbw = bytes/time × 2(n−1)/n for all_reduce, × (n−1)/n for reduce_scatter and all_gather, "
+        "busbw = bytes/time × 2(n−1)/n for all_reduce, × (n−1)/n for reduce_scatter, all_gather and "
+        "all_to_all (each rank's buffer in equal parts to every rank, the last taking the remainder), "
         "× 1 for broadcast (nccl-tests definitions). Ratio = PyTorch time / shardtrain time, the same as "
         "the busbw ratio (above 1: shardtrain faster). % memcpy = shardtrain busbw / the single-thread "
         "64 MB memcpy below, for 64 MB rows. "

@@ -11,8 +11,8 @@ Same measurement as shardtrain's bench-comm: W untimed warm-up calls, a barrier,
 then K timed calls; the time of each iteration is the slowest rank's (an
 all_reduce with MAX over the per-iteration times) and the reported time is the
 mean over the K iterations. algbw = bytes / time; busbw = algbw * 2(n-1)/n for
-all_reduce, * (n-1)/n for reduce_scatter and all_gather, * 1 for broadcast
-(nccl-tests definitions). Rank 0 prints one line and appends one JSON line with
+all_reduce, * (n-1)/n for reduce_scatter, all_gather and all_to_all, * 1 for
+broadcast (nccl-tests definitions). Rank 0 prints one line and appends one JSON line with
 "impl":"pytorch-gloo".
 
 Only collectives whose output matches shardtrain's are measured. PyTorch 1.13's
@@ -21,7 +21,9 @@ _all_gather_base / all_gather_into_tensor; all_gather into a list of tensors doe
 work but copies into separate outputs and is not the same operation
 bandwidth-wise, so it is not used. For an unsupported op the script probes the
 tensor form once, prints why it is skipped, appends a JSON line with
-"status":"unsupported" and exits 0.
+"status":"unsupported" and exits 0. all_to_all is all_to_all_single with the
+same splits as bench-comm's: numel / n elements to each rank, the last part
+taking the remainder (1.13 Gloo runs it on CPU tensors, uneven splits too).
 """
 import argparse
 import json
@@ -44,7 +46,7 @@ def parse_bytes(text):
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "barrier")
 
 
 def main():
@@ -69,6 +71,11 @@ def main():
     numel = 0 if args.op == "barrier" else max(1, args.bytes // esize)
     nbytes = numel * esize
     full = torch.ones(numel, dtype=dtype)
+    # all_to_all: part j of `full` goes to rank j; each rank receives its own
+    # part's size from every rank.
+    send_parts = [numel // n] * (n - 1) + [numel - (n - 1) * (numel // n)]
+    recv_parts = [send_parts[rank]] * n
+    received = torch.ones(sum(recv_parts) if args.op == "all_to_all" else 0, dtype=dtype)
 
     def record(line):
         if rank == 0 and args.json:
@@ -113,6 +120,8 @@ def main():
             dist.all_reduce(full)
         elif args.op == "barrier":
             dist.barrier()
+        elif args.op == "all_to_all":
+            dist.all_to_all_single(received, full, recv_parts, send_parts)
         else:
             dist.broadcast(full, src=0)
 

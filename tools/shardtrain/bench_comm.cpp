@@ -2,7 +2,8 @@
 // the launcher. Definitions follow nccl-tests: algbw = bytes / time; busbw
 // scales algbw by the fraction of the buffer each rank must move, so it is
 // comparable with link bandwidth: 2(n-1)/n for all_reduce, (n-1)/n for
-// reduce_scatter and all_gather, 1 for broadcast. After timing, one more
+// reduce_scatter, all_gather and all_to_all (each rank sends and receives
+// that fraction of its buffer), 1 for broadcast. After timing, one more
 // call with rank-dependent values is checked, so a wrong collective fails
 // the run instead of printing fast figures.
 #include <ATen/ATen.h>
@@ -37,8 +38,10 @@ struct BenchArgs {
 void print_help() {
   std::printf(
       "usage: shardtrain launch --nproc-per-node N -- shardtrain bench-comm [options]\n"
-      "  --op OP        all_reduce | reduce_scatter | all_gather | broadcast | barrier\n"
-      "                 (default all_reduce; barrier ignores --bytes and --dtype)\n"
+      "  --op OP        all_reduce | reduce_scatter | all_gather | broadcast | all_to_all |\n"
+      "                 barrier (default all_reduce; barrier ignores --bytes and --dtype;\n"
+      "                 all_to_all sends each rank an equal part of the buffer, the last\n"
+      "                 part taking the remainder)\n"
       "  --bytes B      buffer size in bytes; suffixes K, M, G (default 1M)\n"
       "  --dtype D      float32 | bfloat16 | float16 (default float32)\n"
       "  --iters K      timed iterations (default 20), after --warmup W (default 5)\n"
@@ -75,9 +78,9 @@ std::optional<BenchArgs> parse_bench_comm_args(int argc, char** argv) {
   add_text(app, "--buffer", a.buffer);
   if (parse_flags(app, argc, argv, "bench-comm", "unknown option")) return std::nullopt;
   ST_CHECK(a.op == "all_reduce" || a.op == "reduce_scatter" || a.op == "all_gather" ||
-               a.op == "broadcast" || a.op == "barrier",
+               a.op == "broadcast" || a.op == "all_to_all" || a.op == "barrier",
            ConfigError, "--op '", a.op,
-           "' is not one of all_reduce, reduce_scatter, all_gather, broadcast, barrier");
+           "' is not one of all_reduce, reduce_scatter, all_gather, broadcast, all_to_all, barrier");
   ST_CHECK(a.buffer == "ordinary" || a.buffer == "allocated", ConfigError, "--buffer '", a.buffer,
            "' is not one of ordinary, allocated");
   ST_CHECK(a.iters > 0 && a.warmup >= 0, ConfigError, "--iters must be positive and --warmup >= 0");
@@ -90,6 +93,26 @@ at::ScalarType scalar_type(const std::string& name) {
   if (name == "float16") return at::kHalf;
   ST_CHECK(false, ConfigError, "--dtype '", name, "' is not one of float32, bfloat16, float16");
   return at::kFloat;
+}
+
+// all_to_all's part for each destination rank: numel / n elements, the last
+// part also taking the remainder.
+std::vector<int64_t> all_to_all_bench_parts(int64_t numel, int n) {
+  std::vector<int64_t> parts(n, numel / n);
+  parts.back() += numel % n;
+  return parts;
+}
+
+// The values all_to_all is checked with: element p of rank `src`'s buffer
+// holds (src + 1) + (n + 1) * (p % period), an integer that names its source
+// and (within the period) its position. The period keeps every value below
+// 2^8 (bfloat16), 2^11 (float16) or 2^24 (float32), where integers are exact.
+at::Tensor all_to_all_bench_values(int src, int n, int64_t first, int64_t count, at::ScalarType dtype) {
+  const int64_t exact = dtype == at::kBFloat16 ? int64_t{1} << 8 : dtype == at::kHalf ? int64_t{1} << 11
+                                                                                      : int64_t{1} << 24;
+  const int64_t period = std::max<int64_t>(1, exact / (n + 1));
+  const at::Tensor p = at::arange(first, first + count, at::kLong);
+  return (p.remainder(period) * (n + 1) + (src + 1)).to(dtype);
 }
 
 }  // namespace
@@ -111,11 +134,19 @@ int bench_comm_main(int argc, char** argv) {
   const comm::ShardRange mine = comm::shard_range(numel, n, comm->rank());
   auto full = args.buffer == "allocated" ? comm->allocate(numel, dtype).fill_(1) : at::ones({numel}, dtype);
   auto shard = at::ones({mine.count}, dtype);
+  // all_to_all: part j of `full` goes to rank j; this rank receives its own
+  // part's size from every rank, in rank order.
+  const bool to_all = args.op == "all_to_all";
+  const std::vector<int64_t> send_parts = to_all ? all_to_all_bench_parts(numel, n) : std::vector<int64_t>();
+  const int64_t my_part = to_all ? send_parts[comm->rank()] : 0;
+  const std::vector<int64_t> recv_parts(to_all ? n : 0, my_part);
+  auto received = at::ones({to_all ? n * my_part : 0}, dtype);
 
   auto run_once = [&] {
     if (args.op == "all_reduce") comm->all_reduce(full);
     else if (args.op == "reduce_scatter") comm->reduce_scatter(full, shard);
     else if (args.op == "all_gather") comm->all_gather(shard, full);
+    else if (to_all) comm->all_to_all(full, send_parts, received, recv_parts);
     else if (barrier) comm->barrier();
     else comm->broadcast(full);
   };
@@ -133,6 +164,10 @@ int bench_comm_main(int argc, char** argv) {
   const double sum = n * (n + 1) / 2.0;
   full.fill_(r);
   shard.fill_(r);
+  if (to_all) {
+    full.copy_(all_to_all_bench_values(comm->rank(), n, 0, numel, dtype));
+    received.zero_();  // no checked value is 0: a row left unwritten shows
+  }
   run_once();
   at::Tensor want;
   at::Tensor got = full;
@@ -147,6 +182,13 @@ int bench_comm_main(int argc, char** argv) {
       const comm::ShardRange part = comm::shard_range(numel, n, k);
       want.narrow(0, part.offset, part.count).fill_(k + 1);
     }
+  } else if (to_all) {
+    // From every rank k, the elements of k's buffer at this rank's part.
+    const int64_t first = comm->rank() * (numel / n);
+    std::vector<at::Tensor> from;
+    for (int k = 0; k < n; ++k) from.push_back(all_to_all_bench_values(k, n, first, my_part, dtype));
+    want = at::cat(from);
+    got = received;
   } else if (barrier) {
     want = got;  // nothing to check: BarrierWaitsForTheLastRank tests it
   } else {
