@@ -133,3 +133,6 @@ add_test(NAME models.llama.lora.tp2_full_shard_x2_no_sequence_parallel
 get_property(llama_tests DIRECTORY PROPERTY TESTS)
 list(FILTER llama_tests INCLUDE REGEX "^models\\.llama\\.")
 set_tests_properties(${llama_tests} PROPERTIES TIMEOUT 600)
+# The reference's make and train outputs, reused by checks that ask for the
+# same ones (llama_parity.py's cached_ref; keyed by the reference's source).
+set_tests_properties(${llama_tests} PROPERTIES ENVIRONMENT "SHARDTRAIN_REF_CACHE=${CMAKE_BINARY_DIR}/llama-ref-cache")

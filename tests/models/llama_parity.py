@@ -39,6 +39,7 @@ Hugging Face directories that the reference writes:
 Every command exits 0 when all checks pass, 1 naming the first that failed.
 Run with the system Python (Debian's python3-torch).
 """
+import hashlib
 import json
 import os
 import re
@@ -131,10 +132,57 @@ def ref(*args):
     return run([sys.executable, REF, *args], "llama_ref.py " + args[0])
 
 
+# The reference's `make` and `train` are deterministic functions of their
+# inputs, and many checks ask for the same ones (every data-parallel
+# strategy compares with the same reference run). Their outputs are kept in
+# SHARDTRAIN_REF_CACHE (set by llama.cmake to a directory of the build
+# tree), keyed by the reference's source, the content of every input file or
+# directory and the other arguments; unset, nothing is kept.
+def _digest(items):
+    h = hashlib.sha256()
+    with open(REF, "rb") as f:
+        h.update(f.read())
+    for item in items:
+        paths = ([os.path.join(item, n) for n in sorted(os.listdir(item))] if os.path.isdir(item)
+                 else [item] if os.path.isfile(item) else [])
+        for path in paths:
+            with open(path, "rb") as f:
+                h.update(os.path.basename(path).encode() + b"\0" + f.read())
+        if not paths:
+            h.update(str(item).encode())
+        h.update(b"\1")
+    return h.hexdigest()
+
+
+def cached_ref(inputs, outputs, *args):
+    """ref(*args), which writes `outputs` (files or directories), unless a
+    run with the same inputs (paths whose content counts) and other
+    arguments already did: then its outputs are copied into place."""
+    cache = os.environ.get("SHARDTRAIN_REF_CACHE")
+    if not cache:
+        ref(*args)
+        return
+    entry = os.path.join(cache, _digest(list(inputs) + [a for a in args if a not in outputs and a not in inputs]))
+    if not os.path.isdir(entry):
+        ref(*args)
+        os.makedirs(cache, exist_ok=True)
+        staging = tempfile.mkdtemp(dir=cache, prefix=".staging-")
+        for i, path in enumerate(outputs):
+            (shutil.copytree if os.path.isdir(path) else shutil.copyfile)(path, os.path.join(staging, str(i)))
+        try:
+            os.rename(staging, entry)  # whole or not at all; a concurrent twin may have stored it first
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+        return
+    for i, path in enumerate(outputs):
+        stored = os.path.join(entry, str(i))
+        (shutil.copytree if os.path.isdir(stored) else shutil.copyfile)(stored, path)
+
+
 def make_variant(work, name, extra=()):
     path = os.path.join(work, name)
     args = list(VARIANTS[name]) + list(extra)
-    ref("make", path, *args)
+    cached_ref([], [path], "make", path, *args)
     return path
 
 
@@ -248,10 +296,11 @@ def ref_train(src, hf_dir, out_dir, world, extra=(), with_norms=False, micro=MIC
     its micro-batch (they make the held-out rows)."""
     out = os.path.join(out_dir, "ref.json")
     weights = os.path.join(out_dir, "ref.safetensors")
-    ref("train", hf_dir, "--steps", str(STEPS), "--data", os.path.join(src, "data/corpus.txt"),
-        "--block-size", str(BLOCK), "--global-batch", str(GLOBAL), "--micro", str(micro),
-        "--eval-rows", str(micro * world), "--warmup", "2", "--out", out, "--out-weights", weights,
-        *extra)
+    data = os.path.join(src, "data/corpus.txt")
+    cached_ref([hf_dir, data], [out, weights], "train", hf_dir, "--steps", str(STEPS), "--data", data,
+               "--block-size", str(BLOCK), "--global-batch", str(GLOBAL), "--micro", str(micro),
+               "--eval-rows", str(micro * world), "--warmup", "2", "--out", out, "--out-weights", weights,
+               *extra)
     with open(out) as f:
         result = json.load(f)
     if with_norms:
